@@ -1,0 +1,27 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install what is missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: install test demo clean
+
+$(STAMP): setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[deepspeed,peft,recipes,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest tests
+
+demo: install
+	bash scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) demo_out

@@ -1,0 +1,14 @@
+"""shardscope: choose, run and measure distributed-training strategies with the Hugging Face Trainer."""
+
+__version__ = "0.1.0"
+
+__all__ = ["ShardingProfilerCallback", "__version__"]
+
+
+def __getattr__(name):
+    # The callback pulls in transformers; keep `import shardscope` (and the CLI) light.
+    if name == "ShardingProfilerCallback":
+        from .callback import ShardingProfilerCallback
+
+        return ShardingProfilerCallback
+    raise AttributeError(f"module 'shardscope' has no attribute {name!r}")
