@@ -10,8 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     package_dir={"": "plugin"},
     packages=find_packages("plugin"),
-    # configs/ holds symlinks to the top-level config folders, so one copy ships in the wheel.
-    package_data={"shardscope": ["configs/*/*", "configs/*/*/*", "model_configs/*.json"]},
+    # data/ holds symlinks to the top-level config folders, so one copy ships in the wheel.
+    package_data={"shardscope": ["data/*/*", "data/*/*/*", "model_configs/*.json"]},
     python_requires=">=3.10",
     # torch is deliberately not pinned to a build: install the one that fits your machine first.
     install_requires=["torch>=2.4", "transformers>=4.46", "accelerate>=1.0", "pyyaml", "psutil"],
