@@ -11,7 +11,7 @@ setup(
     package_dir={"": "plugin"},
     packages=find_packages("plugin"),
     # data/ holds symlinks to the top-level config folders, so one copy ships in the wheel.
-    package_data={"shardscope": ["data/*/*", "data/*/*/*", "model_configs/*.json"]},
+    package_data={"shardscope": ["data/*/*", "data/*/*/*", "model_configs/*/config.json"]},
     python_requires=">=3.10",
     # torch is deliberately not pinned to a build: install the one that fits your machine first.
     install_requires=["torch>=2.4", "transformers>=4.46", "accelerate>=1.0", "pyyaml", "psutil"],
