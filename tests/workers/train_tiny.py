@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
+from shardscope import ShardingProfilerCallback
+
 
 @dataclass
 class WorkerArgs:
@@ -29,7 +31,7 @@ def main():
     worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
     model = AutoModelForCausalLM.from_pretrained(worker.model)
     data = RandomTokens(worker.samples, worker.seq_len, model.config.vocab_size)
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback()])
     trainer.train()
     s = trainer.accelerator.state
     print(f"WORKER rank={s.process_index} world={s.num_processes} type={s.distributed_type} "

@@ -1,0 +1,362 @@
+"""`ShardingProfilerCallback`: what a distributed strategy really does, measured on every rank.
+
+A thin adapter: counting lives in `state_bytes`, throughput maths in `throughput`, memory readers in
+`memory`, strategy naming in `strategy`. This module only decides *when* to measure and where the
+numbers go.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+from . import __version__
+from .memory import read_memory, reset_peak
+from .state_bytes import base_optimizer, count_state, stepped_gradients
+from .strategy import detect_strategy
+from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
+                         rates)
+
+logger = logging.getLogger("shardscope")
+
+PREFIX = "shardscope/"
+SUMMARY_FILE = "shardscope_summary.json"
+# Per-rank figures exchanged with one all_gather per measurement (NaN = not measured on that rank).
+RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
+               "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
+               "samples", "tokens", "flops", "seconds")
+REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_memory_bytes",
+           "tokens_per_s", "tflops_per_device", "mfu")
+WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+class ShardingProfilerCallback(TrainerCallback):
+    """Per-rank model-state bytes, peak memory and throughput, reduced across ranks.
+
+    Usage: `Trainer(..., callbacks=[ShardingProfilerCallback()])`. Every `every_n_steps` optimizer
+    steps (default: the Trainer's `logging_steps`) each rank measures, one `all_gather` collects all
+    ranks' figures, and the next Trainer log carries them (so every `report_to` backend gets them).
+    At the end of training rank 0 writes `shardscope_summary.json` into `args.output_dir`.
+
+    Logged keys (`X_min`/`X_max`/`X_mean` are across ranks; bytes are per rank):
+
+    | key | meaning |
+    | --- | --- |
+    | shardscope/params_bytes_{min,max,mean} | parameter storage this rank holds (local shards, padding included) |
+    | shardscope/grads_bytes_{min,max,mean} | gradient storage at the optimizer step (incl. ZeRO partition buffers) |
+    | shardscope/optimizer_bytes_{min,max,mean} | optimizer state incl. fp32 master copies (DeepSpeed) |
+    | shardscope/peak_memory_bytes_{min,max,mean} | CUDA max allocated in the interval, or CPU peak RSS of the process |
+    | shardscope/samples_per_s | all ranks' samples per second over the interval (global) |
+    | shardscope/tokens_per_s | all ranks' non-padding tokens per second (global); absent when inputs carry no tokens |
+    | shardscope/tokens_per_s_per_device_{min,max,mean} | the same per rank |
+    | shardscope/tflops_per_device_{min,max,mean} | model TFLOP/s per rank, convention in `throughput.FLOPS_CONVENTION` |
+    | shardscope/mfu_{min,max,mean} | TFLOP/s over the device's dense peak; absent when the peak is unknown (CPU) |
+
+    Time covers whole gradient-accumulation cycles including data loading, excluding evaluation and
+    checkpointing. Nothing here may stop training: a measurement that fails is warned about once
+    and left out; collectives run on every rank at the same steps so no rank can hang.
+
+    Args:
+        every_n_steps: measure every N optimizer steps (None: the Trainer's logging interval).
+        peak_tflops: dense peak TFLOP/s of one device, overriding the built-in table (for MFU).
+        summary_file: file name written into `args.output_dir` (None to skip).
+    """
+
+    def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
+                 summary_file: str | None = SUMMARY_FILE):
+        self.every_n_steps = every_n_steps
+        self.peak_tflops = peak_tflops
+        self.summary_file = summary_file
+        self._warned: set[str] = set()
+        self._hooks: list = []
+        self._reset()
+
+    # --- Trainer events -------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        self._run_before_reporters()
+        with self._guard("parameter counts"):
+            self._flops_model = _flops_model(kwargs["model"])
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._reset()
+        self._run_before_reporters()
+        self._device = torch.device(args.device)
+        with self._guard("strategy"):
+            self.preflight.update(detect_strategy())
+        with self._guard("parameter counts"):
+            if self._flops_model is None:
+                self._flops_model = _flops_model(model)
+            self.model_facts = {"name_or_path": getattr(_unwrap(model).config, "_name_or_path", None),
+                                "params_total": self._flops_model.total_params,
+                                "trainable_params": self._flops_model.trainable_total}
+        with self._guard("throughput hooks"):
+            self._install_hooks(_unwrap(model), base_optimizer(optimizer))
+        self._peak = self._peak_flops(args)
+        if state.is_world_process_zero:
+            logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._windows_call("step_begin")
+        self._capture_grads = self._is_measure_step(state.global_step + 1, state)
+        if self._capture_grads:
+            self._grads = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save)
+        if not self._is_measure_step(state.global_step, state):
+            return
+        ranks = self._measure_all_ranks(model, optimizer, self._interval)
+        self._pending = _log_metrics(ranks)
+        self._interval.reset()
+        with self._guard("peak memory"):
+            reset_peak(self._device)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending and logs is not None:
+            logs.update(self._pending)
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(self._pending)
+            self._pending = {}
+
+    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        ranks = self._measure_all_ranks(model, optimizer, self._run)
+        self._remove_hooks()
+        if state.is_world_process_zero and self.summary_file:
+            with self._guard("summary file"):
+                path = Path(args.output_dir) / self.summary_file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(self._summary(args, state, ranks), indent=2))
+                logger.warning("shardscope summary written to %s", path)
+
+    # --- Measuring --------------------------------------------------------------------------------
+    def _measure_all_ranks(self, model, optimizer, window: ThroughputWindow) -> list[dict]:
+        """Measure this rank, then exchange with every rank (one collective, called on all ranks)."""
+        mine = dict.fromkeys(RANK_FIELDS, math.nan)
+        with self._guard("model-state bytes"):
+            counted = count_state(model, optimizer, grad_entries=self._grads)
+            for category in ("params", "grads", "optimizer"):
+                mine[f"{category}_bytes"] = counted.total(category)
+                mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
+            mine["trainable_params_bytes"] = counted.trainable_params
+            self.locations = {c: sorted(counted.by_device[c]) for c in ("params", "grads", "optimizer")}
+        with self._guard("peak memory"):
+            self.memory = read_memory(self._device)
+            mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
+        with self._guard("throughput"):
+            totals = window.totals()
+            mine.update(samples=totals.samples, seconds=totals.seconds,
+                        tokens=_float(totals.tokens), flops=_float(totals.flops))
+        with self._guard("cross-rank gather"):
+            return [self._complete(r) for r in _all_gather(mine, self._device)]
+        return [self._complete(mine)]
+
+    def _complete(self, rank: dict) -> dict:
+        """Turn one rank's raw counts into reported figures."""
+        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS if k.endswith("_bytes")}
+        totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
+                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
+        out["throughput"] = {**rates(totals, self._peak), "flops_convention": FLOPS_CONVENTION}
+        return out
+
+    def _install_hooks(self, model, optimizer):
+        """Count each training forward's samples/tokens/FLOPs; capture gradients at the optimizer step."""
+        self._remove_hooks()
+        self._hooks.append(model.register_forward_pre_hook(self._count_batch, with_kwargs=True))
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_post_hook(self._keep_gradients))
+
+    def _remove_hooks(self):
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _count_batch(self, module, args, kwargs):
+        if not module.training:
+            return
+        with self._guard("batch counting"):
+            samples, tokens, seq_len = batch_counts(args, kwargs, getattr(getattr(module, "config", None), "patch_size", None))
+            flops = None
+            if tokens is not None and self._flops_model is not None:
+                flops = tokens * self._flops_model.per_token(seq_len)
+            self._windows_call("add_batch", samples, tokens, flops)
+
+    def _keep_gradients(self, optimizer, args, kwargs):
+        # DeepSpeed steps one parameter group at a time: collect over the whole step.
+        if self._capture_grads:
+            with self._guard("gradient bytes"):
+                self._grads += stepped_gradients(optimizer)
+
+    # --- Helpers ------------------------------------------------------------------------------------
+    def _reset(self):
+        clock = time.perf_counter
+        self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
+        self._pending, self._grads, self._capture_grads = {}, [], False
+        self._flops_model = getattr(self, "_flops_model", None)
+        self._device, self._peak = torch.device("cpu"), None
+        self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
+
+    def _windows_call(self, method, *args, **kwargs):
+        if method == "step_end" and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
+        for window in (self._interval, self._run):
+            getattr(window, method)(*args, **kwargs)
+
+    def _is_measure_step(self, step: int, state) -> bool:
+        every = self.every_n_steps or state.logging_steps or 1
+        return step > 0 and step % every == 0
+
+    def _peak_flops(self, args):
+        if self.peak_tflops:
+            return self.peak_tflops * 1e12
+        if self._device.type != "cuda":
+            return None
+        dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else \
+            "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        return peak_flops(torch.cuda.get_device_name(self._device), dtype)
+
+    def _summary(self, args, state, ranks: list[dict]) -> dict:
+        device = self._device.type
+        if device == "cuda":
+            device = torch.cuda.get_device_name(self._device)
+        return {
+            "shardscope_version": __version__,
+            "strategy": self.preflight.get("strategy"),
+            "strategy_detail": {k: v for k, v in self.preflight.items() if k not in ("strategy", "world_size")},
+            "world_size": self.preflight.get("world_size", len(ranks)),
+            "num_nodes": _num_nodes(),
+            "model": self.model_facts,
+            "device": device,
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "global_step": state.global_step,
+            "state_locations": self.locations,
+            "memory_details_rank0": self.memory,
+            "ranks": [{"rank": i, **r, "memory_kind": self.memory.get("memory_kind")} for i, r in enumerate(ranks)],
+        }
+
+    def _run_before_reporters(self):
+        """Move this callback ahead of the reporting callbacks, so the logs they send include our keys.
+
+        The Trainer puts user callbacks after its reporters (TensorBoard, W&B, ...) and offers no public
+        way to reorder; the handler is found on the call stack (it is the object calling this event).
+        """
+        frame = inspect.currentframe()
+        while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
+            frame = frame.f_back
+        if frame is None:
+            self._warn_once("callback order", "could not find the Trainer's callback list; shardscope metrics "
+                            "reach trainer_state.json and the summary file but not the report_to backends")
+            return
+        callbacks = frame.f_locals["self"].callbacks
+        position = 1 if callbacks and isinstance(callbacks[0], DefaultFlowCallback) else 0
+        if callbacks.index(self) > position:
+            callbacks.remove(self)
+            callbacks.insert(position, self)
+
+    @contextmanager
+    def _guard(self, what: str):
+        try:
+            yield
+        except Exception as error:  # measuring must never stop training
+            self._warn_once(what, f"could not measure {what}: {type(error).__name__}: {error}")
+
+    def _warn_once(self, key: str, message: str):
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("shardscope: %s (warned once; training continues)", message)
+
+
+def _flops_model(model):
+    """Parameter counts (full, unsharded) and attention shape for the FLOPs convention."""
+    model = _unwrap(model)
+    config = model.config
+    trainable = frozen = 0
+    for p in model.parameters():
+        numel = _full_numel(p)
+        if p.requires_grad:
+            trainable += numel
+        else:
+            frozen += numel
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding_params, trainable_total = 0, trainable
+    if isinstance(embedding, torch.nn.Embedding) and not getattr(config, "tie_word_embeddings", False):
+        embedding_params = _full_numel(embedding.weight)
+        if embedding.weight.requires_grad:
+            trainable -= embedding_params
+        else:
+            frozen -= embedding_params
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return FlopsModel(trainable, frozen, text_config.num_hidden_layers, heads * head_dim, embedding_params,
+                      trainable_total)
+
+
+def _num_nodes() -> int:
+    """Nodes in the run, from the launcher's environment (world size / local world size)."""
+    import os
+
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    return max(1, world // local) if local else 1
+
+
+def _full_numel(p) -> int:
+    if hasattr(p, "ds_numel"):  # DeepSpeed ZeRO-3 partitioned parameter
+        return p.ds_numel
+    return p.numel()  # DTensor.numel() is the global size
+
+
+def _unwrap(model):
+    while type(model).__name__ in WRAPPERS and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _all_gather(values: dict, device: torch.device) -> list[dict]:
+    """Every rank's `values` (same keys everywhere), via one all_gather; just ours when not distributed."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [values]
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([float(values[k]) for k in RANK_FIELDS], dtype=torch.float64, device=on)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [dict(zip(RANK_FIELDS, t.tolist())) for t in gathered]
+
+
+def _log_metrics(ranks: list[dict]) -> dict:
+    """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s."""
+    flat = [{**{k: v for k, v in r.items() if k != "throughput"}, **r["throughput"]} for r in ranks]
+    metrics = {}
+    for key in REDUCED:
+        values = [r[key] for r in flat if r.get(key) is not None]
+        if values:
+            name = "tokens_per_s_per_device" if key == "tokens_per_s" else key
+            metrics.update({f"{PREFIX}{name}_min": min(values), f"{PREFIX}{name}_max": max(values),
+                            f"{PREFIX}{name}_mean": sum(values) / len(values)})
+    for key in ("samples_per_s", "tokens_per_s"):
+        values = [r[key] for r in flat if r.get(key) is not None]
+        if values:
+            metrics[f"{PREFIX}{key}"] = sum(values)
+    return metrics
+
+
+def _float(value) -> float:
+    if value is None:
+        return math.nan
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _none_if_nan(value):
+    return None if value is None or math.isnan(value) else value
+
+
+def _int_or_none(value):
+    return None if value is None or math.isnan(value) else int(value)

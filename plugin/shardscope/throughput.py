@@ -1,0 +1,146 @@
+"""Throughput maths, kept free of the Trainer so it can be tested alone with a fake clock.
+
+FLOPs convention (model FLOPs, as in MFU; activation recomputation is NOT counted):
+    flops_per_token = 6 * N_trainable + 4 * N_frozen + 12 * n_layers * d_attn * seq_len
+where N counts the parameters that take part in matrix multiplies (the input-embedding lookup is
+excluded unless it is tied to the output head), 6 = forward 2 + backward 4 (activation and weight
+gradients), a frozen parameter needs no weight gradient (2 + 2), and the last term is attention's
+QK^T and AV matmuls, forward and backward (d_attn = heads * head_dim, seq_len = the padded length of
+the batch). Tokens are non-padding tokens (attention-mask sum). For vision transformers a "token"
+is a patch (plus the CLS token). References: Kaplan et al. 2020; Korthikanti et al. 2022;
+torchtitan `get_num_flop_per_token`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOPS_CONVENTION = "6*N_trainable + 4*N_frozen + 12*layers*d_attn*seq per non-padding token; recompute not counted"
+
+# Dense (not 2:4-sparse) peak tensor-core TFLOP/s per device, from NVIDIA's datasheets.
+# Matched against torch.cuda.get_device_name() in order: first key contained in the name wins.
+PEAK_TFLOPS = {
+    "h100 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "h100 pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    "h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM5 ("H100 80GB HBM3")
+    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "v100": {"fp16": 125.0, "fp32": 15.7},
+}
+
+
+def peak_flops(device_name: str | None, dtype: str, overrides: dict | None = None) -> float | None:
+    """Dense peak FLOP/s for `device_name` at `dtype`, or None when unknown (then MFU is omitted)."""
+    if not device_name:
+        return None
+    name = device_name.lower()
+    for key, per_dtype in {**(overrides or {}), **PEAK_TFLOPS}.items():
+        if key.lower() in name:
+            tflops = per_dtype.get(dtype) if isinstance(per_dtype, dict) else per_dtype
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+@dataclass
+class FlopsModel:
+    """What the FLOPs convention needs to know about a model."""
+
+    trainable_params: int  # excluding an untied input embedding
+    frozen_params: int
+    n_layers: int
+    d_attn: int
+    embedding_params: int = 0  # input-embedding lookup: no matmul, no FLOPs
+    trainable_total: int = 0  # every trainable parameter, embedding included (for reporting)
+
+    @property
+    def total_params(self) -> int:
+        return self.trainable_params + self.frozen_params + self.embedding_params
+
+    def per_token(self, seq_len: int) -> float:
+        return 6 * self.trainable_params + 4 * self.frozen_params + 12 * self.n_layers * self.d_attn * seq_len
+
+
+@dataclass
+class WindowTotals:
+    samples: float
+    tokens: float | None
+    flops: float | None
+    seconds: float
+
+
+class ThroughputWindow:
+    """Accumulates samples, tokens and FLOPs over optimizer steps and the time they took.
+
+    Time per step runs from the end of the previous step (so data loading counts) or, after an
+    evaluation/save, from the next step's begin (so evaluation does not). Only complete
+    gradient-accumulation cycles are timed: the Trainer calls `step_end` once per cycle.
+    """
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.reset()
+        self.anchor = None
+
+    def reset(self):
+        self.samples, self.tokens, self.flops, self.seconds = 0.0, 0.0, 0.0, 0.0
+        self.has_tokens = self.has_flops = False
+
+    def step_begin(self):
+        if self.anchor is None:
+            self.anchor = self.clock()
+
+    def add_batch(self, samples: int, tokens=None, flops=None):
+        self.samples += samples
+        if tokens is not None:
+            self.tokens, self.has_tokens = self.tokens + tokens, True
+        if flops is not None:
+            self.flops, self.has_flops = self.flops + flops, True
+
+    def step_end(self, pause_after: bool = False):
+        """Close one optimizer step; `pause_after` excludes the gap to the next step (eval, save)."""
+        now = self.clock()
+        if self.anchor is not None:
+            self.seconds += now - self.anchor
+        self.anchor = None if pause_after else now
+
+    def totals(self) -> WindowTotals:
+        return WindowTotals(self.samples, self.tokens if self.has_tokens else None,
+                            self.flops if self.has_flops else None, self.seconds)
+
+
+def rates(totals: WindowTotals, peak: float | None) -> dict:
+    """samples/s, tokens/s, TFLOP/s and MFU for one device's window (None where not countable)."""
+    if totals.seconds <= 0:
+        return {"samples_per_s": None, "tokens_per_s": None, "tflops_per_device": None, "mfu": None}
+    flops_per_s = None if totals.flops is None else totals.flops / totals.seconds
+    return {
+        "samples_per_s": totals.samples / totals.seconds,
+        "tokens_per_s": None if totals.tokens is None else totals.tokens / totals.seconds,
+        "tflops_per_device": None if flops_per_s is None else flops_per_s / 1e12,
+        "mfu": None if (flops_per_s is None or not peak) else flops_per_s / peak,
+    }
+
+
+def batch_counts(args: tuple, kwargs: dict, patch_size: int | None = None):
+    """(samples, tokens, sequence length) of one forward's inputs.
+
+    Tokens are the attention-mask sum (padding excluded; a tensor, so no device sync), all of
+    `input_ids` when there is no mask, or patches + CLS per image for a vision transformer; None
+    when the inputs carry nothing countable as tokens.
+    """
+    input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    if input_ids is not None:
+        mask = kwargs.get("attention_mask")
+        tokens = mask.sum() if mask is not None else input_ids.numel()
+        return input_ids.shape[0], tokens, input_ids.shape[-1]
+    pixels = kwargs.get("pixel_values")
+    if pixels is not None:
+        if not patch_size:
+            return pixels.shape[0], None, 0
+        seq_len = (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size) + 1
+        return pixels.shape[0], pixels.shape[0] * seq_len, seq_len
+    first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    return (first.shape[0] if first is not None else 0), None, 0

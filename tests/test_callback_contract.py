@@ -1,0 +1,127 @@
+"""Contract: the callback never breaks training, whatever the model, inputs or failures (1 process)."""
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import shardscope.callback as callback_module
+from shardscope import ShardingProfilerCallback
+from shardscope.memory import read_memory
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def token_rows(n=8, seq=8, with_mask=True):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, 500, (seq,), generator=g)
+        row = {"input_ids": ids, "labels": ids}
+        if with_mask:
+            row["attention_mask"] = torch.ones_like(ids)
+        rows.append(row)
+    return Rows(rows)
+
+
+def train(model, data, tmp_path, steps=4, **callback_kwargs):
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
+                             logging_steps=1, use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[ShardingProfilerCallback(**callback_kwargs)])
+    trainer.train()
+    return trainer, json.loads((tmp_path / "shardscope_summary.json").read_text())
+
+
+@pytest.fixture()
+def llama(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama)
+
+
+def test_logs_carry_metrics_and_the_callback_runs_before_reporters(llama, tmp_path):
+    trainer, summary = train(llama, token_rows(), tmp_path)
+    callbacks = trainer.callback_handler.callbacks
+    assert isinstance(callbacks[1], ShardingProfilerCallback)
+    logged = [entry for entry in trainer.state.log_history if "shardscope/params_bytes_max" in entry]
+    assert len(logged) == 4  # one per logging step
+    n_params = sum(p.numel() for p in llama.parameters())
+    assert logged[-1]["shardscope/params_bytes_max"] == 4 * n_params
+    assert logged[-1]["shardscope/tokens_per_s"] > 0
+    assert summary["strategy"] == "single" and summary["world_size"] == 1
+    assert summary["ranks"][0]["params_bytes"] == 4 * n_params
+    assert summary["model"]["params_total"] == n_params
+
+
+def test_survives_train_begin_and_end_twice(llama, tmp_path):
+    trainer, first = train(llama, token_rows(), tmp_path)
+    trainer.args.max_steps = 8
+    trainer.train()
+    second = json.loads((tmp_path / "shardscope_summary.json").read_text())
+    assert (first["global_step"], second["global_step"]) == (4, 8)
+    assert not llama._forward_pre_hooks  # hooks are removed at train end, not stacked
+    assert second["ranks"][0]["throughput"]["samples_per_s"] > 0
+
+
+def test_model_without_attention_mask_counts_every_token(llama, tmp_path):
+    _, with_mask = train(llama, token_rows(with_mask=True), tmp_path / "a")
+    _, without = train(llama, token_rows(with_mask=False), tmp_path / "b")
+    for summary in (with_mask, without):
+        throughput = summary["ranks"][0]["throughput"]
+        assert throughput["tokens_per_s"] == pytest.approx(8 * throughput["samples_per_s"])
+
+
+def test_image_inputs_without_tokenizer(tmp_path):
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          image_size=28, patch_size=14, num_labels=3)
+    model = Dinov2ForImageClassification(config)
+    g = torch.Generator().manual_seed(0)
+    data = Rows([{"pixel_values": torch.randn(3, 28, 28, generator=g), "labels": torch.tensor(i % 3)}
+                 for i in range(8)])
+    _, summary = train(model, data, tmp_path)
+    throughput = summary["ranks"][0]["throughput"]
+    assert throughput["tokens_per_s"] == pytest.approx(5 * throughput["samples_per_s"])  # 4 patches + CLS
+    assert throughput["tflops_per_device"] > 0
+
+
+def test_a_failing_measurement_warns_once_and_training_finishes(llama, tmp_path, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(callback_module, "count_state", broken)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        trainer, summary = train(llama, token_rows(), tmp_path)
+    assert trainer.state.global_step == 4
+    warnings = [r for r in caplog.records if "simulated failure" in r.getMessage()]
+    assert len(warnings) == 1
+    assert summary["ranks"][0]["params_bytes"] is None
+    assert summary["ranks"][0]["throughput"]["samples_per_s"] > 0  # the rest is still measured
+
+
+def test_cuda_memory_branch_reads_the_allocator(monkeypatch):
+    """GPU-only branch, with torch.cuda's queries faked (no GPU here)."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3_000)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4_096)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 2, "num_ooms": 1})
+    reading = read_memory(torch.device("cuda", 0))
+    assert reading["memory_kind"] == "cuda_max_allocated"
+    assert (reading["peak_memory_bytes"], reading["cuda_max_reserved_bytes"]) == (3_000, 4_096)
+    assert (reading["cuda_alloc_retries"], reading["cuda_ooms"]) == (2, 1)
+    assert read_memory(torch.device("cpu"))["memory_kind"] == "cpu_peak_rss"
+
+
+def test_peak_flops_override_gives_mfu_on_any_device(llama, tmp_path):
+    _, summary = train(llama, token_rows(), tmp_path, peak_tflops=1.0)
+    throughput = summary["ranks"][0]["throughput"]
+    assert throughput["mfu"] == pytest.approx(throughput["tflops_per_device"] / 1.0)
