@@ -1,0 +1,497 @@
+"""The shipped config collection: catalogue, look-up, validation, and the `shardscope configs` command.
+
+Each config is validated by the library that consumes it (accelerate's config classes and launcher,
+DeepSpeed's config parser after the Trainer's "auto" filling, `TrainingArguments`), plus the checks those
+libraries skip: nested `fsdp_config`/`deepspeed_config` keys, keys a library never reads, numbers
+written as strings. Every problem is reported as `FILE: KEY: what is wrong`.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from .errors import UsageError
+
+DATA = Path(__file__).resolve().parent / "data"
+# folder -> (kind by file suffix, prefix of the qualified name)
+FOLDERS = {
+    "accelerate_configs": ({".yaml": "accelerate", ".sbatch": "slurm"}, ""),
+    "ds_configs": ({".json": "deepspeed"}, "ds/"),
+    "fsdp_configs": ({".json": "fsdp"}, "fsdp/"),
+}
+KINDS = ("accelerate", "deepspeed", "fsdp", "slurm")
+
+
+@dataclass(frozen=True)
+class ShippedConfig:
+    name: str  # qualified name: "zero3" (accelerate yaml), "ds/zero3", "fsdp/llama_full_shard", "slurm_multinode"
+    kind: str  # "accelerate" | "deepspeed" | "fsdp" | "slurm"
+    path: Path
+    description: str
+    multinode: bool
+
+
+class ConfigProblems(UsageError):
+    """One or more problems in config files; `problems` holds one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- catalogue
+
+
+def shipped_configs() -> list[ShippedConfig]:
+    """Every config shipped in the package's data/ folder, accelerate yamls first."""
+    found = []
+    for folder, (suffixes, prefix) in FOLDERS.items():
+        for path in sorted((DATA / folder).rglob("*")):
+            kind = suffixes.get(path.suffix)
+            if kind and path.is_file():
+                found.append(_describe(path.resolve(), kind, prefix + path.stem))
+    return found
+
+
+def _describe(path: Path, kind: str, name: str) -> ShippedConfig:
+    text = path.read_text()
+    if kind in ("deepspeed", "fsdp"):
+        config = json.loads(text)
+        description = config.get("_comment", "").split(". ")[0].rstrip(".")
+        multinode = str(config.get("reshard_after_forward", "")).lower().startswith("hybrid")
+    else:
+        comments = [line.lstrip("#").strip() for line in text.splitlines()
+                    if line.startswith("#") and not line.startswith(("#!", "#SBATCH"))]
+        description = comments[0] if comments else ""
+        multinode = kind == "slurm" or _num_machines(text) > 1
+    return ShippedConfig(name, kind, path, description, multinode)
+
+
+def _num_machines(yaml_text: str) -> int:
+    import yaml
+
+    return int((yaml.safe_load(yaml_text) or {}).get("num_machines", 1))
+
+
+def find_config(name: str) -> ShippedConfig:
+    """Resolve a config name: the qualified name (`zero3` is the accelerate yaml, `ds/zero3`,
+    `fsdp/llama_full_shard`), a file name (`zero3.yaml`, `zero3.json`) or folder/file
+    (`ds_configs/zero3.json`). `deepspeed/` is accepted for `ds/`."""
+    configs = shipped_configs()
+    wanted = name.strip().removeprefix("./")
+    if wanted.startswith("deepspeed/"):
+        wanted = "ds/" + wanted.removeprefix("deepspeed/")
+    for config in configs:
+        if wanted in (config.name, config.path.name, f"{config.path.parent.name}/{config.path.name}"):
+            return config
+    # a file name shared by two folders (none today) would match its first folder, accelerate first
+    candidates = [c.name for c in configs] + [c.path.name for c in configs]
+    close = difflib.get_close_matches(wanted, candidates, n=4, cutoff=0.5)
+    hint = f"; did you mean: {', '.join(close)}?" if close else ""
+    raise UsageError(f"unknown config '{name}'{hint} (`shardscope configs` lists them all)")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate_config(path, kind: str | None = None, world_size: int = 8):
+    """Load `path` with the library that consumes it and check what that library does not.
+
+    Returns the loaded object (accelerate `ClusterConfig`, DeepSpeed `DeepSpeedConfig`,
+    `TrainingArguments`, or the SLURM script's text); raises `ConfigProblems` (a `UsageError`)
+    naming the file and key of every problem found. `world_size` is used for DeepSpeed JSON only
+    (an accelerate yaml gives its own `num_processes`).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigProblems([f"{path}: no such file"])
+    kind = kind or _guess_kind(path)
+    if kind not in KINDS:
+        raise UsageError(f"{path}: unknown config kind '{kind}' (one of {', '.join(KINDS)})")
+    check = {"accelerate": _check_accelerate, "deepspeed": _check_deepspeed_file,
+             "fsdp": _check_fsdp, "slurm": _check_slurm}[kind]
+    problems: list[str] = []
+    loaded = check(path, problems, world_size)
+    if problems:
+        raise ConfigProblems([p if p.startswith(str(path)) else f"{path}: {p}" for p in problems])
+    return loaded
+
+
+def _guess_kind(path: Path) -> str:
+    if path.suffix in (".sbatch", ".sh"):
+        return "slurm"
+    if path.suffix in (".yaml", ".yml"):
+        return "accelerate"
+    for folder, (suffixes, _) in FOLDERS.items():
+        if path.parent.name == folder and path.suffix in suffixes:
+            return suffixes[path.suffix]
+    config = _load_json(path)
+    if "distributed_type" in config:
+        return "accelerate"
+    return "deepspeed" if {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu"} & set(config) else "fsdp"
+
+
+class _ReadTracker(dict):
+    """A dict that records which keys its reader asked for, to find keys a library silently ignores."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def setdefault(self, key, default=None):
+        self.read.add(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        self.read.add(key)
+        return super().pop(key, *default)
+
+    def unread(self) -> list[str]:
+        return sorted(k for k in self if k not in self.read and not str(k).startswith("_"))
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigProblems([f"{path}:{error.lineno}:{error.colno}: malformed JSON: {error.msg}"]) from None
+    if not isinstance(config, dict):
+        raise ConfigProblems([f"{path}: the top level must be a JSON object, not {type(config).__name__}"])
+    return config
+
+
+def _strings_that_should_be_values(config, prefix="") -> list[str]:
+    """Keys whose value is a number or boolean written as a string (libraries compare or coerce them silently)."""
+    found = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found += _strings_that_should_be_values(value, name + ".")
+        elif isinstance(value, str) and value != "auto" and not str(key).startswith("_"):
+            if value.strip().lower() in ("true", "false") or _is_number(value):
+                found.append(f"{name}: {value!r} is a string; write it without quotes (or \"auto\")")
+    return found
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+# --- DeepSpeed JSON
+
+
+def _check_deepspeed_file(path: Path, problems: list[str], world_size: int):
+    return _check_deepspeed(_load_json(path), problems, world_size)
+
+
+def _check_deepspeed(config: dict, problems: list[str], world_size: int):
+    """Fill "auto" the way the Trainer does, then parse with DeepSpeed's own config class."""
+    problems += _strings_that_should_be_values(config)
+    if problems:
+        return None
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none")
+    trainer_view = _WithWorldSize(args, world_size)  # train_batch_size = world x micro x accumulation
+    try:
+        filled = HfTrainerDeepSpeedConfig(json.loads(json.dumps(config)))
+        filled.trainer_config_process(trainer_view)
+        model = SimpleNamespace(config=SimpleNamespace(hidden_size=4096))  # fills hidden-size "auto" values
+        filled.trainer_config_finalize(trainer_view, model, num_training_steps=100)
+    except ValueError as error:
+        problems += [line.strip("- ") for line in str(error).splitlines() if line.startswith("- ")] or [str(error)]
+        return None
+    finally:
+        unset_hf_deepspeed_config()
+    tracked = _ReadTracker(filled.config)
+    try:
+        parsed = _deepspeed_config(tracked, world_size)
+    except Exception as error:  # pydantic ValidationError, DeepSpeedConfigError, AssertionError, TypeError
+        problems += _deepspeed_errors(error)
+        return None
+    problems += [f"{key}: not a DeepSpeed config key (DeepSpeed ignores it)" for key in tracked.unread()]
+    return parsed
+
+
+class _WithWorldSize:
+    """TrainingArguments as seen from `world_size` ranks (this process is not distributed)."""
+
+    def __init__(self, args, world_size):
+        self._args, self.world_size = args, world_size
+
+    def __getattr__(self, name):
+        return getattr(self._args, name)
+
+
+def _deepspeed_config(config: dict, world_size: int):
+    """`deepspeed.runtime.config.DeepSpeedConfig` for `world_size` ranks, without a process group or GPU."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class OfflineDeepSpeedConfig(DeepSpeedConfig):
+        # DeepSpeedConfig asks torch.distributed for the world size; the rest is its own __init__.
+        def __init__(self, param_dict, world_size):
+            from deepspeed.runtime.config import _reject_removed_config_keys
+
+            self._param_dict = param_dict
+            _reject_removed_config_keys(param_dict)
+            self.global_rank, self.world_size = 0, world_size
+            self._initialize_params(param_dict)
+            self._configure_train_batch_size()
+            self._do_sanity_check()
+
+    return OfflineDeepSpeedConfig(config, world_size)
+
+
+def _deepspeed_errors(error: Exception) -> list[str]:
+    if hasattr(error, "errors"):  # pydantic: one line per field, with its dotted location
+        section = {"DeepSpeedZeroConfig": "zero_optimization."}.get(getattr(error, "title", ""), "")
+        return [f"{section}{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in error.errors()]
+    return [f"{type(error).__name__}: {error}"]
+
+
+# --- accelerate yaml
+
+FSDP_BOOLEANS = {"fsdp_offload_params", "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
+                 "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing",
+                 "fsdp_activation_checkpointing_offload"}
+DEEPSPEED_BOOLEANS = {"zero3_init_flag", "zero3_save_16bit_model"}
+
+
+def _launcher_keys() -> dict[str, dict]:
+    """Launcher arguments by the nested yaml section accelerate copies them from."""
+    from accelerate.commands.launch import launch_command_parser
+
+    groups = {g.title: g for g in launch_command_parser()._action_groups}
+    keys = lambda title: {a.dest: a for a in groups[title]._group_actions}  # noqa: E731
+    return {"fsdp_config": keys("FSDP Arguments"), "deepspeed_config": keys("DeepSpeed Arguments"),
+            "parallelism_config": keys("ParallelismConfig Arguments")}
+
+
+def _check_accelerate(path: Path, problems: list[str], world_size: int):
+    import yaml
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigProblems([f"{where}: malformed YAML: {getattr(error, 'problem', None) or error}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigProblems([f"{path}: the top level must be a mapping of accelerate config keys"])
+    known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}  # last two: converted by accelerate
+    problems += [f"{key}: not an accelerate config key" for key in sorted(set(raw) - known)]
+    if problems:
+        return None
+    try:
+        loaded = load_config_from_file(str(path))  # accelerate's own loader: rejects unknown keys, bad enums
+    except (ValueError, TypeError) as error:
+        problems.append(str(error))
+        return None
+    launcher = _launcher_keys()
+    for section, allowed in launcher.items():
+        for key, value in (raw.get(section) or {}).items():
+            arg = f"fsdp_{key}" if section == "fsdp_config" and not key.startswith("fsdp_") else key
+            if arg not in allowed and arg != "fsdp_ignored_modules":  # ignored_modules: read from the yaml only
+                close = difflib.get_close_matches(arg, allowed, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                problems.append(f"{section}.{key}: not a launcher argument, accelerate would ignore it{hint}")
+            else:
+                problems += _check_value(section, key, arg, value, raw)
+    if raw.get("distributed_type") == "DEEPSPEED" and raw.get("mixed_precision") not in (None, "no"):
+        problems.append("mixed_precision: the Trainer owns precision under DeepSpeed (pass --bf16); a yaml value "
+                        "makes it stop with 'DeepSpeed config values that mismatch' unless the flags agree")
+    if not problems:
+        _check_launch(path, loaded, problems)
+    return loaded
+
+
+def _check_value(section: str, key: str, arg: str, value, raw: dict) -> list[str]:
+    from accelerate.utils.constants import (DEEPSPEED_MULTINODE_LAUNCHERS, FSDP_AUTO_WRAP_POLICY,
+                                            FSDP_BACKWARD_PREFETCH, FSDP_SHARDING_STRATEGY, FSDP_STATE_DICT_TYPE)
+
+    fsdp_version = str((raw.get("fsdp_config") or {}).get("fsdp_version", 1))
+    choices = {
+        "fsdp_version": ["1", "2"], "zero_stage": ["0", "1", "2", "3"],
+        "offload_optimizer_device": ["none", "cpu", "nvme"], "offload_param_device": ["none", "cpu", "nvme"],
+        "fsdp_auto_wrap_policy": FSDP_AUTO_WRAP_POLICY, "fsdp_sharding_strategy": FSDP_SHARDING_STRATEGY,
+        "fsdp_backward_prefetch": FSDP_BACKWARD_PREFETCH, "fsdp_state_dict_type": FSDP_STATE_DICT_TYPE,
+        "deepspeed_multinode_launcher": DEEPSPEED_MULTINODE_LAUNCHERS,
+        "fsdp_reshard_after_forward": ["true", "false"] if fsdp_version == "2" else FSDP_SHARDING_STRATEGY,
+    }
+    where = f"{section}.{key}"
+    if arg in FSDP_BOOLEANS | DEEPSPEED_BOOLEANS and str(value).lower() not in ("true", "false"):
+        return [f"{where}: expected true or false, got {value!r}"]
+    if arg in choices and not {str(value), str(value).upper(), str(value).lower()} & set(choices[arg]):
+        return [f"{where}: {value!r} is not one of {', '.join(choices[arg])}"]
+    if arg == "fsdp_reshard_after_forward" and fsdp_version == "1" and "fsdp_sharding_strategy" not in raw["fsdp_config"]:
+        return [f"{where}: accelerate 1.15 ignores it under FSDP1 (the launcher's fsdp_sharding_strategy, default "
+                "FULL_SHARD, wins); set fsdp_sharding_strategy instead"]
+    kind = _launcher_keys()[section][arg].type
+    if kind in (int, float) and not isinstance(value, (int, float)):
+        return [f"{where}: expected a number, got {value!r}"]
+    return []
+
+
+def launch_args(config_file, *flags: str, script: str = "train.py"):
+    """The argument namespace `accelerate launch --config_file FILE FLAGS... SCRIPT` would run with."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    parser = launch_command_parser()
+    args = parser.parse_args(["--config_file", str(config_file), *flags, script])
+    args, _, _ = _validate_launch_command(args)
+    return args
+
+
+def launch_env(args) -> dict:
+    """The environment accelerate's launcher would export for `args` (FSDP/DDP and DeepSpeed paths)."""
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ""
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+def _check_launch(path: Path, loaded, problems: list[str]):
+    """Build the launcher's arguments and environment, then the plugin a launched process would build."""
+    from accelerate.utils import DeepSpeedPlugin, patch_environment
+
+    try:
+        # port 0: pick a free port, so validation never depends on (or probes) the configured one
+        args = launch_args(path, "--main_process_port", "0")
+        if not (args.use_fsdp or args.use_deepspeed):
+            return
+        env = launch_env(args)
+        with patch_environment(**{k: v for k, v in env.items() if os.environ.get(k) != v}):
+            if args.use_fsdp:
+                _fsdp_plugin()
+                if args.use_parallelism_config:  # FSDP2 HSDP: the mesh must cover every process
+                    from accelerate.parallelism_config import ParallelismConfig
+
+                    mesh = ParallelismConfig()
+                    if mesh.total_size != args.num_processes:
+                        problems.append(f"parallelism_config: dp_replicate_size x dp_shard_size x ... = "
+                                        f"{mesh.total_size}, but num_processes is {args.num_processes}")
+            else:
+                plugin = DeepSpeedPlugin()
+                _check_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
+    except (ValueError, TypeError, KeyError, AssertionError) as error:
+        problems.append(f"accelerate rejects it at launch: {error}")
+
+
+def _fsdp_plugin(**kwargs):
+    """accelerate's FSDP plugin from `kwargs` and the FSDP_* environment, as a launched process builds it.
+
+    FSDP1's rank-0 broadcast looks up an accelerator device, a property of the run rather than of the
+    file, so on a machine without one that lookup is skipped."""
+    from accelerate.utils import FullyShardedDataParallelPlugin, is_cuda_available, is_xpu_available
+
+    version = int(kwargs.get("fsdp_version") or os.environ.get("FSDP_VERSION", 1))
+    if version == 1 and not (is_cuda_available() or is_xpu_available()):
+        kwargs.update(sync_module_states=False, cpu_ram_efficient_loading=False)
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+# --- Trainer fsdp_config JSON
+
+
+def _check_fsdp(path: Path, problems: list[str], world_size: int):
+    """`TrainingArguments(fsdp=True, fsdp_config=...)`, then the FSDP plugin the Trainer builds from it."""
+    config = _load_json(path)
+    problems += _strings_that_should_be_values(config)
+    if problems:
+        return None
+    from transformers import TrainingArguments
+
+    tracked = _ReadTracker(config)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", fsdp=True, fsdp_config=tracked)
+        _fsdp_plugin(**args.fsdp_plugin_args)  # what Trainer.create_accelerator_and_postprocess builds
+    except (ValueError, TypeError, KeyError) as error:
+        problems.append(f"TrainingArguments rejects it: {error}")
+        return None
+    # keys transformers did not read for this config (unknown, or meant for the other FSDP version)
+    version = config.get("version", config.get("fsdp_version", 2))
+    problems += [f"{key}: not read by TrainingArguments for an FSDP{version} fsdp_config (ignored)"
+                 for key in tracked.unread()]
+    return args
+
+
+# --- SLURM script
+
+
+def _check_slurm(path: Path, problems: list[str], world_size: int):
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    problems += [line for line in result.stderr.splitlines() if line.strip()]
+    return path.read_text()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("configs", help="list, locate and check distributed-training configs",
+                                   description="List the shipped configs, print one's installed path, or check files.")
+    parser.set_defaults(func=_list)
+    actions = parser.add_subparsers(dest="action")
+    path = actions.add_parser("path", help="print the installed path of a shipped config")
+    path.add_argument("name", help="e.g. zero3 (accelerate yaml), ds/zero3, fsdp/llama_full_shard, zero3.json")
+    path.set_defaults(func=_path)
+    check = actions.add_parser("check", help="validate config files with the libraries that consume them")
+    check.add_argument("files", nargs="+", type=Path)
+    check.add_argument("--kind", choices=KINDS, help="the file kind, if not clear from its name and folder")
+    check.set_defaults(func=_check)
+
+
+def _list(args) -> int:
+    configs = shipped_configs()
+    width = max(len(c.name) for c in configs)
+    for c in configs:
+        print(f"{c.name:<{width}}  {c.kind:<10}  {c.description}{'  [multi-node]' if c.multinode else ''}")
+    return 0
+
+
+def _path(args) -> int:
+    print(find_config(args.name).path)
+    return 0
+
+
+def _check(args) -> int:
+    import sys
+
+    failed = []
+    for file in args.files:
+        try:
+            validate_config(file, args.kind)
+            print(f"ok  {file}")
+        except ConfigProblems as error:
+            failed += error.problems
+    for line in failed:
+        print(f"shardscope: error: {line}", file=sys.stderr)
+    return 2 if failed else 0
