@@ -57,3 +57,94 @@ def make_alpaca_json(path: str | Path, n: int = 64, seed: int = 0) -> Path:
     path = Path(path)
     path.write_text(json.dumps(records, indent=1))
     return path
+
+
+def make_sft_assets(root: str | Path, family: str = "llama", n: int = 256, seed: int = 0) -> dict:
+    """Alpaca JSON + a byte-level tokenizer trained on its prompts + a tiny random causal LM, under `root`.
+
+    Returns the paths: {"data": root/alpaca.json, "model": root/tiny-<family>}; the model folder holds the
+    tokenizer too, as a hub checkpoint does.
+    """
+    from .recipe_utils import format_prompt
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    data = make_alpaca_json(root / "alpaca.json", n=n, seed=seed)
+    records = json.loads(data.read_text())
+    model_dir = root / f"tiny-{family}"
+    tokenizer = make_tokenizer(model_dir, [format_prompt(r) + r["output"] for r in records])
+    make_causal_lm(model_dir, family, vocab_size=len(tokenizer), seed=seed, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return {"data": data, "model": model_dir}
+
+
+DINO_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)
+
+
+def make_dinov2(out_dir: str | Path, num_labels: int = 2, seed: int = 0, **sizes):
+    """Save a tiny random `Dinov2ForImageClassification` and a 32x32 `BitImageProcessor` (DINOv2's) in `out_dir`."""
+    import torch
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2ForImageClassification
+
+    config = Dinov2Config(num_labels=num_labels, **{**DINO_SIZES, **sizes})
+    torch.manual_seed(seed)
+    model = Dinov2ForImageClassification(config)
+    model.save_pretrained(out_dir)
+    side = config.image_size
+    BitImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                      do_convert_rgb=True, image_mean=[0.485, 0.456, 0.406],
+                      image_std=[0.229, 0.224, 0.225]).save_pretrained(out_dir)
+    return model
+
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
+
+
+def make_image_folder(root: str | Path, per_class: int = 24, eval_per_class: int = 8, size: int = 40,
+                      seed: int = 0, classes: tuple[str, ...] = tuple(COLOURS)) -> Path:
+    """Write a Food-101-style imagefolder `root/{train,validation}/<class>/*.png`: class = dominant colour.
+
+    Each image is noise tinted towards its class colour with a random rectangle of another colour, so
+    the task is learnable but not trivial for a random network.
+    """
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    root = Path(root)
+    for split, count in (("train", per_class), ("validation", eval_per_class)):
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                base = np.array(COLOURS[name], dtype=np.float32)
+                pixels = 0.7 * base + 0.3 * rng.uniform(0, 255, (size, size, 3))
+                other = np.array(COLOURS[classes[rng.integers(len(classes))]], dtype=np.float32)
+                x, y = rng.integers(0, size // 2, 2)
+                pixels[y:y + size // 3, x:x + size // 3] = other
+                Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"{name}_{i}.png")
+    return root
+
+
+def _main(argv=None) -> None:
+    """`python -m shardscope.tiny sft|image ROOT`: build the demo/test assets (used by scripts/demo.sh)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m shardscope.tiny", description=_main.__doc__)
+    parser.add_argument("kind", choices=["sft", "image"])
+    parser.add_argument("root")
+    parser.add_argument("--family", default="llama", choices=["llama", "mistral"])
+    parser.add_argument("-n", type=int, default=256, help="number of Alpaca records (sft)")
+    args = parser.parse_args(argv)
+    if args.kind == "sft":
+        paths = make_sft_assets(args.root, args.family, n=args.n)
+    else:
+        paths = {"data": make_image_folder(Path(args.root) / "images"), "model": Path(args.root) / "tiny-dinov2"}
+        make_dinov2(paths["model"], num_labels=len(COLOURS))
+    for key, path in paths.items():
+        print(f"{key}: {path}")
+
+
+if __name__ == "__main__":
+    _main()

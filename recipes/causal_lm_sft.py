@@ -1,0 +1,129 @@
+"""Supervised fine-tuning of a causal LM (Llama, Mistral, ...) on Alpaca-format instruction data.
+
+The same command runs under every strategy; only the launcher's config changes:
+
+    accelerate launch --config_file accelerate_configs/fsdp_full_shard.yaml recipes/causal_lm_sft.py \\
+        --config recipes/mistral/mistral_7b_full.yaml
+    deepspeed --num_gpus 8 recipes/causal_lm_sft.py --config recipes/llama/llama2_7b_full.yaml \\
+        --deepspeed ds_configs/zero3.json
+
+Data: a hub dataset (default `yahma/alpaca-cleaned`) or a local .json/.jsonl file with `instruction`,
+`output` and optionally `input` columns. The prompt (Alpaca template) is masked out of the loss (-100);
+only the response and EOS train. `--packing` concatenates examples into `max_seq_length` blocks.
+Full fine-tuning by default; `--use_lora` trains PEFT LoRA adapters and saves only those.
+Any `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`...).
+"""
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
+
+from shardscope.errors import UsageError
+from shardscope.recipe_utils import (
+    ALPACA_REQUIRED, RecipeParser, check_causal_lm, describe_run, end_of_run, load_config, load_dataset_checked,
+    prepare_sft_dataset, RecipeTrainingArguments, run, save_final_logits,
+)
+
+
+@dataclass
+class ScriptArguments:
+    dataset: str = field(default="yahma/alpaca-cleaned",
+                         metadata={"help": "Hub dataset name or a local .json/.jsonl file (Alpaca columns)"})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name"})
+    dataset_split: str = field(default="train")
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N records"})
+    max_seq_length: int = field(default=512, metadata={"help": "Truncate (or, with packing, block) length"})
+    packing: bool = field(default=False, metadata={"help": "Concatenate examples into max_seq_length blocks"})
+    profile: bool = field(default=True, metadata={"help": "Attach shardscope.ShardingProfilerCallback"})
+    save_final_logits: bool = field(default=False, metadata={
+        "help": "Write the trained model's logits on the first training examples to output_dir/final_logits.pt "
+                "(check that the saved weights reproduce them)"})
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Hub id or local folder of a causal LM"})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Defaults to the model's"})
+    dtype: str = field(default="float32", metadata={
+        "help": "Dtype to load weights in: float32 (recommended with --bf16/--fp16 mixed precision), "
+                "bfloat16, float16 or auto", "choices": ["float32", "bfloat16", "float16", "auto"]})
+    attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2"})
+    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (PEFT) instead of all weights"})
+    lora_r: int = field(default=16)
+    lora_alpha: int = field(default=32)
+    lora_dropout: float = field(default=0.05)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
+                                           metadata={"help": "Module names, or all-linear"})
+
+
+def main():
+    # --- Arguments (YAML via --config, command-line flags override it) ---
+    parser = RecipeParser(ScriptArguments, ModelArguments, training_type=RecipeTrainingArguments)
+    script_args, model_args = parser.parse()
+
+    # --- Check inputs before any process group starts ---
+    if model_args.model_name_or_path is None:
+        raise UsageError("model_name_or_path is required (YAML key or --model_name_or_path)")
+    config = load_config(model_args.model_name_or_path)
+    check_causal_lm(config, model_args.model_name_or_path)
+    raw = load_dataset_checked(script_args.dataset, script_args.dataset_split, ALPACA_REQUIRED,
+                               script_args.dataset_config)
+    if script_args.max_train_samples:
+        raw = raw.select(range(min(script_args.max_train_samples, len(raw))))
+
+    # --- Training arguments (this initialises the process group) ---
+    training_args = parser.training_args()
+    set_seed(training_args.seed)
+
+    # --- Tokenizer and data ---
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    if tokenizer.pad_token is None:  # Llama/Mistral ship none; padded positions are masked out anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    with training_args.main_process_first(desc="tokenising"):
+        train_dataset = prepare_sft_dataset(raw, tokenizer, script_args.max_seq_length, script_args.packing)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+
+    # --- Model (after TrainingArguments, so ZeRO-3 partitions it while loading) ---
+    dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype,
+                                                 attn_implementation=model_args.attn_implementation)
+    if training_args.gradient_checkpointing:
+        model.config.use_cache = False
+    if model_args.use_lora:
+        from peft import LoraConfig, get_peft_model
+
+        target = model_args.lora_target_modules
+        model = get_peft_model(model, LoraConfig(
+            task_type="CAUSAL_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout, target_modules=target[0] if target == ["all-linear"] else target))
+        if training_args.process_index == 0:
+            model.print_trainable_parameters()
+
+    # --- Trainer ---
+    callbacks = []
+    if script_args.profile:
+        from shardscope import ShardingProfilerCallback
+
+        callbacks.append(ShardingProfilerCallback())
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, data_collator=collator,
+                      processing_class=tokenizer, callbacks=callbacks)
+
+    # --- Train ---
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    print(describe_run(trainer), flush=True)
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+
+    # --- Save (ZeRO-3 gathers 16-bit weights, FSDP a full state dict; LoRA saves adapters only) ---
+    if script_args.save_final_logits:
+        batch = collator([train_dataset[i] for i in range(min(4, len(train_dataset)))])
+        save_final_logits(trainer, batch, f"{training_args.output_dir}/final_logits.pt")
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(training_args.output_dir)
+    end_of_run()
+
+
+if __name__ == "__main__":
+    run(main)
