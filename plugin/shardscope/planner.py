@@ -67,7 +67,7 @@ class ModelSpec:
     vocab_size: int                        # 0 for vision models
     largest_layer_params: int              # DeepSpeed's definition: largest module's own params
     unit_numels: tuple[int, ...]           # FSDP wrap units: each block, then the rest (root)
-    tensor_numels: tuple[int, ...] = ()    # every distinct parameter tensor; () when from a count
+    tensor_shapes: tuple[tuple[int, int], ...] = ()  # (dim 0, numel / dim 0) per distinct tensor; () from a count
     linear_shapes: tuple[tuple[str, int, int, int], ...] = ()  # (leaf name, in, out, how many)
     num_kv_heads: int = 0
     intermediate_size: int = 0
@@ -82,7 +82,7 @@ class ModelSpec:
 
     @property
     def num_tensors(self) -> int:
-        return len(self.tensor_numels) if self.tensor_numels else 9 * self.num_layers + 3
+        return len(self.tensor_shapes) if self.tensor_shapes else 9 * self.num_layers + 3
 
 
 def resolve_model(model: str) -> str:
@@ -172,7 +172,7 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
         tied_embeddings=bool(_get(text, "tie_word_embeddings", default=False)),
         largest_layer_params=largest,
         unit_numels=tuple(u for u in units if u),
-        tensor_numels=tuple(p.numel() for p in params),
+        tensor_shapes=tuple((p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for p in params),
         linear_shapes=tuple((n, i, o, c) for (n, i, o), c in linears.items()),
         kind="vision" if vision else "text",
         image_size=_get(config, "image_size") if vision else 0,
@@ -253,6 +253,8 @@ class Setup:
     bucket_elements: int | None = None     # DeepSpeed reduce bucket; None: hidden^2 (Trainer "auto")
     zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
     zero_param_groups: int = 2             # Trainer: decay / no-decay groups
+    grad_accum_steps: int = 1
+    fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params
     headroom: float = 0.10                 # fraction of GPU memory kept free (context, fragmentation)
     cpu_memory_bytes: int | None = None    # per node; checked for offload rows when given
     prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
@@ -262,15 +264,16 @@ class Setup:
         return self.gpus_per_node * self.nodes
 
     def validate(self) -> "Setup":
-        for key in ("gpus_per_node", "nodes", "micro_batch"):
+        flag = {"gpus_per_node": "--gpus", "gpu_memory_bytes": "--gpu-memory", "cpu_memory_bytes": "--cpu-memory"}
+        for key in ("gpus_per_node", "nodes", "micro_batch", "grad_accum_steps"):
             if getattr(self, key) < 1:
-                raise UsageError(f"{key.replace('_', '-')} must be at least 1, got {getattr(self, key)}")
-        for key in ("seq_len", "lora_rank"):
-            if getattr(self, key) < 0:
-                raise UsageError(f"{key.replace('_', '-')} must not be negative, got {getattr(self, key)}")
-        for key in ("gpu_memory_bytes", "cpu_memory_bytes", "image_size"):
-            if getattr(self, key) is not None and getattr(self, key) <= 0:
-                raise UsageError(f"{key.replace('_', '-')} must be positive, got {getattr(self, key)}")
+                name = flag.get(key, "--" + key.replace("_", "-"))
+                raise UsageError(f"{name} must be at least 1, got {getattr(self, key)}")
+        for key in ("seq_len", "lora_rank", "gpu_memory_bytes", "cpu_memory_bytes", "image_size"):
+            if getattr(self, key) is not None and getattr(self, key) < (0 if key in ("seq_len", "lora_rank") else 1):
+                name = flag.get(key, "--" + key.replace("_", "-"))
+                raise UsageError(f"{name} must not be negative, got {getattr(self, key)}" if key in ("seq_len", "lora_rank")
+                                 else f"{name} must be positive, got {getattr(self, key)}")
         if self.precision not in PRECISIONS:
             raise UsageError(f"unknown precision '{self.precision}' (choose from {', '.join(PRECISIONS)})")
         if self.optimizer not in OPTIMIZERS:
@@ -359,51 +362,47 @@ def activation_bytes(spec: ModelSpec, setup: Setup) -> dict:
 # ----------------------------------------------------------------------------- model states
 @dataclass(frozen=True)
 class Counts:
-    """Parameter counts after LoRA: all tensors, which are trainable, and the FSDP units."""
+    """Parameter counts after LoRA: every tensor (dim 0, rest, trainable) and the FSDP1 units."""
 
-    tensors: tuple[tuple[int, bool], ...]  # (numel, trainable); () when counted from --params
+    tensors: tuple[tuple[int, int, bool], ...]  # () when counted from --params
     total: int
     trainable: int
     units: tuple[int, ...]
     n_trainable_tensors: int
 
 
-def lora_params(spec: ModelSpec, rank: int, targets=LORA_DEFAULT_TARGETS) -> list[int]:
-    """LoRA adds A (rank x in) and B (out x rank) per targeted Linear: numels, one per tensor.
+def lora_params(spec: ModelSpec, rank: int, targets=LORA_DEFAULT_TARGETS) -> list[tuple[int, int]]:
+    """LoRA adds A (rank x in) and B (out x rank) per targeted Linear: their shapes, one per tensor.
     `all-linear` targets every Linear except the output head (lm_head / classifier)."""
     out = []
     for leaf, fan_in, fan_out, count in spec.linear_shapes:
         hit = leaf not in ("lm_head", "classifier") if "all-linear" in targets else leaf in targets
         if hit:
-            out += [rank * fan_in, rank * fan_out] * count
+            out += [(rank, fan_in), (fan_out, rank)] * count
     return out
 
 
 def counts(spec: ModelSpec, setup: Setup) -> Counts:
+    base = tuple((d, r, not setup.lora_rank) for d, r in spec.tensor_shapes)
     if not setup.lora_rank:
-        tensors = tuple((n, True) for n in spec.tensor_numels)
-        return Counts(tensors, spec.params_total, spec.params_total, spec.unit_numels, spec.num_tensors)
+        return Counts(base, spec.params_total, spec.params_total, spec.unit_numels, spec.num_tensors)
     lora = lora_params(spec, setup.lora_rank, setup.lora_targets)
     if not lora:
         raise UsageError(f"no Linear layer of {spec.name} matches LoRA targets {','.join(setup.lora_targets)}")
-    tensors = tuple((n, False) for n in spec.tensor_numels) + tuple((n, True) for n in lora) if spec.tensor_numels else ()
+    added = sum(d * r for d, r in lora)
+    tensors = base + tuple((d, r, True) for d, r in lora) if base else ()
     blocks = spec.unit_numels[:-1] or spec.unit_numels
-    per_block = sum(lora) // len(blocks)
-    units = tuple(u + per_block for u in blocks) + (spec.unit_numels[-1:] if spec.unit_numels[:-1] else ())
-    return Counts(tensors, spec.params_total + sum(lora), sum(lora), units, len(lora))
+    units = tuple(u + added // len(blocks) for u in blocks) + (spec.unit_numels[-1:] if spec.unit_numels[:-1] else ())
+    return Counts(tensors, spec.params_total + added, added, units, len(lora))
 
 
-def _shard_flat(numel: int, n: int, align: int = 1) -> int:
-    """One flat buffer split in n equal padded parts: ceil(numel / (n*align)) * align."""
-    return _ceil_div(numel, n * align) * align
-
-
-def _shard_each(c: Counts, n: int, trainable_only: bool = False, skip_below: int = 0) -> int:
-    """Each tensor partitioned on its own (ZeRO-3, FSDP2): sum of ceil(numel / n); tensors with
-    numel <= skip_below are not partitioned (ZeRO-3 persistence) and are left out here."""
+def _shard_tensors(c: Counts, n: int, trainable_only: bool = False, by_rows: bool = False) -> int:
+    """Each tensor partitioned on its own: ZeRO-3 pads the flattened tensor, ceil(numel/n);
+    FSDP2 (`by_rows`) splits dim 0, ceil(dim0/n) * rest. Without a tensor list: ceil(total/n)."""
     if not c.tensors:
         return _ceil_div(c.trainable if trainable_only else c.total, n)
-    return sum(_ceil_div(t, n) for t, train in c.tensors if (train or not trainable_only) and t > skip_below)
+    return sum(_ceil_div(d, n) * r if by_rows else _ceil_div(d * r, n)
+               for d, r, train in c.tensors if train or not trainable_only)
 
 
 @dataclass
@@ -431,26 +430,32 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     """Per-rank bytes of one strategy. P = all params, T = trainable, N = ranks sharding, s(X) = the
     rank's padded shard of X, U = largest FSDP unit, LL = largest layer (DeepSpeed's definition),
     B = bucket elements, steps = 4 B per AdamW `step` tensor (one per trainable tensor for torch
-    optimizers, one per param group for ZeRO's flat partitions).
+    optimizers, one per param group for ZeRO's flat partitions); p, g, m, o, e from `element_bytes`.
 
     ddp:              params P*p, grads T*g, optim T*(m+o) + steps, buffers T*g (DDP's reducer
                       buckets are a second copy of the grads unless gradient_as_bucket_view)
-    zero1:            params P*p, grads T*g (full), optim s(T)*(m+o), buffers 2*B*g + step32
-    zero2:            params P*p, grads s(T)*g,     optim s(T)*(m+o), buffers 2*B*g + step32
-    zero2_offload:    params P*p on GPU, buffers 2*B*g; CPU: s(T)*(4 + m + o + p)
-                      (fp32 grad partition, master, moments, 16-bit staging copy)
-    zero3:            params s(P)*p + persistent (numel <= threshold: kept whole as well),
-                      grads s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*(p+g) + step32
-    zero3_offload:    persistent params only on GPU, buffers as zero3 without step32;
-                      CPU: s(P)*p + s(T)*(g + m + o)
+    zero1, zero2:     params P*p, grads s(T)*g, optim s(T)*(m+o), buffers 2*B*g + copy32; zero1
+                      with gradient accumulation > 1 also holds the full T*g between micro-steps
+                      (at an accumulation boundary DeepSpeed reduces and frees grads bucket by
+                      bucket in stage 1 too)
+    zero2_offload:    GPU params P*p, buffers 2*B*g; CPU s(T)*(4 + p) + optim
+                      (fp32 grad partition, 16-bit staging copy, master, moments)
+    zero3:            params s(P)*p (each tensor's `ds_tensor` partition), grads s(T)*g,
+                      optim s(T)*(m+o), buffers LL*(p+g) + B*(p+g) + persistent*p + copy32
+                      (tensors <= stage3_param_persistence_threshold also stay whole on every rank)
+    zero3_offload:    GPU buffers as zero3 without copy32; CPU s(P)*p + s(T)*(g + 4) + optim
     fsdp_full_shard:  params s(P)*p, grads s(T)*g, optim s(T)*o + steps, buffers 3*U*e
-                      (current and prefetched unit gathered, plus the unit's unsharded grad)
+                      (current and prefetched unit gathered, plus the unit's unsharded grad);
+                      s() per tensor by rows for FSDP2, per unit (flat parameter) for FSDP1
     fsdp_shard_grad_op: as full shard but buffers P*e + U*e (all units stay gathered from forward
-                      to backward)
+                      to backward; steady state holds only the shards)
     fsdp_hybrid_shard: as full shard with N = GPUs per node (replicated across nodes)
-    fsdp_offload:     GPU: buffers 3*U*e only; CPU: s(P)*p + s(T)*(g + o)
-    step32 = s(T)*4 under DeepSpeed mixed precision (the grad partition upcast to fp32 in step).
-    ZeRO-1/2 flatten and pad to 2*N elements; ZeRO-3 and FSDP pad each tensor/unit to N.
+    fsdp_offload:     GPU buffers 3*U*e only; CPU s(P)*p + s(T)*g + optim
+    Grads are what a rank holds as the optimizer step begins (what the callback measures). Inside
+    the step DeepSpeed makes an fp32 copy of the grad partition, copy32 = s(T)*4: ZeRO-1/2 only when
+    grads are 16-bit (they cast a pre-flattened partition), ZeRO-3 always (it flattens the partition
+    into a new tensor). With bf16, model states + copy32 are DeepSpeed's own 18 B/param estimate.
+    ZeRO-1/2 flatten all trainable params and pad to a multiple of 2*N elements.
     """
     c = c or counts(spec, setup)
     act = activation_bytes(spec, setup)["total"] if activations is None else activations
@@ -467,40 +472,43 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
         steps = 4 * c.n_trainable_tensors if adam else 0
         row = dict(params_bytes=c.total * p, grads_bytes=c.trainable * g,
                    optimizer_bytes=int(c.trainable * (m + o)) + steps)
-        detail["ddp_buckets"] = 0 if setup.ddp_bucket_view else c.trainable * g
+        detail["ddp_buckets"] = 0 if setup.ddp_bucket_view or setup.world_size == 1 else c.trainable * g
         n = 1
     elif fam == "deepspeed" and stage in (1, 2):
-        shard = _shard_flat(c.trainable, n, align=2)
+        shard = _ceil_div(c.trainable, 2 * n) * 2
         steps = 4 * setup.zero_param_groups if adam else 0
         optim = int(shard * (m + o)) + steps
-        step32 = shard * 4 if g < 4 else 0
         detail["reduce_buckets"] = 2 * bucket * g
         if strategy == "zero2_offload":
             row = dict(params_bytes=c.total * p, grads_bytes=0, optimizer_bytes=0)
             cpu = shard * (4 + p) + optim
         else:
-            row = dict(params_bytes=c.total * p, grads_bytes=(c.trainable if stage == 1 else shard) * g,
-                       optimizer_bytes=optim)
-            detail["fp32_grad_partition_in_step"] = step32
+            row = dict(params_bytes=c.total * p, grads_bytes=shard * g, optimizer_bytes=optim)
+            detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
+            if stage == 1 and setup.grad_accum_steps > 1:
+                detail["accumulated_full_grads"] = c.trainable * g
     elif fam == "deepspeed":
         threshold = (setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None
                      else 10 * spec.hidden_size)
-        persistent = sum(t for t, _ in c.tensors if t <= threshold)
-        pshard = _shard_each(c, n)  # every tensor has a partition (ds_tensor), persistent ones too
-        tshard = _shard_each(c, n, trainable_only=True)
+        pshard, tshard = _shard_tensors(c, n), _shard_tensors(c, n, trainable_only=True)
         steps = 4 * setup.zero_param_groups if adam else 0
         optim = int(tshard * (m + o)) + steps
         detail["gathered_layer"] = spec.largest_layer_params * (p + g)
         detail["buckets"] = bucket * (p + g)
+        detail["persistent_params"] = sum(d * r for d, r, _ in c.tensors if d * r <= threshold) * p
         if strategy == "zero3_offload":
-            row = dict(params_bytes=persistent * p, grads_bytes=0, optimizer_bytes=0)
-            cpu = pshard * p + tshard * g + optim
+            row = dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0)
+            cpu = pshard * p + tshard * (g + 4) + optim
         else:
-            row = dict(params_bytes=(pshard + persistent) * p, grads_bytes=tshard * g, optimizer_bytes=optim)
-            detail["fp32_grad_partition_in_step"] = tshard * 4 if g < 4 else 0
+            row = dict(params_bytes=pshard * p, grads_bytes=tshard * g, optimizer_bytes=optim)
+            detail["fp32_grad_copy_in_step"] = tshard * 4
     else:  # fsdp
-        pshard = sum(_ceil_div(u, n) for u in c.units)  # one padded flat parameter per unit
-        tshard = pshard if c.trainable == c.total else _ceil_div(c.trainable, n)
+        if setup.fsdp_version == 1:  # one padded flat parameter per unit
+            pshard = sum(_ceil_div(u, n) for u in c.units)
+            tshard = pshard if c.trainable == c.total else _ceil_div(c.trainable, n)
+        else:
+            pshard = _shard_tensors(c, n, by_rows=True)
+            tshard = _shard_tensors(c, n, trainable_only=True, by_rows=True)
         steps = 4 * c.n_trainable_tensors if adam else 0
         optim = int(tshard * (m + o)) + steps
         unit = max(c.units)
@@ -620,7 +628,7 @@ def _strategy_from_summary(summary: dict) -> str | None:
         if detail.get("cpu_offload") or detail.get("offload_params"):
             return "fsdp_offload"
         return "fsdp_" + sharding.split(".")[-1] if "fsdp_" + sharding.split(".")[-1] in STRATEGIES else None
-    if name in ("multi_gpu", "multi_cpu", "no"):
+    if name in ("single", "multi_gpu", "multi_cpu", "no"):
         return "ddp"
     return None
 
@@ -676,6 +684,8 @@ def compare(summary_path: str | Path, spec: ModelSpec | None = None, setup: Setu
     detail = summary.get("strategy_detail") or {}
     if strategy.startswith("zero3") and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
         setup = replace(setup, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
+    if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
+        setup = replace(setup, fsdp_version=int(detail["fsdp_version"]))
     row = strategy_row(strategy, spec, setup)
     planned = {k: getattr(row, k) for k in COMPONENTS}
     planned["model_states_bytes"] = row.model_states_bytes

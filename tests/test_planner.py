@@ -1,0 +1,359 @@
+"""`shardscope plan`: exact formulas on hand-computable cases, the seed figures, DeepSpeed's own
+estimators, the shipped 7B/70B configs, the CLI contract and bad input."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from transformers import LlamaConfig
+
+from shardscope import cli, planner
+from shardscope.planner import STRATEGIES, ModelSpec, Setup, estimate, model_spec, strategy_row
+
+GB = 1e9
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)
+
+# A model small enough to check by hand: three tensors of 500, 400 and 100 elements (dims 10 x 50,
+# 10 x 40, 10 x 10); FSDP1 units are the same three groups.
+HAND = ModelSpec(name="hand", params_total=1000, num_layers=2, hidden_size=10, num_heads=1, vocab_size=0,
+                 largest_layer_params=500, unit_numels=(500, 400, 100),
+                 tensor_shapes=((10, 50), (10, 40), (10, 10)))
+
+
+def rows(result):
+    return {r["strategy"]: r for r in result["rows"]}
+
+
+# ----------------------------------------------------------------------------- counting
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_llama_counted_on_meta_equals_hand_formula_and_real_model(tied):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(**TINY, tie_word_embeddings=tied)
+    spec = planner.spec_from_config(config)
+    h, i, L, V = 64, 128, 2, 512
+    per_layer = 4 * h * h + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
+    assert spec.params_total == V * h * (1 if tied else 2) + L * per_layer + h
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config)  # real weights, for this tiny model only
+    assert spec.params_total == sum(p.numel() for p in real.parameters())
+    assert spec.unit_numels == (per_layer, per_layer, spec.params_total - 2 * per_layer)
+    assert spec.largest_layer_params == V * h
+    assert len(spec.tensor_shapes) == len(list(real.parameters()))
+
+
+def test_shipped_configs_have_the_real_parameter_counts():
+    assert model_spec("llama-2-7b").params_total == 6_738_415_616
+    mistral = model_spec("mistral-7b")
+    assert mistral.params_total == 7_241_732_096
+    assert (mistral.num_kv_heads, mistral.intermediate_size, mistral.tied_embeddings) == (8, 14336, False)
+    assert planner.shipped_models() == ["llama-2-70b", "llama-2-7b", "mistral-7b"]
+
+
+def test_70b_plans_in_under_two_seconds_without_parameter_memory():
+    model_spec("llama-2-7b")  # warm the imports
+    process = psutil.Process()
+    rss = process.memory_info().rss
+    start = time.perf_counter()
+    spec = model_spec("llama-2-70b")
+    result = estimate(spec, Setup(gpus_per_node=8, nodes=4, gpu_memory_bytes=80 * 2 ** 30,
+                                  activation_checkpointing=True))
+    elapsed = time.perf_counter() - start
+    assert spec.params_total == 68_976_648_192
+    assert elapsed < 2.0
+    # One fp32 decoder layer alone would be 3.5 GB; the whole plan must not grow the process by 0.3 GB.
+    assert process.memory_info().rss - rss < 300e6
+    assert rows(result)["fsdp_full_shard"]["fits"] and not rows(result)["ddp"]["fits"]
+
+
+# ----------------------------------------------------------------------------- exact formulas
+def test_fp32_adamw_two_ranks_by_hand():
+    setup = Setup(gpus_per_node=2, precision="fp32", seq_len=0)
+    r = {s: strategy_row(s, HAND, setup, activations=0) for s in STRATEGIES}
+    steps_torch, steps_zero = 4 * 3, 4 * 2  # one `step` tensor per param tensor / per ZeRO param group
+    assert (r["ddp"].params_bytes, r["ddp"].grads_bytes, r["ddp"].optimizer_bytes) == (4000, 4000, 8000 + steps_torch)
+    assert r["ddp"].buffers_detail["ddp_buckets"] == 4000
+    # ZeRO-1/2 on fp32: full fp32 params, grad partition, and a separate fp32 partition copy + moments.
+    for s in ("zero1", "zero2"):
+        assert (r[s].params_bytes, r[s].grads_bytes, r[s].optimizer_bytes) == (4000, 2000, 500 * 12 + steps_zero)
+    # ZeRO-3 on fp32: partitions of params and grads, moments (no master copy); the step flattens
+    # the grad partition into a new fp32 tensor.
+    assert (r["zero3"].params_bytes, r["zero3"].grads_bytes, r["zero3"].optimizer_bytes) == (2000, 2000, 4000 + steps_zero)
+    assert r["zero3"].buffers_detail["fp32_grad_copy_in_step"] == 2000
+    assert r["zero2"].buffers_detail["fp32_grad_copy_in_step"] == 0  # fp32 grads: cast is a no-op
+    for s in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"):
+        assert (r[s].params_bytes, r[s].grads_bytes, r[s].optimizer_bytes) == (2000, 2000, 4000 + steps_torch)
+    assert r["fsdp_full_shard"].buffers_bytes == 3 * 500 * 4 and r["fsdp_shard_grad_op"].buffers_bytes == 4000 + 2000
+    assert r["fsdp_offload"].model_states_bytes == 0 and r["fsdp_offload"].cpu_bytes == 2000 + 2000 + 4012
+    assert r["zero3_offload"].model_states_bytes == 0 and r["zero3_offload"].cpu_bytes == 2000 + 4000 + 4008
+
+
+def test_padding_with_three_ranks():
+    setup = Setup(gpus_per_node=3, precision="fp32")
+    # ZeRO-3 pads each flattened tensor: ceil(500/3) + ceil(400/3) + ceil(100/3) = 167 + 134 + 34.
+    assert strategy_row("zero3", HAND, setup, activations=0).params_bytes == 335 * 4
+    # FSDP2 splits dim 0 (10 rows -> 4 per rank): 4 * (50 + 40 + 10); FSDP1 pads each flat unit.
+    assert strategy_row("fsdp_full_shard", HAND, setup, activations=0).params_bytes == 400 * 4
+    fsdp1 = Setup(gpus_per_node=3, precision="fp32", fsdp_version=1)
+    assert strategy_row("fsdp_full_shard", HAND, fsdp1, activations=0).params_bytes == 335 * 4
+    # ZeRO-1/2 pad the flat group to a multiple of 2 * N: ceil(1000 / 6) * 2 = 334 per rank.
+    assert strategy_row("zero2", HAND, setup, activations=0).grads_bytes == 334 * 4
+
+
+def test_hybrid_shard_shards_within_a_node_only():
+    two_nodes = Setup(gpus_per_node=2, nodes=2, precision="fp32")
+    hybrid = strategy_row("fsdp_hybrid_shard", HAND, two_nodes, activations=0)
+    full = strategy_row("fsdp_full_shard", HAND, two_nodes, activations=0)
+    # FSDP2 splits 10 rows: 5 per rank within a node (hybrid), ceil(10/4) = 3 per rank over 4 ranks.
+    assert hybrid.params_bytes == 5 * 100 * 4 and full.params_bytes == 3 * 100 * 4
+
+
+def test_bytes_per_parameter_convention():
+    eb = planner.element_bytes
+    ds, torch_ = eb("bf16-mixed", "deepspeed"), eb("bf16-mixed", "torch")
+    assert (ds.param, ds.grad, ds.master + ds.moments) == (2, 2, 12)  # 16 B/param
+    assert eb("bf16-mixed", "deepspeed", fp32_grads=True).grad == 4  # 18 B/param
+    assert (torch_.param, torch_.grad, torch_.master + torch_.moments) == (4, 4, 8)  # autocast: fp32 params
+    assert eb("bf16-mixed", "fsdp").param == 4  # accelerate upcasts FSDP flat params to fp32
+    assert (eb("fp32", "deepspeed", zero_stage=2).master, eb("fp32", "deepspeed", zero_stage=3).master) == (4, 0)
+    assert eb("bf16-pure", "torch").moments == 4 and eb("bf16-pure", "deepspeed").master == 4
+    assert eb("fp32", "torch", "sgd").moments == 0 and eb("fp32", "torch", "adamw-8bit").moments < 2.1
+
+
+def test_lora_trainable_fraction_from_target_shapes():
+    spec = planner.spec_from_config(LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False))
+    r, h, kv_out = 8, 64, 2 * 16  # 2 kv heads of dim 16
+    setup = Setup(precision="fp32", lora_rank=r)
+    c = planner.counts(spec, setup)
+    lora = 2 * (r * (h + h) + r * (h + kv_out))  # q_proj and v_proj in two layers
+    assert (c.trainable, c.total) == (lora, spec.params_total + lora)
+    ddp = strategy_row("ddp", spec, setup, activations=0)
+    assert ddp.params_bytes == 4 * (spec.params_total + lora) and ddp.grads_bytes == 4 * lora
+    assert ddp.optimizer_bytes == 8 * lora + 4 * 8  # 8 LoRA tensors, one `step` each
+    all_linear = planner.counts(spec, Setup(lora_rank=r, lora_targets=("all-linear",))).trainable
+    assert all_linear > lora
+
+
+def test_activation_formula_and_checkpointing():
+    spec = planner.spec_from_count(1e9, layers=4, hidden=256, vocab=1000, heads=4)
+    s, b, h, L, V = 128, 2, 256, 4, 1000
+    act = planner.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, attention="eager"))
+    layer = s * b * h * (34 + 5 * 4 * s / h)  # 16-bit, Korthikanti et al.
+    assert act["per_layer"] == int(layer) and act["layers"] == int(L * layer)
+    assert act["head"] == b * s * V * (4 + 2)
+    ckpt = planner.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, activation_checkpointing=True))
+    assert ckpt["layers"] == int(L * s * b * h * 2 + s * b * h * 34)
+    assert planner.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, precision="fp32"))["layers"] == 2 * L * s * b * h * 34
+
+
+def test_vision_tokens_from_image_and_patch():
+    from transformers import Dinov2Config
+
+    spec = planner.spec_from_config(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 intermediate_size=128, image_size=224, patch_size=14))
+    assert spec.kind == "vision"
+    assert planner.activation_bytes(spec, Setup())["tokens_per_sample"] == (224 // 14) ** 2 + 1
+    assert planner.activation_bytes(spec, Setup(image_size=518))["tokens_per_sample"] == 37 ** 2 + 1
+
+
+# ----------------------------------------------------------------------------- seed figures, ordering
+def test_seed_figures_12_and_16_bytes_per_param():
+    table = planner.seed_table(7e9, 4)
+    assert [table["seed-12"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [84, 42, 31.5, 21]
+    assert [table["planner-16"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [112, 49, 38.5, 28]
+
+
+def test_planner_rows_for_7b_on_4_gpus():
+    result = estimate(model_spec(params=7e9), Setup(gpus_per_node=4, gpu_memory_bytes=80 * 2 ** 30))
+    r = rows(result)
+    states = {s: r[s]["model_states_bytes"] / GB for s in STRATEGIES}  # within the `step` counters' bytes
+    assert states["ddp"] == pytest.approx(112, abs=1e-5)  # 16 B/param, unsharded
+    # The 16 B/param sharded figures of the seed table: ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
+    assert states["zero2"] == pytest.approx(38.5, abs=1e-5)
+    assert states["zero3"] == pytest.approx(28, abs=1e-5)
+    assert states["fsdp_full_shard"] == pytest.approx(28, abs=1e-5)
+    # Inside the step DeepSpeed adds an fp32 copy of the grad partition: 4P/N.
+    assert r["zero2"]["buffers_detail"]["fp32_grad_copy_in_step"] == 4 * 7e9 / 4
+    assert states["ddp"] > states["zero1"] >= states["zero2"] > states["zero3"]
+    assert r["zero2_offload"]["total_bytes"] < r["zero2"]["total_bytes"]
+    assert r["zero3_offload"]["total_bytes"] < r["zero3"]["total_bytes"]
+    assert r["fsdp_offload"]["total_bytes"] < r["fsdp_full_shard"]["total_bytes"] < r["fsdp_shard_grad_op"]["total_bytes"]
+    assert not r["ddp"]["fits"] and result["recommendation"]["strategy"] == "fsdp_shard_grad_op"
+
+
+def test_zero1_holds_full_grads_only_between_accumulation_steps():
+    setup = Setup(gpus_per_node=4, precision="bf16-mixed")
+    spec = model_spec(params=7e9)
+    assert "accumulated_full_grads" not in strategy_row("zero1", spec, setup).buffers_detail
+    ga = strategy_row("zero1", spec, Setup(gpus_per_node=4, grad_accum_steps=4))
+    assert ga.buffers_detail["accumulated_full_grads"] == 2 * 7e9
+
+
+def test_mistral_7b_ddp_on_one_80gb_gpu_does_not_fit_fsdp_on_four_does():
+    spec = model_spec("mistral-7b")
+    one = rows(estimate(spec, Setup(gpus_per_node=1, gpu_memory_bytes=planner.gpu_memory("A100-80"))))
+    assert not one["ddp"]["fits"] and one["ddp"]["model_states_bytes"] > 100 * GB
+    four = estimate(spec, Setup(gpus_per_node=4, gpu_memory_bytes=planner.gpu_memory("A100-80")))
+    assert rows(four)["fsdp_full_shard"]["fits"] and not rows(four)["ddp"]["fits"]
+    assert four["recommendation"]["strategy"] in ("fsdp_shard_grad_op", "fsdp_full_shard")
+
+
+def test_recommendation_walks_the_decision_tree():
+    spec = model_spec(params=1e9)
+    big = estimate(spec, Setup(gpu_memory_bytes=200 * 2 ** 30))
+    assert big["recommendation"]["strategy"] == "ddp"
+    small = Setup(gpus_per_node=8, gpu_memory_bytes=int(7.5 * 2 ** 30))  # SHARD_GRAD_OP/ZeRO-2 just miss
+    tiny_gpu = estimate(spec, small)
+    assert tiny_gpu["recommendation"]["strategy"] == "fsdp_full_shard"
+    assert "ddp" in tiny_gpu["recommendation"]["reason"] and "fsdp_shard_grad_op" in tiny_gpu["recommendation"]["reason"]
+    deepspeed = estimate(spec, planner.replace(small, prefer="deepspeed"))
+    assert deepspeed["recommendation"]["strategy"] == "zero3"
+    nothing = estimate(spec, Setup(gpu_memory_bytes=2 * 2 ** 30))
+    assert nothing["recommendation"]["strategy"] is None and "nothing fits" in nothing["recommendation"]["reason"]
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's estimators
+def test_deepspeed_estimators_agree_where_conventions_coincide():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    spec = model_spec("llama-2-7b")
+    P, LL = spec.params_total, spec.largest_layer_params
+    for gpus, nodes in ((4, 1), (8, 2)):
+        setup = Setup(gpus_per_node=gpus, nodes=nodes, precision="bf16-mixed")
+        r = {s: strategy_row(s, spec, setup) for s in STRATEGIES}
+        kw = dict(num_gpus_per_node=gpus, num_nodes=nodes)
+        # ZeRO-2: 2P + 18P/N = 16-bit params; 2 grads + their fp32 copy in the step; 4 master; 8 moments.
+        _, gpu = estimate_zero2_model_states_mem_needs(P, cpu_offload=False, **kw)
+        copy32 = r["zero2"].buffers_detail["fp32_grad_copy_in_step"]
+        assert abs(r["zero2"].model_states_bytes + copy32 - gpu) <= 64
+        _, gpu = estimate_zero2_model_states_mem_needs(P, cpu_offload=True, **kw)
+        assert r["zero2_offload"].model_states_bytes == gpu == 2 * P
+        # ZeRO-3 with everything offloaded: 4 * largest layer (gathered 16-bit params + their grads).
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(P, LL, cpu_offload=True, cpu_offload_params=True, **kw)
+        assert r["zero3_offload"].model_states_bytes + r["zero3_offload"].buffers_detail["gathered_layer"] == gpu
+
+
+def test_deepspeed_estimators_differ_where_pinned():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P, N = 7 * 10 ** 9, 4
+    spec = model_spec(params=P)
+    # 1. DeepSpeed assumes 16-bit weights; an fp32 run holds 4P of params and no fp32 grad copy:
+    #    planner 4P + (4 + 12)P/N vs DeepSpeed 2P + 18P/N.
+    fp32 = strategy_row("zero2", spec, Setup(gpus_per_node=N, precision="fp32"))
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(P, N, 1, cpu_offload=False)
+    assert fp32.model_states_bytes - 8 == 4 * P + 16 * P // N
+    assert fp32.model_states_bytes - 8 - ds_gpu == 2 * P - 2 * P // N
+    # 2. CPU with offload: DeepSpeed gives a node total with a 1.5 safety factor and, for ZeRO-2,
+    #    max(4 x total GPUs, 16) B/param; the planner gives each rank's own bytes:
+    #    ZeRO-2 s(T)*(4 fp32 grads + 2 staging + 12) = 18P/N, ZeRO-3 2 + 2 + 4 + 12 = 20P/N.
+    z2 = strategy_row("zero2_offload", spec, Setup(gpus_per_node=N))
+    ds_cpu, _ = estimate_zero2_model_states_mem_needs(P, N, 1, cpu_offload=True)
+    assert z2.cpu_bytes - 8 == 18 * P // N and ds_cpu == int(P * 16 * 1.5)
+    z3 = strategy_row("zero3_offload", spec, Setup(gpus_per_node=N))
+    ds_cpu, _, _ = estimate_zero3_model_states_mem_needs(P, spec.largest_layer_params, N, 1)
+    assert z3.cpu_bytes - 8 == 20 * P // N and ds_cpu == int(P * 18 * 1.5)
+    # 3. ZeRO-3 without offload: DeepSpeed's 4*LL + 18P/N reuses ZeRO-2's 18 B multiplier but no
+    #    longer adds the 16-bit params separately, so it leaves out the 2 B/param 16-bit partition:
+    #    planner 2 params + 2 grads + 4 fp32 grad copy + 12 optimizer = 20P/N.
+    llama = model_spec("llama-2-7b")
+    r = strategy_row("zero3", llama, Setup(gpus_per_node=N))
+    _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(llama.params_total, llama.largest_layer_params, N, 1,
+                                                         cpu_offload=False)
+    ours = r.model_states_bytes + r.buffers_detail["gathered_layer"] + r.buffers_detail["fp32_grad_copy_in_step"]
+    assert abs(ours - ds_gpu - 2 * llama.params_total / N) <= 64
+    # 4. DeepSpeed has no ZeRO-1 estimator and counts no buckets or activations.
+    assert strategy_row("zero1", spec, Setup(gpus_per_node=N)).buffers_bytes > 0
+
+
+# ----------------------------------------------------------------------------- compare
+def _summary(tmp_path, spec_dir, strategy, measured, **extra):
+    summary = {"world_size": 2, "num_nodes": 1, "strategy": strategy, "strategy_detail": {"fsdp_version": 2},
+               "precision": "fp32", "model": {"params_total": 1, "name_or_path": str(spec_dir)},
+               "ranks": [{"rank": i, **measured, "peak_memory_bytes": 5e8, "memory_kind": "cpu_peak_rss",
+                          "extra": 1} for i in range(2)], "unknown_key": {}, **extra}
+    path = tmp_path / "shardscope_summary.json"
+    path.write_text(json.dumps(summary))
+    return path
+
+
+def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
+    spec = model_spec(str(tiny_llama))
+    planned = strategy_row("fsdp_full_shard", spec, Setup(gpus_per_node=2, precision="fp32"))
+    measured = {"params_bytes": planned.params_bytes, "grads_bytes": planned.grads_bytes,
+                "optimizer_bytes": int(planned.optimizer_bytes * 1.1)}
+    path = _summary(tmp_path, tiny_llama, "fsdp_full_shard", measured)
+    result = planner.compare(path)
+    comps = {c["component"]: c for c in result["ranks"][1]["components"]}
+    assert comps["params_bytes"]["rel_diff"] == 0 and comps["optimizer_bytes"]["rel_diff"] == pytest.approx(0.1, abs=1e-5)
+    assert cli.main(["plan", "--compare", str(path)]) == 0
+    assert "optimizer_bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "is not valid JSON"),
+    ('{"world_size": 2, "strategy": "zero3"}', "has no key 'ranks'"),
+    ('{"world_size": 2, "strategy": "zero3", "ranks": [{"rank": 0, "params_bytes": 1}]}', "ranks[0].grads_bytes"),
+    ('{"world_size": 2, "strategy": "pipeline", "ranks": [{"params_bytes": 1, "grads_bytes": 1, '
+     '"optimizer_bytes": 1}]}', "key 'strategy'"),
+])
+def test_bad_summary_names_file_and_key(tmp_path, capsys, content, message):
+    path = tmp_path / "summary.json"
+    path.write_text(content)
+    assert cli.main(["plan", "--compare", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(path) in err and message in err
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_json_contract(capsys):
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["strategy"] for r in result["rows"]] == list(STRATEGIES)
+    keys = {"strategy", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+            "total_bytes", "fits"}
+    for row in result["rows"]:
+        assert keys <= set(row) and row["total_bytes"] == sum(row[k] for k in keys if k.endswith("_bytes") and k != "total_bytes")
+    assert set(result["recommendation"]) == {"strategy", "reason"}
+    assert result["recommendation"]["strategy"] in STRATEGIES
+
+
+def test_cli_table_and_seed_convention(capsys):
+    assert cli.main(["plan", "--model", "mistral-7b", "--gpu", "A100-80"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp_full_shard" in out and "recommendation:" in out and "estimate" in out
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "seed-12"]) == 0
+    out = capsys.readouterr().out
+    assert "84" in out and "31.5" in out and "112" in out and "38.5" in out and "master" in out
+
+
+def test_size_parsing():
+    assert planner.parse_size("80GB") == 80 * 10 ** 9
+    assert planner.parse_size("80GiB") == planner.parse_size("80") == 80 * 2 ** 30
+    assert planner.parse_size("85899345920") == 85899345920
+    assert planner.parse_count("7B") == planner.parse_count("7e9") == 7e9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nobody/no-such-model-7b", "--gpu", "H100"], "is not a local folder and the hub cannot be reached"),
+    (["--params", "7e9", "--gpus", "0", "--gpu", "H100"], "--gpus must be at least 1"),
+    (["--params=-7e9", "--gpu", "H100"], "--params must be positive"),
+    (["--params", "7e9", "--gpu-memory=-80GB"], "--gpu-memory must be positive"),
+    (["--params", "7e9", "--gpu", "B9000"], "unknown GPU 'B9000'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "plugin"))
+    proc = subprocess.run([sys.executable, "-m", "shardscope", "plan", *argv], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardscope: error:") and message in lines[0]
