@@ -8,6 +8,7 @@ written as strings. Every problem is reported as `FILE: KEY: what is wrong`.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import subprocess
@@ -209,6 +210,8 @@ def _check_deepspeed_file(path: Path, problems: list[str], world_size: int):
 def _check_deepspeed(config: dict, problems: list[str], world_size: int):
     """Fill "auto" the way the Trainer does, then parse with DeepSpeed's own config class."""
     problems += _strings_that_should_be_values(config)
+    if importlib.util.find_spec("deepspeed") is None:
+        problems.append("DeepSpeed is not installed, so its parser cannot check this (pip install 'shardscope[deepspeed]')")
     if problems:
         return None
     from transformers import TrainingArguments

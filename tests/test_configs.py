@@ -1,0 +1,309 @@
+"""The shipped configs: catalogue, validation by the consuming libraries, the CLI, multi-node launcher
+arguments, the SLURM script, and one real launch each of an FSDP2 and a DeepSpeed yaml.
+
+The per-strategy sharding checks live in test_strategies.py.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import ROOT, accelerate_launch, free_port
+from shardscope.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
+                                validate_config)
+from shardscope.errors import UsageError
+
+BAD = Path(__file__).parent / "fixtures" / "bad_configs"
+SBATCH = ROOT / "accelerate_configs" / "slurm_multinode.sbatch"
+# Every file in the three config folders, found recursively, with the kind it must validate as.
+SHIPPED = sorted(
+    [(p, "accelerate") for p in (ROOT / "accelerate_configs").rglob("*.yaml")]
+    + [(p, "slurm") for p in (ROOT / "accelerate_configs").rglob("*.sbatch")]
+    + [(p, "deepspeed") for p in (ROOT / "ds_configs").rglob("*.json")]
+    + [(p, "fsdp") for p in (ROOT / "fsdp_configs").rglob("*.json")]
+)
+MULTINODE = ["ddp_multinode", "fsdp_hybrid_shard", "zero3_multinode"]
+
+
+def rel(path):
+    return str(path.relative_to(ROOT))
+
+
+def shardscope(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "shardscope", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, **(env or {})), timeout=120)
+
+
+# ----------------------------------------------------------------------------- catalogue
+
+
+def test_catalogue_is_every_file_in_the_config_folders():
+    assert len(SHIPPED) >= 25
+    assert sorted((c.path, c.kind) for c in shipped_configs()) == sorted((p.resolve(), k) for p, k in SHIPPED)
+    names = [c.name for c in shipped_configs()]
+    assert len(set(names)) == len(names)
+    file_names = [c.path.name for c in shipped_configs()]
+    assert len(set(file_names)) == len(file_names), "file names must be unique so `configs path X.json` is unambiguous"
+    assert all(c.description for c in shipped_configs())
+    assert sorted(c.name for c in shipped_configs() if c.multinode) == sorted(
+        MULTINODE + ["fsdp/llama_hybrid_shard", "slurm_multinode"])
+
+
+@pytest.mark.parametrize("name, kind, file", [
+    ("zero3", "accelerate", "accelerate_configs/zero3.yaml"),
+    ("zero3.yaml", "accelerate", "accelerate_configs/zero3.yaml"),
+    ("ds/zero3", "deepspeed", "ds_configs/zero3.json"),
+    ("deepspeed/zero3", "deepspeed", "ds_configs/zero3.json"),
+    ("zero3.json", "deepspeed", "ds_configs/zero3.json"),
+    ("ds_configs/zero3.json", "deepspeed", "ds_configs/zero3.json"),
+    ("fsdp/llama_full_shard", "fsdp", "fsdp_configs/llama_full_shard.json"),
+    ("fsdp_full_shard", "accelerate", "accelerate_configs/fsdp_full_shard.yaml"),
+    ("slurm_multinode", "slurm", "accelerate_configs/slurm_multinode.sbatch"),
+])
+def test_find_config_resolution(name, kind, file):
+    config = find_config(name)
+    assert (config.kind, config.path) == (kind, (ROOT / file).resolve())
+
+
+def test_find_config_unknown_name_lists_close_matches():
+    with pytest.raises(UsageError, match=r"unknown config 'zero4'.*did you mean: .*zero3"):
+        find_config("zero4")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("path, kind", SHIPPED, ids=[rel(p) for p, _ in SHIPPED])
+def test_shipped_config_is_loaded_by_its_library(path, kind):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import TrainingArguments
+
+    loaded = validate_config(path)  # kind guessed from the folder and suffix
+    if kind == "accelerate":
+        assert isinstance(loaded, ClusterConfig)
+        raw = yaml.safe_load(path.read_text())
+        assert loaded.distributed_type.value == raw["distributed_type"]
+        assert loaded.num_processes == raw["num_processes"]
+        if loaded.distributed_type.value == "DEEPSPEED":
+            stage = int(path.stem[len("zero")])
+            assert loaded.deepspeed_config["zero_stage"] == stage
+            assert loaded.deepspeed_config.get("zero3_save_16bit_model", False) == (stage == 3)
+        if loaded.distributed_type.value == "FSDP":
+            assert loaded.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+            expected_version = 1 if path.stem.startswith("fsdp1") else 2
+            assert loaded.fsdp_config["fsdp_version"] == expected_version
+    elif kind == "deepspeed":
+        assert isinstance(loaded, DeepSpeedConfig)
+        stage = int(path.stem[len("zero")])
+        assert loaded.zero_optimization_stage == stage
+        assert loaded.world_size == 8 and loaded.train_batch_size == 8 * loaded.train_micro_batch_size_per_gpu
+        assert (loaded.zero_config.offload_optimizer is not None) == ("offload" in path.stem)
+        if stage == 3:  # Trainer-filled "auto" ZeRO-3 sizes, and a real model on save
+            assert loaded.zero_config.gather_16bit_weights_on_model_save
+            assert loaded.zero_config.param_persistence_threshold == 10 * 4096
+            assert (loaded.zero_config.offload_param is not None) == ("offload" in path.stem)
+    elif kind == "fsdp":
+        assert isinstance(loaded, TrainingArguments)
+        family = path.stem.split("_")[0]
+        layer = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "dinov2": "Dinov2Layer"}[family]
+        assert loaded.fsdp_plugin_args["transformer_cls_names_to_wrap"] == layer
+        assert loaded.fsdp_plugin_args.get("cpu_offload", False) == ("offload" in path.stem)
+    else:
+        assert loaded.startswith("#!/bin/bash")
+
+
+# (fixture, text every problem line must contain besides the file name)
+BAD_CASES = {
+    "fsdp_unknown_nested_key.yaml": "fsdp_config.fsdp_reshard_after_foward: not a launcher argument",
+    "malformed.yaml": "malformed YAML",
+    "ds_accumulation_as_string.json": "gradient_accumulation_steps: '4' is a string",
+    "ds_bad_stage.json": "zero_optimization.stage:",
+    "fsdp_unknown_key.json": "transformer_layer_cls_to_warp: not read by TrainingArguments",
+    "malformed.json": "malformed JSON",
+}
+
+
+def test_every_bad_fixture_is_used():
+    assert sorted(p.name for p in BAD.iterdir()) == sorted(BAD_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+def test_bad_config_names_file_and_key(name):
+    with pytest.raises(ConfigProblems) as error:
+        validate_config(BAD / name)  # kind guessed from the content
+    assert len(error.value.problems) == 1
+    assert error.value.problems[0].startswith(str(BAD / name))
+    assert BAD_CASES[name] in error.value.problems[0]
+
+
+def test_malformed_files_report_line_numbers():
+    for name, where in [("malformed.yaml", ":6:"), ("malformed.json", ":4:")]:
+        with pytest.raises(ConfigProblems, match=f"{name}{where}"):
+            validate_config(BAD / name)
+
+
+def test_fsdp1_reshard_after_forward_is_flagged(tmp_path):
+    """accelerate 1.15's launcher always exports FSDP_SHARDING_STRATEGY, which beats reshard_after_forward in FSDP1."""
+    config = tmp_path / "fsdp1_grad_op.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n"
+                      "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n")
+    with pytest.raises(ConfigProblems, match="fsdp_reshard_after_forward: accelerate 1.15 ignores it under FSDP1"):
+        validate_config(config)
+
+
+def test_check_command_one_line_per_problem_exit_2():
+    bad = [BAD / name for name in sorted(BAD_CASES)]
+    good = ROOT / "ds_configs" / "zero2.json"
+    proc = shardscope("configs", "check", str(good), *map(str, bad))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("shardscope: error: ")]
+    assert [line.split(": ")[2].split(":")[0] for line in errors] == [str(p) for p in bad]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("ok")] == [f"ok  {good}"]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_configs_lists_every_shipped_config():
+    proc = shardscope("configs")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()}
+    assert rows == {c.name: c.kind for c in shipped_configs()}
+
+
+@pytest.mark.parametrize("name, file", [("zero3", "accelerate_configs/zero3.yaml"),
+                                        ("ds/zero3", "ds_configs/zero3.json")])
+def test_configs_path_prints_the_file(name, file):
+    proc = shardscope("configs", "path", name)
+    assert proc.returncode == 0, proc.stderr
+    printed = Path(proc.stdout.strip())
+    assert printed.is_absolute() and printed.is_file()
+    assert printed.read_bytes() == (ROOT / file).read_bytes()
+
+
+def test_configs_path_unknown_name_is_one_line_exit_2():
+    proc = shardscope("configs", "path", "zero4")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("shardscope: error: unknown config 'zero4'") and "zero3" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- multi-node launcher arguments
+
+
+def torchrun_config(args):
+    """The environment and torchrun LaunchConfig accelerate's launcher would start for `args` (nothing starts)."""
+    import torch.distributed.run as distrib_run
+    from accelerate.utils.launch import _filter_args
+
+    env = launch_env(args)  # also sets the torchrun fields (nnodes, node_rank, rdzv_endpoint) on args
+    torchrun_args = _filter_args(args, distrib_run.get_args_parser(),
+                                 ["--training_script", args.training_script, "--training_script_args", []])
+    return env, distrib_run.config_from_args(torchrun_args)[0]
+
+
+@pytest.mark.parametrize("name", MULTINODE)
+@pytest.mark.parametrize("machine_rank", [0, 1])
+def test_multinode_launcher_arguments(name, machine_rank):
+    config = ROOT / "accelerate_configs" / f"{name}.yaml"
+    port = free_port()
+    args = launch_args(config, "--machine_rank", str(machine_rank), "--main_process_ip", "10.1.2.3",
+                       "--main_process_port", str(port))
+    assert (args.num_machines, args.num_processes) == (2, 16)
+    env, launch = torchrun_config(args)
+    assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 8)  # world size 16
+    assert launch.rdzv_backend == "static" and launch.rdzv_endpoint == f"10.1.2.3:{port}"
+    assert launch.rdzv_configs["rank"] == machine_rank
+    if name == "zero3_multinode":  # the "standard" launcher is torchrun: no pdsh/ssh command, no hostfile
+        assert (env["ACCELERATE_USE_DEEPSPEED"], env["ACCELERATE_DEEPSPEED_ZERO_STAGE"]) == ("true", "3")
+        assert args.deepspeed_multinode_launcher == "standard"
+    elif name == "fsdp_hybrid_shard":
+        assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"]) == ("true", "2")
+        assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "8")
+    else:
+        assert "ACCELERATE_USE_FSDP" not in env and "ACCELERATE_USE_DEEPSPEED" not in env
+
+
+STUBS = {
+    # srun: run the command once per node, as SLURM would, with that node's SLURM_NODEID
+    "srun": '#!/bin/bash\nwhile [[ $1 == --* ]]; do shift 2; done\n'
+            'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n',
+    "scontrol": '#!/bin/bash\n[[ "$*" == "show hostnames gpu-node-[07-08]" ]] && printf "gpu-node-07\\ngpu-node-08\\n"\n',
+    "accelerate": f'#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n',
+}
+
+
+def run_sbatch(tmp_path, *args, **slurm_env):
+    for name, text in STUBS.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{tmp_path}{os.pathsep}{env['PATH']}", **slurm_env)
+    return subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_slurm_script_syntax():
+    proc = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert validate_config(SBATCH, "slurm").startswith("#!/bin/bash")
+
+
+def test_slurm_script_derives_launcher_flags(tmp_path):
+    config = ROOT / "accelerate_configs" / "zero3_multinode.yaml"
+    proc = run_sbatch(tmp_path, str(config), "train.py", "--bf16",
+                      SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_JOB_NODELIST="gpu-node-[07-08]")
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(calls) == 2  # one launcher per node
+    for node, argv in enumerate(calls):
+        assert argv[0] == "launch" and argv[-2:] == ["train.py", "--bf16"]
+        flags = dict(zip(argv[1:-2:2], argv[2:-2:2]))
+        assert flags == {"--machine_rank": str(node), "--config_file": str(config), "--num_machines": "2",
+                         "--num_processes": "16", "--main_process_ip": "gpu-node-07", "--main_process_port": "29500"}
+        # what accelerate makes of those flags with the yaml
+        args = launch_args(config, *argv[1:-2], script="train.py")
+        _, launch = torchrun_config(args)
+        assert (launch.max_nodes, launch.nproc_per_node, launch.rdzv_configs["rank"]) == (2, 8, node)
+        assert launch.rdzv_endpoint == "gpu-node-07:29500"
+
+
+def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
+    proc = run_sbatch(tmp_path, "x.yaml", "train.py")
+    assert proc.returncode != 0 and "SLURM_NNODES" in proc.stderr and proc.stdout == ""
+
+
+# ----------------------------------------------------------------------------- real launches
+
+
+@pytest.mark.launch
+def test_shipped_fsdp2_and_deepspeed_yamls_launch(tiny_llama, tmp_path):
+    """Two shipped yamls run for real (2 CPU ranks) and save a full model; sharding is test_strategies' job.
+
+    The checkpoint files are written by the libraries themselves: a DDP fallback would write optimizer.pt
+    and no FSDP or DeepSpeed files."""
+    from safetensors import safe_open
+
+    worker = ROOT / "tests" / "workers" / "train_tiny.py"
+    worker_args = ["--use_cpu", "--max_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
+                   "--model", tiny_llama]
+    strategy_files = {
+        "fsdp_full_shard": ["pytorch_model_fsdp.bin", "optimizer.bin"],  # accelerate's FSDP save_state
+        "zero3": [f"global_step2/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)],  # DeepSpeed engine
+    }
+    for name, files in strategy_files.items():
+        accelerate_launch(find_config(name).path, worker, worker_args, tmp_path / name).check()
+        checkpoint = tmp_path / name / "checkpoint-2"
+        for file in files + ["rng_state_0.pth", "rng_state_1.pth"]:
+            assert (checkpoint / file).is_file(), f"{name}: {file} missing from {sorted(os.listdir(checkpoint))}"
+        assert not (checkpoint / "optimizer.pt").exists()
+        # FSDP2 FULL_STATE_DICT / zero3_save_16bit_model: a whole model, not per-rank shards
+        with safe_open(checkpoint / "model.safetensors", "pt") as saved:
+            assert saved.get_slice("model.embed_tokens.weight").get_shape() == [512, 64]
+            assert len(list(saved.keys())) == 21
