@@ -195,6 +195,23 @@ def test_configs_path_unknown_name_is_one_line_exit_2():
     assert proc.stderr.startswith("shardscope: error: unknown config 'zero4'") and "zero3" in proc.stderr
 
 
+def test_installed_wheel_ships_every_config(tmp_path):
+    """`configs path` works from a pip-installed wheel: package data resolves the data/ symlinks into files."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", ROOT],
+                   check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("shardscope-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "--target", tmp_path / "site", wheel], check=True,
+                   capture_output=True, timeout=300)
+    proc = shardscope("configs", "path", "ds/zero3", env={"PYTHONPATH": str(tmp_path / "site")})
+    assert proc.returncode == 0, proc.stderr
+    printed = Path(proc.stdout.strip())
+    assert printed.is_relative_to(tmp_path / "site") and not printed.is_symlink()
+    assert printed.read_bytes() == (ROOT / "ds_configs" / "zero3.json").read_bytes()
+    shipped = {p.name for p in (tmp_path / "site" / "shardscope" / "data").rglob("*") if p.is_file()}
+    assert {p.name for p, _ in SHIPPED} <= shipped
+
+
 # ----------------------------------------------------------------------------- multi-node launcher arguments
 
 
