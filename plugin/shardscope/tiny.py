@@ -59,7 +59,7 @@ def make_alpaca_json(path: str | Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-def make_sft_assets(root: str | Path, family: str = "llama", n: int = 256, seed: int = 0) -> dict:
+def make_sft_assets(root: str | Path, family: str = "llama", n: int = 256, seed: int = 0, **sizes) -> dict:
     """Alpaca JSON + a byte-level tokenizer trained on its prompts + a tiny random causal LM, under `root`.
 
     Returns the paths: {"data": root/alpaca.json, "model": root/tiny-<family>}; the model folder holds the
@@ -74,7 +74,7 @@ def make_sft_assets(root: str | Path, family: str = "llama", n: int = 256, seed:
     model_dir = root / f"tiny-{family}"
     tokenizer = make_tokenizer(model_dir, [format_prompt(r) + r["output"] for r in records])
     make_causal_lm(model_dir, family, vocab_size=len(tokenizer), seed=seed, bos_token_id=tokenizer.bos_token_id,
-                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes)
     return {"data": data, "model": model_dir}
 
 
@@ -136,9 +136,12 @@ def _main(argv=None) -> None:
     parser.add_argument("root")
     parser.add_argument("--family", default="llama", choices=["llama", "mistral"])
     parser.add_argument("-n", type=int, default=256, help="number of Alpaca records (sft)")
+    parser.add_argument("--hidden_size", type=int, help="sft model width (default 64)")
+    parser.add_argument("--intermediate_size", type=int, help="sft model MLP width (default 128)")
     args = parser.parse_args(argv)
     if args.kind == "sft":
-        paths = make_sft_assets(args.root, args.family, n=args.n)
+        sizes = {k: getattr(args, k) for k in ("hidden_size", "intermediate_size") if getattr(args, k)}
+        paths = make_sft_assets(args.root, args.family, n=args.n, **sizes)
     else:
         paths = {"data": make_image_folder(Path(args.root) / "images"), "model": Path(args.root) / "tiny-dinov2"}
         make_dinov2(paths["model"], num_labels=len(COLOURS))

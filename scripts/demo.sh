@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# `make demo`: fine-tune a tiny random Llama on a synthetic Alpaca task under DeepSpeed ZeRO-3, 2 CPU processes.
+# Everything is built offline under demo_out/; the launch is the same command a GPU user runs, shrunk
+# on the command line (2 processes). Takes about a minute on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=demo_out
+mkdir -p "$OUT"
+
+echo "== 1/3 building a tiny Llama, its tokenizer and an Alpaca-format JSON under $OUT/"
+# Width 320: every weight matrix is above ZeRO-3's stage3_param_persistence_threshold (1e5 elements in
+# accelerate_configs/zero3.yaml), so ZeRO-3 really partitions the parameters (a 64-wide model would keep
+# them all whole on every rank). Only the norms stay replicated.
+python -m shardscope.tiny sft "$OUT" --hidden_size 320 --intermediate_size 640
+
+echo "== 2/3 accelerate launch (ZeRO-3, 2 processes, CPU): recipes/causal_lm_sft.py"
+accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \
+    recipes/causal_lm_sft.py --config recipes/llama/demo_tiny.yaml \
+    --output_dir "$OUT/sft" --save_final_logits true > "$OUT/sft.log" 2>&1 \
+    || { tail -n 40 "$OUT/sft.log"; echo "demo: training failed, full log: $OUT/sft.log" >&2; exit 1; }
+grep '^\[shardscope\]' "$OUT/sft.log" || true
+
+echo "== 3/3 results"
+python - "$OUT/sft" "$OUT/sft.log" <<'PY'
+import json, os, sys
+
+out, log = sys.argv[1], sys.argv[2]
+losses = [(e["step"], e["loss"]) for e in json.load(open(os.path.join(out, "trainer_state.json")))["log_history"]
+          if "loss" in e]
+print("loss by step (response tokens only; prompt masked):")
+for step, loss in losses[:: max(1, len(losses) // 8)] + ([losses[-1]] if len(losses) % 8 != 1 else []):
+    print(f"  step {step:3d}  {loss:6.3f}  {'#' * int(loss * 8)}")
+first, last = losses[0][1], losses[-1][1]
+print(f"loss {first:.3f} -> {last:.3f} ({'down' if last < first else 'NOT down'})")
+weights = os.path.join(out, "model.safetensors")
+print(f"model (gathered from ZeRO-3 shards): {weights} ({os.path.getsize(weights) / 1e6:.2f} MB), tokenizer beside it")
+summary = os.path.join(out, "shardscope_summary.json")
+if os.path.exists(summary):
+    print(f"per-rank profile summary: {summary}")
+print(f"trainer state / loss log:  {os.path.join(out, 'trainer_state.json')}")
+print(f"full launch log:           {log}")
+if last >= first:
+    sys.exit("demo: the loss did not go down")
+PY
