@@ -274,7 +274,8 @@ def test_slurm_script_syntax():
 
 def test_slurm_script_derives_launcher_flags(tmp_path):
     config = ROOT / "accelerate_configs" / "zero3_multinode.yaml"
-    proc = run_sbatch(tmp_path, str(config), "train.py", "--bf16",
+    port = str(free_port())  # rank 0's launcher checks the port is free
+    proc = run_sbatch(tmp_path, str(config), "train.py", "--bf16", MAIN_PROCESS_PORT=port,
                       SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_JOB_NODELIST="gpu-node-[07-08]")
     assert proc.returncode == 0, proc.stderr
     calls = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -283,12 +284,12 @@ def test_slurm_script_derives_launcher_flags(tmp_path):
         assert argv[0] == "launch" and argv[-2:] == ["train.py", "--bf16"]
         flags = dict(zip(argv[1:-2:2], argv[2:-2:2]))
         assert flags == {"--machine_rank": str(node), "--config_file": str(config), "--num_machines": "2",
-                         "--num_processes": "16", "--main_process_ip": "gpu-node-07", "--main_process_port": "29500"}
+                         "--num_processes": "16", "--main_process_ip": "gpu-node-07", "--main_process_port": port}
         # what accelerate makes of those flags with the yaml
         args = launch_args(config, *argv[1:-2], script="train.py")
         _, launch = torchrun_config(args)
         assert (launch.max_nodes, launch.nproc_per_node, launch.rdzv_configs["rank"]) == (2, 8, node)
-        assert launch.rdzv_endpoint == "gpu-node-07:29500"
+        assert launch.rdzv_endpoint == f"gpu-node-07:{port}"
 
 
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):

@@ -403,7 +403,7 @@ def _check_launch(path: Path, loaded, problems: list[str]):
             else:
                 plugin = DeepSpeedPlugin()
                 _check_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
-    except (ValueError, TypeError, KeyError, AssertionError) as error:
+    except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as error:
         problems.append(f"accelerate rejects it at launch: {error}")
 
 
