@@ -8,6 +8,7 @@ written as strings. Every problem is reported as `FILE: KEY: what is wrong`.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import json
 import os
@@ -284,14 +285,15 @@ FSDP_BOOLEANS = {"fsdp_offload_params", "fsdp_forward_prefetch", "fsdp_use_orig_
 DEEPSPEED_BOOLEANS = {"zero3_init_flag", "zero3_save_16bit_model"}
 
 
+@functools.lru_cache(maxsize=1)
 def _launcher_keys() -> dict[str, dict]:
-    """Launcher arguments by the nested yaml section accelerate copies them from."""
+    """`accelerate launch` arguments (dest -> argparse action) by the nested yaml section they are copied from."""
     from accelerate.commands.launch import launch_command_parser
 
-    groups = {g.title: g for g in launch_command_parser()._action_groups}
-    keys = lambda title: {a.dest: a for a in groups[title]._group_actions}  # noqa: E731
-    return {"fsdp_config": keys("FSDP Arguments"), "deepspeed_config": keys("DeepSpeed Arguments"),
-            "parallelism_config": keys("ParallelismConfig Arguments")}
+    groups = {group.title: group._group_actions for group in launch_command_parser()._action_groups}
+    sections = {"fsdp_config": "FSDP Arguments", "deepspeed_config": "DeepSpeed Arguments",
+                "parallelism_config": "ParallelismConfig Arguments"}
+    return {section: {action.dest: action for action in groups[title]} for section, title in sections.items()}
 
 
 def _check_accelerate(path: Path, problems: list[str], world_size: int):
