@@ -3,6 +3,7 @@ arguments, the SLURM script, and one real launch each of an FSDP2 and a DeepSpee
 
 The per-strategy sharding checks live in test_strategies.py.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -198,7 +199,9 @@ def test_configs_path_unknown_name_is_one_line_exit_2():
 def test_installed_wheel_ships_every_config(tmp_path):
     """`configs path` works from a pip-installed wheel: package data resolves the data/ symlinks into files."""
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", ROOT],
+    # offline build with the venv's setuptools; a venv without it (Python >= 3.12) lets pip fetch it
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    subprocess.run([*pip, "wheel", "--no-deps", *isolation, "-w", tmp_path / "dist", ROOT],
                    check=True, capture_output=True, timeout=300)
     wheel = next((tmp_path / "dist").glob("shardscope-*.whl"))
     subprocess.run([*pip, "install", "--no-deps", "--target", tmp_path / "site", wheel], check=True,
