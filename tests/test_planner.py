@@ -82,16 +82,16 @@ def test_fp32_adamw_two_ranks_by_hand():
     # ZeRO-1/2 on fp32: full fp32 params, grad partition, and a separate fp32 partition copy + moments.
     for s in ("zero1", "zero2"):
         assert (r[s].params_bytes, r[s].grads_bytes, r[s].optimizer_bytes) == (4000, 2000, 500 * 12 + steps_zero)
-    # ZeRO-3 on fp32: partitions of params and grads, moments (no master copy); the step flattens
-    # the grad partition into a new fp32 tensor.
-    assert (r["zero3"].params_bytes, r["zero3"].grads_bytes, r["zero3"].optimizer_bytes) == (2000, 2000, 4000 + steps_zero)
+    # ZeRO-3 on fp32: partitions of params and grads, an fp32 partition copy + moments; the step
+    # flattens the grad partition into a new fp32 tensor.
+    assert (r["zero3"].params_bytes, r["zero3"].grads_bytes, r["zero3"].optimizer_bytes) == (2000, 2000, 6000 + steps_zero)
     assert r["zero3"].buffers_detail["fp32_grad_copy_in_step"] == 2000
     assert r["zero2"].buffers_detail["fp32_grad_copy_in_step"] == 0  # fp32 grads: cast is a no-op
     for s in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"):
         assert (r[s].params_bytes, r[s].grads_bytes, r[s].optimizer_bytes) == (2000, 2000, 4000 + steps_torch)
     assert r["fsdp_full_shard"].buffers_bytes == 3 * 500 * 4 and r["fsdp_shard_grad_op"].buffers_bytes == 4000 + 2000
     assert r["fsdp_offload"].model_states_bytes == 0 and r["fsdp_offload"].cpu_bytes == 2000 + 2000 + 4012
-    assert r["zero3_offload"].model_states_bytes == 0 and r["zero3_offload"].cpu_bytes == 2000 + 4000 + 4008
+    assert r["zero3_offload"].model_states_bytes == 0 and r["zero3_offload"].cpu_bytes == 2000 + 4000 + 6008
 
 
 def test_padding_with_three_ranks():
@@ -121,7 +121,7 @@ def test_bytes_per_parameter_convention():
     assert eb("bf16-mixed", "deepspeed", fp32_grads=True).grad == 4  # 18 B/param
     assert (torch_.param, torch_.grad, torch_.master + torch_.moments) == (4, 4, 8)  # autocast: fp32 params
     assert eb("bf16-mixed", "fsdp").param == 4  # accelerate upcasts FSDP flat params to fp32
-    assert (eb("fp32", "deepspeed", zero_stage=2).master, eb("fp32", "deepspeed", zero_stage=3).master) == (4, 0)
+    assert (eb("fp32", "deepspeed", zero_stage=2).master, eb("fp32", "deepspeed", zero_stage=3).master) == (4, 4)
     assert eb("bf16-pure", "torch").moments == 4 and eb("bf16-pure", "deepspeed").master == 4
     assert eb("fp32", "torch", "sgd").moments == 0 and eb("fp32", "torch", "adamw-8bit").moments < 2.1
 

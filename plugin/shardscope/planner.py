@@ -301,8 +301,8 @@ def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads
     """Bytes per element of each model state.
 
     | precision | torch DDP / FSDP              | DeepSpeed ZeRO                       |
-    | fp32      | 4 param, 4 grad, 0 master     | 4, 4, +4 fp32 partition copy (ZeRO-1/2 |
-    |           |                               | clone `single_partition_of_fp32_groups`; ZeRO-3 reuses the fp32 partition: 0) |
+    | fp32      | 4 param, 4 grad, 0 master     | 4, 4, +4 fp32 partition copy (ZeRO-1/2   |
+    |           |                               | `single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`: clones) |
     | *-mixed   | 4, 4, 0 (autocast; accelerate | 2, 2 (4 with fp32_grads), +4 master  |
     |           | upcasts FSDP flat params)     |                                      |
     | bf16-pure | 2, 2, 0                       | 2, 2, +4 master (ZeRO always keeps fp32) |
@@ -315,7 +315,7 @@ def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads
     if fam == "deepspeed":
         param = 2 if half else 4
         grad = 4 if (fp32_grads or not half) else 2
-        master = 0 if (precision == "fp32" and zero_stage == 3) else 4
+        master = 4  # ZeRO keeps its own fp32 partition (a clone even when training in fp32)
         state = 4
     else:
         param = grad = 2 if precision == "bf16-pure" else 4
