@@ -20,7 +20,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from . import __version__
 from .memory import read_memory, reset_peak
-from .state_bytes import base_optimizer, count_state, stepped_gradients
+from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
 from .strategy import detect_strategy
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
@@ -98,16 +98,15 @@ class ShardingProfilerCallback(TrainerCallback):
                                 "params_total": self._flops_model.total_params,
                                 "trainable_params": self._flops_model.trainable_total}
         with self._guard("throughput hooks"):
-            self._install_hooks(_unwrap(model), base_optimizer(optimizer))
+            self._install_hooks(model, optimizer)
         self._peak = self._peak_flops(args)
         if state.is_world_process_zero:
             logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._windows_call("step_begin")
-        self._capture_grads = self._is_measure_step(state.global_step + 1, state)
-        if self._capture_grads:
-            self._grads = []
+        next_step = state.global_step + 1
+        self._capture_grads = self._is_measure_step(next_step, state) or next_step == state.max_steps
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save)
@@ -167,11 +166,20 @@ class ShardingProfilerCallback(TrainerCallback):
         return out
 
     def _install_hooks(self, model, optimizer):
-        """Count each training forward's samples/tokens/FLOPs; capture gradients at the optimizer step."""
+        """Count each training forward's samples/tokens/FLOPs; snapshot gradients as the step begins."""
         self._remove_hooks()
-        self._hooks.append(model.register_forward_pre_hook(self._count_batch, with_kwargs=True))
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_post_hook(self._keep_gradients))
+        self._hooks.append(_unwrap(model).register_forward_pre_hook(self._count_batch, with_kwargs=True))
+
+        def snapshot_gradients(*_):
+            if self._capture_grads:
+                with self._guard("gradient bytes"):
+                    self._grads = held_gradients(model, optimizer)
+
+        zero, base = zero_optimizer(optimizer), base_optimizer(optimizer)
+        if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
+            self._hooks.append(_StepWrapper(zero, snapshot_gradients))
+        elif base is not None:
+            self._hooks.append(base.register_step_pre_hook(snapshot_gradients))
 
     def _remove_hooks(self):
         for handle in self._hooks:
@@ -182,23 +190,18 @@ class ShardingProfilerCallback(TrainerCallback):
         if not module.training:
             return
         with self._guard("batch counting"):
-            samples, tokens, seq_len = batch_counts(args, kwargs, getattr(getattr(module, "config", None), "patch_size", None))
+            patch_size = getattr(getattr(module, "config", None), "patch_size", None)
+            samples, tokens, seq_len = batch_counts(args, kwargs, patch_size)
             flops = None
             if tokens is not None and self._flops_model is not None:
                 flops = tokens * self._flops_model.per_token(seq_len)
             self._windows_call("add_batch", samples, tokens, flops)
 
-    def _keep_gradients(self, optimizer, args, kwargs):
-        # DeepSpeed steps one parameter group at a time: collect over the whole step.
-        if self._capture_grads:
-            with self._guard("gradient bytes"):
-                self._grads += stepped_gradients(optimizer)
-
     # --- Helpers ------------------------------------------------------------------------------------
     def _reset(self):
         clock = time.perf_counter
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
-        self._pending, self._grads, self._capture_grads = {}, [], False
+        self._pending, self._grads, self._capture_grads = {}, None, False
         self._flops_model = getattr(self, "_flops_model", None)
         self._device, self._peak = torch.device("cpu"), None
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
@@ -271,6 +274,23 @@ class ShardingProfilerCallback(TrainerCallback):
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("shardscope: %s (warned once; training continues)", message)
+
+
+class _StepWrapper:
+    """Runs `before()` ahead of `optimizer.step` on this one instance; `remove()` undoes it."""
+
+    def __init__(self, optimizer, before):
+        original = optimizer.step
+
+        def step(*args, **kwargs):
+            before()
+            return original(*args, **kwargs)
+
+        self.optimizer = optimizer
+        optimizer.step = step
+
+    def remove(self):
+        del self.optimizer.step  # the class's own method shows through again
 
 
 def _flops_model(model):

@@ -5,12 +5,14 @@ FSDP2 padded shards, DeepSpeed's flattened partitions) counts the buffer it live
 memory the rank actually holds, padding included. Categories, in the order storages are claimed:
 
 - params: the model's parameters as this rank stores them: plain tensors (DDP), FSDP1 flat-parameter
-  shards, FSDP2 DTensor local shards, DeepSpeed ZeRO-3 `ds_tensor` partitions.
-- grads: gradients attached to the parameters the optimizer steps (model `.grad`, or the fp32 master
-  partitions' `.grad` under DeepSpeed), captured right after the optimizer step (before the Trainer
-  clears them), plus ZeRO's persistent gradient-partition buffers.
-- optimizer: the base optimizer's state tensors (Adam moments, step counters) and its own parameter
-  tensors that are not model parameters, i.e. fp32 master copies (DeepSpeed ZeRO partitions).
+  shards, FSDP2 DTensor local shards, DeepSpeed ZeRO-3 `ds_tensor` partitions (plus the full `.data`
+  of ZeRO-3's persistent small parameters, which every rank keeps).
+- grads: every gradient storage held when the optimizer step begins (the Trainer frees gradients
+  before any callback could see them, so the callback snapshots them from a step hook): the
+  parameters' `.grad` (ZeRO-1 still holds full-size ones there), the optimizer's own parameters'
+  `.grad`, and DeepSpeed ZeRO's gradient-partition buffers.
+- optimizer: the base optimizer's state tensors (Adam moments, step counters) and the weight copies
+  it updates that are not model parameters, i.e. fp32 master copies (DeepSpeed ZeRO partitions).
 
 Bytes are also split by device type, so offloaded state shows up under "cpu".
 """
@@ -23,8 +25,11 @@ import torch
 
 CATEGORIES = ("params", "grads", "optimizer")
 
-# DeepSpeed ZeRO optimizer attributes that hold gradient partitions between reduction and step.
-ZERO_GRAD_BUFFERS = ("grads_in_partition", "grad_partitions_flat_buffer")
+# DeepSpeed ZeRO optimizer attributes that hold gradients between reduction and step
+# (runtime/zero/stage_1_and_2.py, runtime/zero/stage3.py).
+ZERO_GRAD_BUFFERS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
+# ... and the fp32 master partitions (ZeRO-3 empties the inner optimizer's param groups between steps).
+ZERO_MASTER_WEIGHTS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 
 
 @dataclass
@@ -45,11 +50,7 @@ class StateBytes:
 
 
 def local_tensor(tensor):
-    """The part of `tensor` stored on this rank: DTensor local shard, ZeRO-3 partition, or itself."""
-    if tensor is None:
-        return None
-    if hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3 parameter: `.data` is empty between uses
-        return tensor.ds_tensor
+    """The part of `tensor` stored on this rank: a DTensor's local shard, or the tensor itself."""
     if hasattr(tensor, "to_local"):  # DTensor (FSDP2, tensor parallel)
         return tensor.to_local()
     return tensor
@@ -108,46 +109,70 @@ def base_optimizer(optimizer):
     return torch_optimizers[-1] if torch_optimizers else None
 
 
-def stepped_gradients(optimizer) -> list:
-    """Storage entries of the gradients in `optimizer`'s param groups (call from its step hooks).
+def zero_optimizer(optimizer):
+    """The DeepSpeed ZeRO optimizer among `optimizer`'s layers, or None."""
+    return next((layer for layer in optimizer_layers(optimizer)
+                 if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None)
 
-    Entries, not tensors: holding the tensors would keep memory alive that the optimizer frees.
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def master_weights(optimizer) -> list:
+    """The optimizer's own copies of the weights it updates (DeepSpeed fp32 master partitions)."""
+    copies = []
+    base = base_optimizer(optimizer)
+    if base is not None:
+        copies += [p for group in base.param_groups for p in group["params"]]
+    zero = zero_optimizer(optimizer)
+    if zero is not None:
+        copies += [t for name in ZERO_MASTER_WEIGHTS for t in _tensors(getattr(zero, name, None))]
+    return copies
+
+
+def held_gradients(model, optimizer=None) -> list:
+    """Storage entries of every gradient this rank holds right now (call it as the step begins).
+
+    Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    return [storage_entry(p.grad) for group in optimizer.param_groups for p in group["params"]
-            if p.grad is not None]
+    grads = [p.grad for p in [*model_parameters(model), *master_weights(optimizer)]]
+    zero = zero_optimizer(optimizer)
+    if zero is not None:
+        grads += [t for name in ZERO_GRAD_BUFFERS for t in _tensors(getattr(zero, name, None))]
+    return [storage_entry(g) for g in grads if g is not None]
 
 
-def zero_gradient_buffers(optimizer) -> list:
-    """DeepSpeed ZeRO's persistent gradient-partition buffers, if `optimizer` wraps a ZeRO optimizer."""
-    buffers = []
-    for layer in optimizer_layers(optimizer):
-        buffers += [getattr(layer, name) for name in ZERO_GRAD_BUFFERS if getattr(layer, name, None) is not None]
-    return buffers
-
-
-def count_state(model, optimizer=None, grad_entries=()) -> StateBytes:
+def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
     """Count params, grads and optimizer-state bytes held by this rank.
 
-    `grad_entries` come from `stepped_gradients` at the optimizer step (gradients are usually freed
-    by the time a callback runs); the model's current `.grad` tensors and ZeRO's gradient buffers
-    are added to them. Gradients are de-duplicated among themselves only: a captured gradient may
-    have been freed since, and its address reused by live state.
+    `grad_entries` is a `held_gradients` snapshot taken as the optimizer step began (None: now).
+    Gradients are de-duplicated among themselves only: a snapshot's storage may have been freed
+    since, and its address reused by live state.
     """
     result = StateBytes()
     live = StorageTally(result)
     params = model_parameters(model)
     for p in params:
-        live.add("params", storage_entry(p), trainable=p.requires_grad)
+        # A ZeRO-3 parameter keeps its partition in `ds_tensor`; its `.data` is empty unless the
+        # parameter is persistent (below `stage3_param_persistence_threshold`) or gathered.
+        for stored in (p, getattr(p, "ds_tensor", None)):
+            live.add("params", storage_entry(stored), trainable=p.requires_grad)
+    for copy in master_weights(optimizer):
+        live.add("optimizer", storage_entry(copy))  # model parameters were claimed first
     base = base_optimizer(optimizer)
     if base is not None:
-        for group in base.param_groups:
-            for p in group["params"]:
-                live.add("optimizer", storage_entry(p))  # master copies; model parameters already claimed
         for state in base.state.values():
             for value in state.values():
                 live.add("optimizer", storage_entry(value))
     grads = StorageTally(result)
-    current = [storage_entry(p.grad) for p in params] + [storage_entry(b) for b in zero_gradient_buffers(optimizer)]
-    for entry in [*grad_entries, *current]:
+    for entry in held_gradients(model, optimizer) if grad_entries is None else grad_entries:
         grads.add("grads", entry)
     return result

@@ -7,7 +7,8 @@ optimizer, checkpointing) is the real library, so what the tests measure is what
 1. FSDP: accelerate only switches to FSDP inside its MULTI_GPU-family branch of `AcceleratorState`, so
    a CPU run (MULTI_CPU) with an FSDP config silently trains as plain DDP. torch's FSDP1 and FSDP2 both
    shard over gloo, so after accelerate builds its state we promote MULTI_CPU to FSDP with the plugin
-   accelerate itself built from the config, on device `cpu` (FSDP1 rejects `cpu:0`).
+   accelerate itself built from the config, on device `cpu` (FSDP1 rejects `cpu:0`), and FSDP2
+   offload without pinned memory (pinning needs an accelerator).
 2. DeepSpeed launcher: with no accelerator accelerate picks no process-group backend, so the Trainer sees
    world size 1 while DeepSpeed (which falls back to gloo) sees 2 and asserts on the batch size. We
    hand accelerate the backend DeepSpeed itself uses on CPU, gloo.
@@ -31,6 +32,10 @@ def _patch_fsdp():
         if self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None:
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            if type(fsdp_plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
+                # FSDP2 pins offloaded shards by default, which needs an accelerator; on a CPU run the
+                # "offloaded" shards live in the same memory anyway, so only the pinning is dropped.
+                fsdp_plugin.cpu_offload = type(fsdp_plugin.cpu_offload)(pin_memory=False)
             self.fsdp_plugin = fsdp_plugin
             self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             self.device = PartialState._shared_state["device"] = torch.device("cpu")

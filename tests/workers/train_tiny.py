@@ -1,9 +1,16 @@
-"""Train a tiny causal LM for a few steps with the Trainer; the tests launch this under every config."""
-import os
+"""Train a tiny causal LM for a few steps with the Trainer; the tests launch this under every config.
+
+Besides the profiler's summary, every rank writes `independent_count_rank{R}.json`: the bytes it holds,
+counted here through each library's own accessors (element counts of ZeRO-3 partitions, DTensor local
+shards, FSDP1 flat parameters, ZeRO master partitions, torch optimizer state), not by the profiler's
+storage walk, so the test compares two different ways of counting the same live objects.
+"""
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 from shardscope import ShardingProfilerCallback
 
@@ -13,6 +20,7 @@ class WorkerArgs:
     model: str
     samples: int = 32
     seq_len: int = 16
+    lora_r: int = 0
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -27,16 +35,65 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
 
 
+def nbytes(t):
+    t = t.to_local() if hasattr(t, "to_local") else t  # DTensor: numel() is the global size
+    return t.numel() * t.element_size()
+
+
+def local_param_bytes(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    flat = [m._flat_param for m in FSDP.fsdp_modules(model) if getattr(m, "_flat_param", None) is not None]
+    if flat:  # FSDP1: the flat parameters own the storage; original parameters are views into them
+        return sum(nbytes(p) for p in flat)
+    total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):  # ZeRO-3 partition, plus the full data of persistent parameters
+            total += nbytes(p.ds_tensor) + nbytes(p.data)
+        elif hasattr(p, "to_local"):
+            total += nbytes(p.to_local())
+        else:
+            total += nbytes(p)
+    return total
+
+
+def optimizer_state_bytes(optimizer, model):
+    layers = []
+    while optimizer is not None:
+        layers.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    masters = [t for layer in layers for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+               for t in getattr(layer, name, [])]
+    local = [p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+             for p in model.parameters()]
+    model_ptrs = {p.untyped_storage().data_ptr() for p in local}
+    total = sum(nbytes(m) for m in masters if m.untyped_storage().data_ptr() not in model_ptrs)
+    for state in layers[-1].state.values():
+        total += sum(nbytes(v) for v in state.values() if torch.is_tensor(v))
+    return total
+
+
+class IndependentCount(TrainerCallback):
+    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        counts = {"params_bytes": local_param_bytes(model), "optimizer_bytes": optimizer_state_bytes(optimizer, model)}
+        Path(args.output_dir, f"independent_count_rank{rank}.json").write_text(json.dumps(counts))
+
+
 def main():
     worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
     model = AutoModelForCausalLM.from_pretrained(worker.model)
+    if worker.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=worker.lora_r, target_modules=["q_proj", "v_proj"]))
     data = RandomTokens(worker.samples, worker.seq_len, model.config.vocab_size)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback()])
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[ShardingProfilerCallback(), IndependentCount()])
     trainer.train()
-    s = trainer.accelerator.state
-    print(f"WORKER rank={s.process_index} world={s.num_processes} type={s.distributed_type} "
-          f"wrapped={type(trainer.model_wrapped).__name__} opt={type(trainer.optimizer).__name__}", flush=True)
-    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
