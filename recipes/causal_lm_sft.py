@@ -16,11 +16,11 @@ Any `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--res
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
 from shardscope.errors import UsageError
 from shardscope.recipe_utils import (
-    ALPACA_REQUIRED, RecipeParser, check_causal_lm, describe_run, end_of_run, load_config, load_dataset_checked,
+    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, check_causal_lm, describe_run, end_of_run, gather_full_state_dict_on_save, load_config, load_dataset_checked,
     prepare_sft_dataset, RecipeTrainingArguments, run, save_final_logits,
 )
 
@@ -105,7 +105,7 @@ def main():
         from shardscope import ShardingProfilerCallback
 
         callbacks.append(ShardingProfilerCallback())
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, data_collator=collator,
+    trainer = RecipeTrainer(model=model, args=training_args, train_dataset=train_dataset, data_collator=collator,
                       processing_class=tokenizer, callbacks=callbacks)
 
     # --- Train ---
@@ -119,6 +119,7 @@ def main():
     if script_args.save_final_logits:
         batch = collator([train_dataset[i] for i in range(min(4, len(train_dataset)))])
         save_final_logits(trainer, batch, f"{training_args.output_dir}/final_logits.pt")
+    gather_full_state_dict_on_save(trainer)
     trainer.save_model()
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(training_args.output_dir)

@@ -16,10 +16,10 @@ import importlib.util
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoImageProcessor, Dinov2ForImageClassification, Trainer, set_seed
+from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
 from shardscope.recipe_utils import (
-    RecipeParser, RecipeTrainingArguments, accuracy, check_dinov2, collate_images, describe_run, end_of_run,
+    RecipeParser, RecipeTrainer, RecipeTrainingArguments, accuracy, check_dinov2, collate_images, describe_run, end_of_run, gather_full_state_dict_on_save,
     image_transform, load_config, load_image_dataset, run, save_final_logits,
 )
 
@@ -90,7 +90,7 @@ def main():
         from shardscope import ShardingProfilerCallback
 
         callbacks.append(ShardingProfilerCallback())
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_data, eval_dataset=eval_data,
+    trainer = RecipeTrainer(model=model, args=training_args, train_dataset=train_data, eval_dataset=eval_data,
                       data_collator=collate_images, compute_metrics=accuracy, processing_class=processor,
                       callbacks=callbacks)
 
@@ -108,6 +108,7 @@ def main():
     if script_args.save_final_logits:
         batch = collate_images([eval_data[i] for i in range(min(4, len(eval_data)))])
         save_final_logits(trainer, batch, f"{training_args.output_dir}/final_logits.pt")
+    gather_full_state_dict_on_save(trainer)
     trainer.save_model()
     if trainer.is_world_process_zero():
         processor.save_pretrained(training_args.output_dir)

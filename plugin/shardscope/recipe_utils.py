@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from .errors import UsageError
 
@@ -123,6 +123,46 @@ class RecipeTrainingArguments(TrainingArguments):
 
             deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         super().__post_init__()
+
+
+class RecipeTrainer(Trainer):
+    """`Trainer` with one fix: resuming FSDP1 from a sharded checkpoint restores the optimizer state.
+
+    accelerate 1.15's `load_fsdp_optimizer` (FSDP1, SHARDED_STATE_DICT, DCP) loads into the template
+    `FSDP.optim_state_dict(model, optimizer)` of the freshly built optimizer, which has no `exp_avg`/
+    `exp_avg_sq`/`step` entries yet, so `dist_cp.load` restores none of them: the resumed run silently
+    restarts Adam from zero (losses diverge from step k+2). The FSDP2 branch initialises the state first
+    (torch's `get_optimizer_state_dict`); we do the same for FSDP1 (a zero-gradient, lr=0 step).
+    """
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if (checkpoint and self.is_fsdp_enabled and plugin is not None and plugin.fsdp_version == 1
+                and "FULL_STATE_DICT" not in str(plugin.state_dict_type)):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(getattr(self.optimizer, "optimizer", self.optimizer))
+        super()._load_optimizer_and_scheduler(checkpoint)
+
+
+def gather_full_state_dict_on_save(trainer) -> None:
+    """Make `trainer.save_model()` write real weights under FSDP: with SHARDED_STATE_DICT it writes none.
+
+    Checkpoints stay sharded (fast, resumable); only the final save gathers a full state dict. Exception:
+    FSDP1 on a CPU-only run, where accelerate's full gather (`get_state_dict` hard-codes
+    `FullStateDictConfig(offload_to_cpu=True, rank0_only=True)`) segfaults inside torch; there the final
+    weights stay sharded in the last checkpoint (`accelerate merge-weights` turns them into safetensors).
+    """
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        return
+    if plugin.fsdp_version == 1 and trainer.args.device.type == "cpu":
+        if trainer.is_world_process_zero():
+            print("[shardscope] FSDP1 on CPU: final weights are not gathered (torch segfaults on that path); "
+                  "save checkpoints and run `accelerate merge-weights <checkpoint>/pytorch_model_fsdp_0 <out>`",
+                  flush=True)
+        return
+    plugin.set_state_dict_type("FULL_STATE_DICT")
 
 
 def end_of_run(accelerator_state=None) -> None:
@@ -341,14 +381,15 @@ def describe_run(trainer) -> str:
     """
     state = trainer.accelerator.state
     local = full = 0
-    for param in trainer.model_wrapped.parameters():
+    flat_params = [m._flat_param for m in trainer.model_wrapped.modules() if getattr(m, "_flat_param", None) is not None]
+    for flat in flat_params:  # FSDP1: the FlatParameter shards (original params are views into them)
+        local, full = local + flat.numel(), full + flat._unpadded_unsharded_size.numel()
+    for param in [] if flat_params else trainer.model_wrapped.parameters():
         if hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO-3 partition; persistent (small) params stay whole
             held = param.ds_numel if getattr(param, "ds_persist", False) else param.ds_tensor.numel()
             local, full = local + held, full + param.ds_numel
         elif hasattr(param, "to_local"):  # FSDP2 DTensor
             local, full = local + param.to_local().numel(), full + param.numel()
-        elif hasattr(param, "_unpadded_unsharded_size"):  # FSDP1 FlatParameter
-            local, full = local + param.numel(), full + param._unpadded_unsharded_size.numel()
         else:
             local, full = local + param.numel(), full + param.numel()
     return (f"[shardscope] rank={state.process_index} world_size={state.num_processes} "
