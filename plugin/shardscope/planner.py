@@ -440,10 +440,11 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
                       bucket in stage 1 too)
     zero2_offload:    GPU params P*p, buffers 2*B*g; CPU s(T)*(4 + p) + optim
                       (fp32 grad partition, 16-bit staging copy, master, moments)
-    zero3:            params s(P)*p (each tensor's `ds_tensor` partition), grads s(T)*g,
-                      optim s(T)*(m+o), buffers LL*(p+g) + B*(p+g) + persistent*p + copy32
-                      (tensors <= stage3_param_persistence_threshold also stay whole on every rank)
-    zero3_offload:    GPU buffers as zero3 without copy32; CPU s(P)*p + s(T)*(g + 4) + optim
+    zero3:            params s(P)*p + persistent*p (each tensor's `ds_tensor` partition; tensors
+                      <= stage3_param_persistence_threshold also stay whole on every rank), grads
+                      s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*(p+g) + copy32
+    zero3_offload:    GPU params persistent*p, buffers as zero3 without copy32;
+                      CPU s(P)*p + s(T)*(g + 4) + optim
     fsdp_full_shard:  params s(P)*p, grads s(T)*g, optim s(T)*o + steps, buffers 3*U*e
                       (current and prefetched unit gathered, plus the unit's unsharded grad);
                       s() per tensor by rows for FSDP2, per unit (flat parameter) for FSDP1
@@ -495,12 +496,13 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
         optim = int(tshard * (m + o)) + steps
         detail["gathered_layer"] = spec.largest_layer_params * (p + g)
         detail["buckets"] = bucket * (p + g)
-        detail["persistent_params"] = sum(d * r for d, r, _ in c.tensors if d * r <= threshold) * p
+        # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
+        persistent = sum(d * r for d, r, _ in c.tensors if d * r <= threshold) * p
         if strategy == "zero3_offload":
-            row = dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0)
+            row = dict(params_bytes=persistent, grads_bytes=0, optimizer_bytes=0)
             cpu = pshard * p + tshard * (g + 4) + optim
         else:
-            row = dict(params_bytes=pshard * p, grads_bytes=tshard * g, optimizer_bytes=optim)
+            row = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
             detail["fp32_grad_copy_in_step"] = tshard * 4
     else:  # fsdp
         if setup.fsdp_version == 1:  # one padded flat parameter per unit

@@ -34,8 +34,13 @@ def _deepspeed_details(plugin) -> dict:
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
     offload_param = (zero.get("offload_param") or {}).get("device", "none")
     name = f"zero{stage}" + ("_offload" if offload_optimizer not in ("none", None) else "")
-    return {"strategy": name, "zero_stage": stage, "offload_optimizer": offload_optimizer,
-            "offload_param": offload_param}
+    details = {"strategy": name, "zero_stage": stage, "offload_optimizer": offload_optimizer,
+               "offload_param": offload_param}
+    if stage == 3:  # the effective value, DeepSpeed's default included: it decides what is not sharded
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        details["stage3_param_persistence_threshold"] = DeepSpeedZeroConfig(**zero).param_persistence_threshold
+    return details
 
 
 def _fsdp_details(plugin, parallelism_config) -> dict:

@@ -1,0 +1,22 @@
+"""The planner's formulas against what the profiler counted on the same real 2-rank runs (fp32, AdamW)."""
+import pytest
+
+from shardscope.planner import compare
+
+AGREEING = ["ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op"]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("model", ["shard_llama", "llama_50m"])
+@pytest.mark.parametrize("config", AGREEING)
+def test_planner_model_states_match_measured_bytes(config, model, strategy_runs, tmp_path):
+    summary, _ = strategy_runs(config, model)
+    path = tmp_path / "summary.json"
+    import json
+
+    path.write_text(json.dumps(summary))
+    result = compare(path)
+    assert result["strategy"] == summary["strategy"] and result["world_size"] == 2
+    for rank in result["ranks"]:
+        for row in rank["components"]:
+            assert row["measured"] == pytest.approx(row["planned"], rel=0.01), (rank["rank"], row)
