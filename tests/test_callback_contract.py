@@ -125,3 +125,25 @@ def test_peak_flops_override_gives_mfu_on_any_device(llama, tmp_path):
     _, summary = train(llama, token_rows(), tmp_path, peak_tflops=1.0)
     throughput = summary["ranks"][0]["throughput"]
     assert throughput["mfu"] == pytest.approx(throughput["tflops_per_device"] / 1.0)
+
+
+@pytest.mark.parametrize("gpu_bytes, fits", [(1_000_000, False), (80 * 10**9, True)])
+def test_preflight_warns_with_the_planners_advice_when_the_strategy_will_not_fit(
+        llama, gpu_bytes, fits, monkeypatch, caplog, tmp_path):
+    """GPU-only branch, with the device's total memory faked."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu_bytes))
+    callback = ShardingProfilerCallback()
+    callback._device = torch.device("cuda", 0)
+    callback.preflight = {"strategy": "ddp", "world_size": 1}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    state = SimpleNamespace(is_world_process_zero=True)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        callback._plan_preflight(llama, args, state)
+    plan = callback.preflight["plan"]
+    assert plan["strategy"] == "ddp" and plan["fits"] is fits and plan["gpu_memory_bytes"] == gpu_bytes
+    warned = [r.getMessage() for r in caplog.records if "will not fit" in r.getMessage() or "needs" in r.getMessage()]
+    assert bool(warned) is (not fits)
+    if not fits:
+        assert "recommended" in warned[0] and "ddp" in warned[0]

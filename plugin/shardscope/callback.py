@@ -100,6 +100,9 @@ class ShardingProfilerCallback(TrainerCallback):
         with self._guard("throughput hooks"):
             self._install_hooks(model, optimizer)
         self._peak = self._peak_flops(args)
+        if self._device.type == "cuda":
+            with self._guard("planner preflight"):
+                self._plan_preflight(model, args, state)
         if state.is_world_process_zero:
             logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
 
@@ -225,6 +228,32 @@ class ShardingProfilerCallback(TrainerCallback):
             "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
         return peak_flops(torch.cuda.get_device_name(self._device), dtype)
 
+    def _plan_preflight(self, model, args, state):
+        """Warn (rank 0) when the planner says the detected strategy will not fit this GPU.
+
+        Activations depend on batches not seen yet, so the plan uses sequence length 0: model
+        states and buffers only, a lower bound. Saved in the summary as `preflight.plan`.
+        """
+        from .planner import Setup, estimate, gb, spec_from_config
+
+        strategy = self.preflight.get("strategy")
+        world, nodes = self.preflight.get("world_size", 1), _num_nodes()
+        precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
+        setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision, seq_len=0,
+                      micro_batch=args.per_device_train_batch_size,
+                      gpu_memory_bytes=torch.cuda.get_device_properties(self._device).total_memory)
+        plan = estimate(spec_from_config(_unwrap(model).config), setup)
+        row = next((r for r in plan["rows"] if r["strategy"] == strategy), None)
+        if row is None:
+            return
+        self.preflight["plan"] = {"strategy": strategy, "total_bytes": row["total_bytes"], "fits": row["fits"],
+                                  "gpu_memory_bytes": setup.gpu_memory_bytes, "recommendation": plan["recommendation"]}
+        if row["fits"] is False and state.is_world_process_zero:
+            advice = plan["recommendation"]
+            logger.warning("shardscope preflight: the planner estimates %s needs %s GB per GPU before activations, "
+                           "more than this %s GB GPU allows; recommended: %s (%s)", strategy, gb(row["total_bytes"]),
+                           gb(setup.gpu_memory_bytes), advice["strategy"], advice["reason"])
+
     def _summary(self, args, state, ranks: list[dict]) -> dict:
         device = self._device.type
         if device == "cuda":
@@ -232,7 +261,8 @@ class ShardingProfilerCallback(TrainerCallback):
         return {
             "shardscope_version": __version__,
             "strategy": self.preflight.get("strategy"),
-            "strategy_detail": {k: v for k, v in self.preflight.items() if k not in ("strategy", "world_size")},
+            "strategy_detail": {k: v for k, v in self.preflight.items() if k not in ("strategy", "world_size", "plan")},
+            "preflight_plan": self.preflight.get("plan"),
             "world_size": self.preflight.get("world_size", len(ranks)),
             "num_nodes": _num_nodes(),
             "model": self.model_facts,
