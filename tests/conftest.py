@@ -53,17 +53,17 @@ def strategy_runs(strategy_model, tmp_path_factory):
 
     cache = {}
 
-    def run(config, model="shard_llama"):
-        if (config, model) not in cache:
-            out = tmp_path_factory.mktemp(f"{config}-{model}")
-            args = ["--model", strategy_model(model), "--max_steps", 3, "--logging_steps", 1,
+    def run(config, model="shard_llama", lora_r=0):
+        if (config, model, lora_r) not in cache:
+            out = tmp_path_factory.mktemp(f"{config}-{model}-lora{lora_r}")
+            args = ["--model", strategy_model(model), "--max_steps", 3, "--logging_steps", 1, "--lora_r", lora_r,
                     "--per_device_train_batch_size", 2, "--use_cpu", "--report_to", "none", "--save_strategy", "no"]
             worker = ROOT / "tests" / "workers" / "train_tiny.py"
             accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", worker, args, out).check()
             summary = json.loads((out / "shardscope_summary.json").read_text())
             independent = [json.loads((out / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
-            cache[config, model] = summary, independent
-        return cache[config, model]
+            cache[config, model, lora_r] = summary, independent
+        return cache[config, model, lora_r]
 
     return run
 

@@ -51,3 +51,22 @@ def test_config_shards_as_promised(config, strategy_runs, model_bytes):
         assert rank["grads_bytes"] == pytest.approx(grads * P, rel=0.01)
         # Adam's per-tensor step counters add a few bytes on top of moments and master copies.
         assert rank["optimizer_bytes"] == pytest.approx((2 * moments + master) * P, rel=0.01)
+
+
+@pytest.mark.launch
+def test_lora_counts_trainable_adapter_state_only(strategy_runs, strategy_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    summary, independent = strategy_runs("ddp", "shard_llama", lora_r=4)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(strategy_model("shard_llama")),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    adapter_bytes = 4 * sum(p.numel() for p in adapters)
+    all_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert summary["model"]["trainable_params"] == adapter_bytes // 4
+    for rank, counted in zip(summary["ranks"], independent):
+        assert rank["params_bytes"] == counted["params_bytes"] == all_bytes
+        assert rank["trainable_params_bytes"] == adapter_bytes
+        assert rank["grads_bytes"] == adapter_bytes  # frozen weights get no gradient
+        assert rank["optimizer_bytes"] == counted["optimizer_bytes"] == 2 * adapter_bytes + 4 * len(adapters)
