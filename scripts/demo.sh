@@ -19,7 +19,7 @@ accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 
     recipes/causal_lm_sft.py --config recipes/llama/demo_tiny.yaml \
     --output_dir "$OUT/sft" --save_final_logits true > "$OUT/sft.log" 2>&1 \
     || { tail -n 40 "$OUT/sft.log"; echo "demo: training failed, full log: $OUT/sft.log" >&2; exit 1; }
-grep '^\[shardscope\]' "$OUT/sft.log" || true
+grep -o '\[shardscope\] rank=.*' "$OUT/sft.log" || true
 
 echo "== 3/3 results"
 python - "$OUT/sft" "$OUT/sft.log" <<'PY'
