@@ -165,7 +165,7 @@ def gather_full_state_dict_on_save(trainer) -> None:
     plugin.set_state_dict_type("FULL_STATE_DICT")
 
 
-def end_of_run(accelerator_state=None) -> None:
+def end_of_run() -> None:
     """Barrier and tear down the process group (avoids 'terminate called without an active exception')."""
     import torch.distributed as dist
 
