@@ -1,0 +1,163 @@
+"""ShardingProfilerCallback overhead: interleaved A/B training segments in one process, on CPU.
+
+One model, one optimizer, one Trainer per setting; blocks of `K*interval` timed steps alternate
+without/with the callback in ABBA order (`trainer.add_callback`/`remove_callback`, one `train()`
+call per block). A step's time runs from one `on_step_begin` to the next (our timer is the last
+callback), so it holds the step, every callback event, the Trainer's log and the next batch's
+loading. Single process: the callback's all_gather is a no-op here. Run:
+    python benchmarks/callback_overhead.py            # default sizes, ~2-3 min on 2 CPU cores
+"""
+import argparse, datetime, os, platform, random, statistics, sys, tempfile, time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+import shardscope.callback as sc
+from shardscope import ShardingProfilerCallback
+from shardscope.tiny import make_causal_lm
+
+OUT = Path(__file__).parent / "results" / "callback_overhead.md"
+
+
+class StepTimer(TrainerCallback):
+    def on_train_begin(self, *_, **__):
+        self.begins = []
+
+    def on_step_begin(self, *_, **__):
+        self.begins.append((time.perf_counter(), time.process_time()))
+
+    def steps(self, clock):  # drop step 1 (first after a switch); the last step has no next begin
+        return [b[clock] - a[clock] for a, b in zip(self.begins[1:], self.begins[2:])]
+
+
+def rows(n, seq, vocab, seed):  # fixed random tokens, no padding
+    ids = torch.randint(3, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x} for x in ids]
+
+
+def timed(fn, acc):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter(), time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - start[0]
+            acc[1] += time.process_time() - start[1]
+    return wrapper
+
+
+def run_setting(a, model_dir, interval, tmp):
+    blocks = a.blocks_every_step if interval == 1 else a.blocks_default
+    steps = blocks * interval  # whole intervals per block: the with-arm measures exactly 1 step in `interval`
+    args = TrainingArguments(output_dir=tmp, max_steps=steps + 2, per_device_train_batch_size=a.batch,
+                             logging_steps=interval, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, lr_scheduler_type="constant", learning_rate=1e-4, seed=a.seed)
+    timer = StepTimer()
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, callbacks=[timer],
+                      train_dataset=rows(256, a.seq, a.vocab, a.seed))
+    for quiet in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(quiet)
+    trainer.train()  # warm-up block, untimed (allocates the optimizer state)
+    # The A/B callback is wrapped to also account the time spent inside its events and hooks
+    # (4 clock-read pairs per step, a few microseconds: well under 0.01% of a step).
+    # --aa: an A/A control whose "with" arm gets a do-nothing TrainerCallback, to show the noise floor.
+    callback = TrainerCallback() if a.aa else ShardingProfilerCallback()
+    times, means, acc, held = {}, {}, [0.0, 0.0], sc.held_gradients
+    for name in ("on_step_begin", "on_step_end", "on_log", "_count_batch"):
+        if hasattr(callback, name):
+            setattr(callback, name, timed(getattr(callback, name), acc))
+    sc.held_gradients = timed(held, acc)
+    try:
+        for pair in range(a.pairs):
+            for with_cb in ((False, True) if pair % 2 == 0 else (True, False)):  # ABBA cancels drift
+                if with_cb != (callback in trainer.callback_handler.callbacks):
+                    (trainer.add_callback if with_cb else trainer.remove_callback)(callback)
+                trainer.train()
+                for clock in (0, 1):
+                    times.setdefault((clock, with_cb), []).extend(timer.steps(clock))
+                    means.setdefault((clock, with_cb), []).append(statistics.fmean(timer.steps(clock)))
+    finally:
+        sc.held_gradients = held
+    inside = [t / (a.pairs * (steps + 2)) for t in acc]
+    return [summarise({w: times[clock, w] for w in (0, 1)}, {w: means[clock, w] for w in (0, 1)}, inside[clock],
+                      a.seed) | {"interval": interval, "clock": ("wall", "cpu")[clock], "steps": len(times[clock, 1])}
+            for clock in (0, 1)]
+
+
+def summarise(times, means, inside, seed):
+    ratios = [w / wo for w, wo in zip(means[True], means[False])]
+    rng = random.Random(seed)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"med_without": med[False], "med_with": med[True], "median_ratio": med[True] / med[False],
+            "iqr_without": statistics.quantiles(times[False], n=4)[::2],
+            "iqr_with": statistics.quantiles(times[True], n=4)[::2],
+            "block_ratio": statistics.median(ratios), "ci": (boot[49], boot[1949]),
+            "inside_ms": inside * 1e3, "inside_pct": 100 * inside / med[False]}
+
+
+def table(rows, targets):
+    head = ("| setting | steps/arm | median step without (ms) [IQR] | median step with (ms) [IQR] | ratio of medians "
+            "| paired block ratio, median [95% CI] | time inside callback (ms/step, % of step) | target | met |")
+    lines = [head, "|---" * 9 + "|"]
+    for r in rows:
+        target = targets[r["interval"] == 1]
+        name = "log every step" if r["interval"] == 1 else f"default interval ({r['interval']} steps)"
+        name += f", {r['clock']} time"
+        iqr = lambda q: f"[{q[0] * 1e3:.1f}-{q[1] * 1e3:.1f}]"
+        lines.append(f"| {name} | {r['steps']} | {r['med_without'] * 1e3:.2f} {iqr(r['iqr_without'])} "
+                     f"| {r['med_with'] * 1e3:.2f} {iqr(r['iqr_with'])} | {r['median_ratio']:.4f} "
+                     f"| {r['block_ratio']:.4f} [{r['ci'][0]:.4f}-{r['ci'][1]:.4f}] "
+                     f"| {r['inside_ms']:.3f} ({r['inside_pct']:.2f}%) | <= {target:.0f}% "
+                     f"| {'yes' if r['block_ratio'] <= 1 + target / 100 else 'NO'}"
+                     f"{' (CI too)' if r['ci'][1] <= 1 + target / 100 else ''} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in dict(hidden=256, intermediate=512, layers=4, heads=4, vocab=512, seq=64, batch=4,
+                              threads=1, seed=0).items():
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--interval", type=int, default=10, help="logging_steps of the default-interval setting")
+    p.add_argument("--pairs", type=int, default=12, help="A/B block pairs per setting")
+    p.add_argument("--blocks-default", type=int, default=3, help="logging intervals per block (default setting)")
+    p.add_argument("--blocks-every-step", type=int, default=10, help="steps per block when logging every step")
+    p.add_argument("--aa", action="store_true", help="A/A control: a no-op callback in place of shardscope's")
+    p.add_argument("--out", type=Path, default=OUT)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        sizes = dict(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                     num_attention_heads=a.heads, num_key_value_heads=a.heads)
+        n_params = sum(t.numel() for t in make_causal_lm(f"{tmp}/model", "llama", a.vocab, a.seed, **sizes).parameters())
+        started = time.perf_counter()
+        rows = [r for interval in (a.interval, 1) for r in run_setting(a, f"{tmp}/model", interval, f"{tmp}/{interval}")]
+    text = table(rows, (1, 3))
+    print(text)
+    cmd = " ".join(["python", os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else list(argv)))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(
+        f"# ShardingProfilerCallback overhead{' - A/A CONTROL (no-op callback)' if a.aa else ''}\n\n{text}\n\n"
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; command: `{cmd}`; wall: "
+        f"{time.perf_counter() - started:.0f} s\n- machine: {platform.platform()}, {platform.processor() or '?'}, "
+        f"{os.cpu_count()} CPUs, {a.threads} torch thread(s), load average {os.getloadavg()[0]:.1f}; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; single process (no collectives)\n"
+        f"- model: random Llama, {n_params / 1e6:.2f} M params (hidden {a.hidden}, intermediate {a.intermediate}, "
+        f"{a.layers} layers, {a.heads} heads, vocab {a.vocab}); batch {a.batch} x seq {a.seq}, fp32, AdamW\n"
+        f"- method: {a.pairs} ABBA pairs of blocks per setting; step = on_step_begin to next on_step_begin, on two "
+        "clocks: wall (perf_counter) and cpu (process_time: this process's CPU time, which other jobs on the "
+        "machine disturb far less than wall time); "
+        "ratio of medians = per-step median with / without (hides the 1-in-N measuring step); paired block "
+        "ratio = mean step time of a with-block / its paired without-block, median over pairs with a "
+        "bootstrap 95% CI (includes the measuring steps: the figure checked against the target); time inside "
+        "callback = time (row's clock) spent in its events and hooks during the with-blocks, per step, and as a % "
+        "of the median step without.\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
