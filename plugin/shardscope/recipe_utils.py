@@ -73,6 +73,10 @@ class RecipeParser:
 
     def training_args(self):
         """Construct the `TrainingArguments` subclass; this initialises `PartialState` (the process group)."""
+        # shardscope doctor's checks (DeepSpeed/FSDP files, layer classes, precision): refuse to start on a finding
+        from .doctor import preflight
+
+        preflight(self.namespace, self.namespace.get("model_name_or_path"))
         return self._build(self.training_type)
 
     def _build(self, dtype):

@@ -21,6 +21,7 @@ class WorkerArgs:
     samples: int = 32
     seq_len: int = 16
     lora_r: int = 0
+    logits_out: str = ""  # optional: the trained model's logits on the first 4 samples, saved by rank 0 (torch.save)
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -91,6 +92,11 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[ShardingProfilerCallback(), IndependentCount()])
     trainer.train()
+    if worker.logits_out:  # every rank runs the forward (ZeRO-3 and FSDP gather parameters inside it)
+        from shardscope.recipe_utils import save_final_logits
+
+        batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask")}
+        save_final_logits(trainer, batch, worker.logits_out)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

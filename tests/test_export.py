@@ -1,0 +1,145 @@
+"""`shardscope export` on real sharded checkpoints: three 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
+ZeRO-3 LoRA, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder must
+reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
+wrapped model after training). Fault cases: truncated file, missing shard, existing output folder."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from launch import ROOT, accelerate_launch
+from shardscope.cli import main
+from shardscope.errors import UsageError
+from shardscope.export import export
+
+WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
+RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
+    "zero3": ("zero3.yaml", {}, 0),
+    "zero3_lora": ("zero3.yaml", {}, 4),
+    "fsdp_sharded": ("fsdp_full_shard.yaml", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(strategy_model, tmp_path_factory):
+    """Launch each run once, lazily: returns (checkpoint-3 folder, reference logits file)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            config, fsdp, lora_r = RUNS[name]
+            out = tmp_path_factory.mktemp(name)
+            config_file = ROOT / "accelerate_configs" / config
+            if fsdp:  # the shipped yaml with the state dict type overridden
+                data = yaml.safe_load(config_file.read_text())
+                data["fsdp_config"].update(fsdp)
+                config_file = out.parent / f"{name}.yaml"
+                config_file.write_text(yaml.safe_dump(data))
+            args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
+                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--lora_r", lora_r, "--use_cpu",
+                    "--report_to", "none", "--logits_out", out / "logits.pt"]
+            accelerate_launch(config_file, WORKER, args, out).check()
+            done[name] = out / "checkpoint-3", out / "logits.pt"
+        return done[name]
+
+    return get
+
+
+def logits_of(model, reference):
+    batch = reference["batch"]
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+
+
+def assert_reproduces(model, logits_file, base):
+    from transformers import AutoModelForCausalLM
+
+    reference = torch.load(logits_file)
+    got = logits_of(model.eval(), reference)
+    torch.testing.assert_close(got, reference["logits"], atol=1e-5, rtol=1e-5)
+    untrained = logits_of(AutoModelForCausalLM.from_pretrained(base).eval(), reference)
+    assert (untrained - reference["logits"]).abs().max() > 1e-3  # the export holds the trained weights
+
+
+def assert_nothing_left(parent: Path, before: set):
+    assert {p.name for p in parent.iterdir()} == before, "export left files behind"
+
+
+def test_zero3_full_fine_tune(trained, strategy_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, logits = trained("zero3")
+    out = export(checkpoint, tmp_path / "model")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert not list(out.glob("*.bin")) and not list(tmp_path.glob(".*partial*"))
+    assert_reproduces(AutoModelForCausalLM.from_pretrained(out), logits, strategy_model("shard_llama"))
+
+
+def test_zero3_lora_adapter(trained, strategy_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, logits = trained("zero3_lora")
+    base = strategy_model("shard_llama")
+    out = export(checkpoint, tmp_path / "adapter")
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert_reproduces(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out), logits, base)
+
+
+def test_fsdp_sharded_state_dict_through_the_cli(trained, strategy_model, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, logits = trained("fsdp_sharded")
+    assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file() and not (checkpoint / "config.json").exists()
+    base = strategy_model("shard_llama")
+    # an FSDP checkpoint has no config.json: without --model that is one clear error, exit 2
+    assert main(["export", str(checkpoint), str(tmp_path / "none")]) == 2
+    assert "pass --model" in capsys.readouterr().err and not (tmp_path / "none").exists()
+    assert main(["export", str(checkpoint.parent), str(tmp_path / "model"), "--model", str(base)]) == 0  # output dir
+    assert_reproduces(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), logits, base)
+    assert_nothing_left(tmp_path, {"model"})
+
+
+def _copy(checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(checkpoint, tmp_path / "ckpt", ignore=shutil.ignore_patterns("model.safetensors")))
+
+
+def _truncate(file: Path):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("name, shard", [("zero3", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         ("fsdp_sharded", "pytorch_model_fsdp_0/__1_0.distcp")])
+def test_truncated_checkpoint(trained, strategy_model, tmp_path, name, shard):
+    checkpoint = _copy(trained(name)[0], tmp_path)
+    _truncate(checkpoint / shard)
+    with pytest.raises(UsageError, match="truncated") as error:
+        export(checkpoint, tmp_path / "out", strategy_model("shard_llama"))
+    assert shard.split("/")[-1] in str(error.value)
+    assert_nothing_left(tmp_path, {"ckpt"})
+
+
+@pytest.mark.parametrize("name, shard", [("zero3", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         ("fsdp_sharded", "pytorch_model_fsdp_0/__1_0.distcp")])
+def test_missing_shard(trained, strategy_model, tmp_path, name, shard):
+    checkpoint = _copy(trained(name)[0], tmp_path)
+    (checkpoint / shard).unlink()
+    with pytest.raises(UsageError, match="missing a shard"):
+        export(checkpoint, tmp_path / "out", strategy_model("shard_llama"))
+    assert_nothing_left(tmp_path, {"ckpt"})
+
+
+def test_existing_output_folder_is_refused(trained, tmp_path, capsys):
+    checkpoint, _ = trained("zero3")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", str(checkpoint), str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert_nothing_left(tmp_path, {"out"})
