@@ -277,7 +277,7 @@ def _planner_cells(row: dict) -> list[str] | None:
         return ["↳ planner", "-", *["-"] * 10, f"no estimate: {planned['error']}"]
     measured = sum(row[k]["max"] for k in COMPONENTS)
     states = sum(planned[k] for k in COMPONENTS)
-    diff = f"model states {(measured - states) / states:+.1%} vs plan" if states else ""
+    diff = f"model states {round((measured - states) / states, 3) + 0.0:+.1%} vs plan" if states else ""
     return ["↳ planner", planned["strategy"], *(human_bytes(planned[k]) for k in COMPONENTS),
             f"{human_bytes(planned['total_bytes'])} (est. total)", *["-"] * 6, diff]
 
@@ -333,9 +333,10 @@ def plot_memory(runs: list[dict], path: Path):
             peak.bar(i, spread["max"] / 1e6, color="tab:purple")
             peak.plot(i, spread["min"] / 1e6, "w_", markersize=20, mew=2)
     states.set(title="model states per rank (MB)", ylabel="MB (1e6 B)")
-    states.legend(fontsize=8)
+    states.set_ylim(0, states.get_ylim()[1] * 1.25)  # room for the legend above the bars
+    states.legend(fontsize=8, loc="upper center", ncol=4)
     kind = "process peak RSS" if _is_cpu(runs) else "peak allocated"
-    peak.set(title=f"peak memory per rank, {kind} (MB)")
+    peak.set(title=f"peak memory per rank, {kind} (MB)\nbar: max over ranks, white tick: min")
     for ax in (states, peak):
         _bar_labels(ax, runs)
     fig.suptitle(f"Memory per rank by strategy ({caption(runs)})")
