@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# DDP vs FSDP vs ZeRO-1/2/3 on 2 CPU ranks with `shardscope compare`; writes benchmarks/strategies_cpu.md
+# and its plots under docs/img/. About 5 minutes on 2 idle cores.
+#
+# The model (~7.5M-parameter random Llama, hidden 384, 4 layers) is large enough that a step is compute
+# (a few hundred ms) rather than launch overhead, and every weight matrix is above ZeRO-3's persistence
+# threshold (1e5 elements), so ZeRO-3 really partitions it.
+# FSDP: accelerate runs an FSDP config as plain DDP on CPU; tests/cpu_shim (test-only) makes it run real
+# torch FSDP2. It is on PYTHONPATH for the whole comparison and patches nothing in the DDP/ZeRO runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-${TMPDIR:-/tmp}/shardscope_strategies_cpu}
+
+python -c "from shardscope.tiny import make_sft_assets; make_sft_assets('$OUT/assets', 'llama', n=1024, \
+hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6)" > /dev/null
+
+cmd=(shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp fsdp_full_shard zero1 zero2 zero3
+     --output-dir "$OUT" --launcher-args "--num_processes 2 --mixed_precision no" --
+     --config recipes/llama/demo_tiny.yaml --model_name_or_path "$OUT/assets/tiny-llama"
+     --dataset "$OUT/assets/alpaca.json" --packing true --max_seq_length 128 --per_device_train_batch_size 2
+     --learning_rate 3e-4 --max_steps 30 --logging_steps 1)
+{ printf "PYTHONPATH=tests/cpu_shim"; printf " %q" "${cmd[@]}"; echo; } > "$OUT/command.txt"
+PYTHONPATH=tests/cpu_shim "${cmd[@]}"
+
+python benchmarks/strategies_cpu.py "$OUT" > benchmarks/strategies_cpu.md
+cp "$OUT/memory.png" docs/img/strategies_cpu_memory.png
+cp "$OUT/throughput.png" docs/img/strategies_cpu_throughput.png
+echo "wrote benchmarks/strategies_cpu.md"
