@@ -17,29 +17,33 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
-ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default; the inline accelerate yamls keep it
-
-# Models the strategy runs use, by name: LlamaConfig sizes on top of shardscope.tiny's defaults.
+# Models the strategy runs use, by name: (family, config sizes on top of shardscope.tiny's defaults).
 STRATEGY_MODELS = {
     # bytes mostly in tensors above ZeRO-3's persistence threshold, so ZeRO-3 really shards them
-    "shard_llama": dict(vocab_size=1600, intermediate_size=1600),
+    "shard_llama": ("llama", dict(vocab_size=1600, intermediate_size=1600)),
+    "shard_mistral": ("mistral", dict(vocab_size=1600, intermediate_size=1600, num_key_value_heads=2)),
+    "shard_dinov2": ("dinov2", dict(intermediate_size=1600, num_labels=4)),
     # ~50M parameters (hidden 512, 8 layers), for the planner agreement at a realistic shape
-    "llama_50m": dict(vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                      num_attention_heads=8),
+    "llama_50m": ("llama", dict(vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                                num_attention_heads=8)),
 }
 
 
 @pytest.fixture(scope="session")
 def strategy_model(tmp_path_factory):
     """Build a STRATEGY_MODELS entry once, lazily; returns its folder."""
-    from shardscope.tiny import make_causal_lm
+    from shardscope.tiny import make_causal_lm, make_dinov2
 
     built = {}
 
     def build(name):
         if name not in built:
+            family, sizes = STRATEGY_MODELS[name]
             built[name] = tmp_path_factory.mktemp(name)
-            make_causal_lm(built[name], "llama", **STRATEGY_MODELS[name])
+            if family == "dinov2":
+                make_dinov2(built[name], **sizes)
+            else:
+                make_causal_lm(built[name], family, **sizes)
         return built[name]
 
     return build
@@ -47,31 +51,46 @@ def strategy_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def strategy_runs(strategy_model, tmp_path_factory):
-    """Launch tests/workers/train_tiny.py under a shipped accelerate config on 2 CPU ranks, once per
-    (config, model); returns (profiler summary, [independent count per rank])."""
-    from launch import ROOT, accelerate_launch
+    """Train tests/workers/train_tiny.py for 3 steps on 2 CPU ranks under a shipped config, through the
+    launcher that config is for (accelerate yaml: `accelerate launch`; DeepSpeed JSON: `deepspeed`;
+    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments). Once per (config, model, lora_r);
+    returns (profiler summary, [independent count per rank])."""
+    from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
+    from shardscope.configs import find_config
 
     cache = {}
 
     def run(config, model="shard_llama", lora_r=0):
-        if (config, model, lora_r) not in cache:
-            out = tmp_path_factory.mktemp(f"{config}-{model}-lora{lora_r}")
-            args = ["--model", strategy_model(model), "--max_steps", 3, "--logging_steps", 1, "--lora_r", lora_r,
-                    "--per_device_train_batch_size", 2, "--use_cpu", "--report_to", "none", "--save_strategy", "no"]
+        key = (config, model, lora_r)
+        if key not in cache:
+            shipped = find_config(config)
+            out = tmp_path_factory.mktemp(f"{shipped.path.stem}-{model}-lora{lora_r}")
             worker = ROOT / "tests" / "workers" / "train_tiny.py"
-            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", worker, args, out).check()
+            args = ["--model", strategy_model(model), "--max_steps", 3, "--logging_steps", 1, "--lora_r", lora_r,
+                    "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no"]
+            if shipped.kind == "accelerate":
+                launched = accelerate_launch(shipped.path, worker, [*args, "--use_cpu"], out)
+            elif shipped.kind == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
+                launched = deepspeed_launch(worker, [*args, "--deepspeed", shipped.path], out)
+            else:
+                launched = torchrun_launch(worker, [*args, "--use_cpu", "--fsdp", "--fsdp_config", shipped.path],
+                                           out)
+            launched.check()
             summary = json.loads((out / "shardscope_summary.json").read_text())
             independent = [json.loads((out / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
-            cache[config, model, lora_r] = summary, independent
-        return cache[config, model, lora_r]
+            cache[key] = summary, independent
+        return cache[key]
 
     return run
 
 
 @pytest.fixture(scope="session")
-def model_bytes(strategy_model):
-    """(all parameter bytes, bytes of parameters ZeRO-3 keeps whole on every rank), in fp32."""
-    from transformers import AutoModelForCausalLM
+def parameter_sizes(strategy_model):
+    """Element count of every parameter tensor of a STRATEGY_MODELS model (built, not launched)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
 
-    sizes = [p.numel() for p in AutoModelForCausalLM.from_pretrained(strategy_model("shard_llama")).parameters()]
-    return 4 * sum(sizes), 4 * sum(n for n in sizes if n < ZERO3_PERSISTENCE_THRESHOLD)
+    def sizes(name):
+        auto = AutoModelForImageClassification if STRATEGY_MODELS[name][0] == "dinov2" else AutoModelForCausalLM
+        return [p.numel() for p in auto.from_pretrained(strategy_model(name)).parameters()]
+
+    return sizes

@@ -1,7 +1,7 @@
 """Test-only shim: let accelerate run the CPU (gloo) paths that torch and DeepSpeed support but it refuses.
 
-The tests put this directory on PYTHONPATH for launched runs; it patches nothing unless the launch asks
-for FSDP or DeepSpeed, and never touches a machine with CUDA. Everything else (wrapping, sharding,
+The tests put this directory on PYTHONPATH for launched runs; its patches act only when a run asks for
+FSDP or DeepSpeed, and it never touches a machine with CUDA. Everything else (wrapping, sharding,
 optimizer, checkpointing) is the real library, so what the tests measure is what users get.
 
 1. FSDP: accelerate only switches to FSDP inside its MULTI_GPU-family branch of `AcceleratorState`, so
@@ -57,11 +57,9 @@ def _patch_deepspeed_backend():
     PartialState._prepare_backend = prepare_backend_gloo
 
 
-if _flag("ACCELERATE_USE_FSDP") or "LOCAL_RANK" in os.environ:
+if "LOCAL_RANK" in os.environ:  # a launched rank (accelerate launch, torchrun, deepspeed)
     import torch
 
     if not torch.cuda.is_available():
-        if _flag("ACCELERATE_USE_FSDP"):
-            _patch_fsdp()
-        if "LOCAL_RANK" in os.environ:
-            _patch_deepspeed_backend()
+        _patch_fsdp()  # acts only when accelerate built an FSDP plugin (config, env or TrainingArguments)
+        _patch_deepspeed_backend()

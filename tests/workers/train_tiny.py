@@ -1,4 +1,5 @@
-"""Train a tiny causal LM for a few steps with the Trainer; the tests launch this under every config.
+"""Train a tiny model (causal LM, or DINOv2 classifier) for a few steps with the Trainer; the tests launch
+this under every shipped config.
 
 Besides the profiler's summary, every rank writes `independent_count_rank{R}.json`: the bytes it holds,
 counted here through each library's own accessors (element counts of ZeRO-3 partitions, DTensor local
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, HfArgumentParser, Trainer,
+                          TrainerCallback, TrainingArguments)
 
 from shardscope import ShardingProfilerCallback
 
@@ -34,6 +36,19 @@ class RandomTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
+
+
+class RandomImages(torch.utils.data.Dataset):
+    def __init__(self, n, size, num_labels):
+        g = torch.Generator().manual_seed(0)
+        self.pixels = torch.randn(n, 3, size, size, generator=g)
+        self.labels = torch.randint(0, num_labels, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"pixel_values": self.pixels[i], "labels": self.labels[i]}
 
 
 def nbytes(t):
@@ -83,12 +98,17 @@ class IndependentCount(TrainerCallback):
 
 def main():
     worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
-    model = AutoModelForCausalLM.from_pretrained(worker.model)
+    config = AutoConfig.from_pretrained(worker.model)
+    if config.model_type == "dinov2":
+        model = AutoModelForImageClassification.from_pretrained(worker.model)
+        data = RandomImages(worker.samples, config.image_size, config.num_labels)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(worker.model)
+        data = RandomTokens(worker.samples, worker.seq_len, config.vocab_size)
     if worker.lora_r:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=worker.lora_r, target_modules=["q_proj", "v_proj"]))
-    data = RandomTokens(worker.samples, worker.seq_len, model.config.vocab_size)
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[ShardingProfilerCallback(), IndependentCount()])
     trainer.train()
