@@ -83,21 +83,23 @@ def test_fp32_adamw_two_ranks_by_hand():
     for s in ("zero1", "zero2"):
         assert (r[s].params_bytes, r[s].grads_bytes, r[s].optimizer_bytes) == (4000, 2000, 500 * 12 + steps_zero)
     # ZeRO-3 on fp32: partitions of params and grads, an fp32 partition copy + moments; the step
-    # flattens the grad partition into a new fp32 tensor.
-    assert (r["zero3"].params_bytes, r["zero3"].grads_bytes, r["zero3"].optimizer_bytes) == (2000, 2000, 6000 + steps_zero)
+    # flattens the grad partition into a new fp32 tensor. The 100-element tensor is at the persistence
+    # threshold ("auto": 10 x hidden = 100), so every rank also keeps it whole: + 100 * 4.
+    assert (r["zero3"].params_bytes, r["zero3"].grads_bytes, r["zero3"].optimizer_bytes) == (2400, 2000, 6000 + steps_zero)
     assert r["zero3"].buffers_detail["fp32_grad_copy_in_step"] == 2000
     assert r["zero2"].buffers_detail["fp32_grad_copy_in_step"] == 0  # fp32 grads: cast is a no-op
     for s in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"):
         assert (r[s].params_bytes, r[s].grads_bytes, r[s].optimizer_bytes) == (2000, 2000, 4000 + steps_torch)
     assert r["fsdp_full_shard"].buffers_bytes == 3 * 500 * 4 and r["fsdp_shard_grad_op"].buffers_bytes == 4000 + 2000
     assert r["fsdp_offload"].model_states_bytes == 0 and r["fsdp_offload"].cpu_bytes == 2000 + 2000 + 4012
-    assert r["zero3_offload"].model_states_bytes == 0 and r["zero3_offload"].cpu_bytes == 2000 + 4000 + 6008
+    assert r["zero3_offload"].model_states_bytes == 400 and r["zero3_offload"].cpu_bytes == 2000 + 4000 + 6008
 
 
 def test_padding_with_three_ranks():
     setup = Setup(gpus_per_node=3, precision="fp32")
-    # ZeRO-3 pads each flattened tensor: ceil(500/3) + ceil(400/3) + ceil(100/3) = 167 + 134 + 34.
-    assert strategy_row("zero3", HAND, setup, activations=0).params_bytes == 335 * 4
+    # ZeRO-3 pads each flattened tensor: ceil(500/3) + ceil(400/3) + ceil(100/3) = 167 + 134 + 34,
+    # and keeps the persistent 100-element tensor whole as well.
+    assert strategy_row("zero3", HAND, setup, activations=0).params_bytes == 335 * 4 + 100 * 4
     # FSDP2 splits dim 0 (10 rows -> 4 per rank): 4 * (50 + 40 + 10); FSDP1 pads each flat unit.
     assert strategy_row("fsdp_full_shard", HAND, setup, activations=0).params_bytes == 400 * 4
     fsdp1 = Setup(gpus_per_node=3, precision="fp32", fsdp_version=1)
@@ -236,8 +238,11 @@ def test_deepspeed_estimators_agree_where_conventions_coincide():
         _, gpu = estimate_zero2_model_states_mem_needs(P, cpu_offload=True, **kw)
         assert r["zero2_offload"].model_states_bytes == gpu == 2 * P
         # ZeRO-3 with everything offloaded: 4 * largest layer (gathered 16-bit params + their grads).
+        # On the GPU the planner also keeps the persistent small tensors (norms) whole, which
+        # DeepSpeed's estimate leaves out; they are all the offloaded row's model states.
         _, gpu, _ = estimate_zero3_model_states_mem_needs(P, LL, cpu_offload=True, cpu_offload_params=True, **kw)
-        assert r["zero3_offload"].model_states_bytes + r["zero3_offload"].buffers_detail["gathered_layer"] == gpu
+        assert r["zero3_offload"].buffers_detail["gathered_layer"] == gpu
+        assert r["zero3_offload"].model_states_bytes == r["zero3_offload"].params_bytes < 0.001 * P
 
 
 def test_deepspeed_estimators_differ_where_pinned():
@@ -263,13 +268,18 @@ def test_deepspeed_estimators_differ_where_pinned():
     assert z3.cpu_bytes - 8 == 20 * P // N and ds_cpu == int(P * 18 * 1.5)
     # 3. ZeRO-3 without offload: DeepSpeed's 4*LL + 18P/N reuses ZeRO-2's 18 B multiplier but no
     #    longer adds the 16-bit params separately, so it leaves out the 2 B/param 16-bit partition:
-    #    planner 2 params + 2 grads + 4 fp32 grad copy + 12 optimizer = 20P/N.
+    #    planner 2 params + 2 grads + 4 fp32 grad copy + 12 optimizer = 20P/N, plus the persistent
+    #    small tensors every rank keeps whole (DeepSpeed's estimate has no term for them).
     llama = model_spec("llama-2-7b")
     r = strategy_row("zero3", llama, Setup(gpus_per_node=N))
     _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(llama.params_total, llama.largest_layer_params, N, 1,
                                                          cpu_offload=False)
     ours = r.model_states_bytes + r.buffers_detail["gathered_layer"] + r.buffers_detail["fp32_grad_copy_in_step"]
-    assert abs(ours - ds_gpu - 2 * llama.params_total / N) <= 64
+    threshold = 10 * llama.hidden_size  # the Trainer's "auto"
+    persistent = 2 * sum(d * rows for d, rows, _ in planner.counts(llama, Setup(gpus_per_node=N)).tensors
+                         if d * rows <= threshold)
+    assert 0 < persistent < 0.001 * llama.params_total
+    assert abs(ours - ds_gpu - 2 * llama.params_total / N - persistent) <= 64
     # 4. DeepSpeed has no ZeRO-1 estimator and counts no buckets or activations.
     assert strategy_row("zero1", spec, Setup(gpus_per_node=N)).buffers_bytes > 0
 
