@@ -85,12 +85,12 @@ def strategy_runs(strategy_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def parameter_sizes(strategy_model):
-    """Element count of every parameter tensor of a STRATEGY_MODELS model (built, not launched)."""
+def parameter_shapes(strategy_model):
+    """Shape of every parameter tensor of a STRATEGY_MODELS model (built, not launched)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification
 
     def sizes(name):
         auto = AutoModelForImageClassification if STRATEGY_MODELS[name][0] == "dinov2" else AutoModelForCausalLM
-        return [p.numel() for p in auto.from_pretrained(strategy_model(name)).parameters()]
+        return [tuple(p.shape) for p in auto.from_pretrained(strategy_model(name)).parameters()]
 
     return sizes

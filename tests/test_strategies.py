@@ -4,6 +4,8 @@ One run per config (session-scoped) serves two checks: the profiler's per-rank b
 worker counts independently from the same live objects, and the bytes follow the strategy's promise
 relative to the full model (a silent fallback to DDP fails here even though the run exits 0).
 """
+import math
+
 import pytest
 
 from shardscope.configs import shipped_configs
@@ -40,6 +42,17 @@ PROMISES = {
 }
 
 
+def fsdp2_shard_bytes(shapes, rank, world=2) -> tuple[int, int]:
+    """fp32 bytes of `rank`'s FSDP2 shards: (its rows, the padded storage it allocates). Each tensor is
+    split into ceil(rows / world)-row chunks; a rank whose chunk is short (or empty) pads it."""
+    local = padded = 0
+    for shape in shapes:
+        chunk = math.ceil(shape[0] / world)
+        rows = max(0, min(chunk, shape[0] - rank * chunk))
+        local, padded = local + rows * math.prod(shape[1:]), padded + chunk * math.prod(shape[1:])
+    return 4 * local, 4 * padded
+
+
 def model_for(config: str) -> str:
     return "shard_mistral" if "mistral" in config else "shard_dinov2" if "dinov2" in config else "shard_llama"
 
@@ -50,24 +63,31 @@ def test_every_single_node_config_has_a_promise():
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config", SINGLE_NODE)
-def test_config_shards_as_promised(config, strategy_runs, parameter_sizes):
+def test_config_shards_as_promised(config, strategy_runs, parameter_shapes):
     summary, independent = strategy_runs(config, model_for(config))
     strategy, params, grads, moments, master = PROMISES[config]
-    sizes = parameter_sizes(model_for(config))
+    shapes = parameter_shapes(model_for(config))
+    sizes = [math.prod(shape) for shape in shapes]
     P = 4 * sum(sizes)
     threshold = summary["strategy_detail"].get("stage3_param_persistence_threshold", 0)
     persistent = 4 * sum(n for n in sizes if n <= threshold)
     assert persistent < 0.05 * P  # so "about half" below really means sharded
     assert summary["world_size"] == 2 and len(summary["ranks"]) == 2
     assert summary["strategy"] == strategy
+    fsdp2 = summary["strategy_detail"].get("fsdp_version") == 2
     for rank, counted in zip(summary["ranks"], independent):
-        assert rank["params_bytes"] == counted["params_bytes"]
+        if fsdp2:  # parameters in padded row chunks; Adam's moments follow the unpadded local rows
+            local, padded = fsdp2_shard_bytes(shapes, rank["rank"])
+            expected_params, expected_moments, padding = padded, local, padded - local
+        else:
+            expected_params = params * P + (persistent if strategy.startswith("zero3") else 0)
+            expected_moments, padding = moments * P, 0
+        assert rank["params_bytes"] == counted["params_bytes"] + padding  # the worker counts elements
         assert rank["optimizer_bytes"] == counted["optimizer_bytes"]
-        expected_params = params * P + (persistent if strategy.startswith("zero3") else 0)
-        assert rank["params_bytes"] == pytest.approx(expected_params, rel=0.02)  # FSDP2 pads 1-row tensors
+        assert rank["params_bytes"] == pytest.approx(expected_params, rel=0.01)
         assert rank["grads_bytes"] == pytest.approx(grads * P, rel=0.01)
         # Adam's per-tensor step counters add a few bytes on top of moments and master copies.
-        assert rank["optimizer_bytes"] == pytest.approx((2 * moments + master) * P, rel=0.01)
+        assert rank["optimizer_bytes"] == pytest.approx(2 * expected_moments + master * P, rel=0.01)
 
 
 @pytest.mark.launch
