@@ -37,6 +37,12 @@ weights = os.path.join(out, "model.safetensors")
 print(f"model (gathered from ZeRO-3 shards): {weights} ({os.path.getsize(weights) / 1e6:.2f} MB), tokenizer beside it")
 summary = os.path.join(out, "shardscope_summary.json")
 if os.path.exists(summary):
+    profile = json.load(open(summary))
+    print(f"what each rank held under {profile['strategy']} (counted by ShardingProfilerCallback, MB):")
+    for r in profile["ranks"]:
+        print(f"  rank {r['rank']}: params {r['params_bytes'] / 1e6:.2f}  grads {r['grads_bytes'] / 1e6:.2f}  "
+              f"optimizer {r['optimizer_bytes'] / 1e6:.2f}  peak RSS {r['peak_memory_bytes'] / 1e6:.0f}  "
+              f"tokens/s {r['throughput']['tokens_per_s'] or 0:.0f}")
     print(f"per-rank profile summary: {summary}")
 print(f"trainer state / loss log:  {os.path.join(out, 'trainer_state.json')}")
 print(f"full launch log:           {log}")

@@ -99,7 +99,8 @@ class ShardingProfilerCallback(TrainerCallback):
                                 "trainable_params": self._flops_model.trainable_total}
         with self._guard("throughput hooks"):
             self._install_hooks(model, optimizer)
-        self._peak = self._peak_flops(args)
+        with self._guard("device peak FLOP/s"):
+            self._peak = self._peak_flops(args)
         if self._device.type == "cuda":
             with self._guard("planner preflight"):
                 self._plan_preflight(model, args, state)
