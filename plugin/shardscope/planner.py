@@ -838,7 +838,9 @@ def build_parser(subparsers):
 
 
 def register(subparsers) -> None:
-    build_parser(subparsers)
+    from .dry_run import add_arguments  # `--dry-run`: plugin/shardscope/dry_run.py
+
+    add_arguments(build_parser(subparsers))
 
 
 def setup_from_args(args) -> Setup:
