@@ -14,11 +14,19 @@ echo "== 1/3 building a tiny Llama, its tokenizer and an Alpaca-format JSON unde
 # them all whole on every rank). Only the norms stay replicated.
 python -m shardscope.tiny sft "$OUT" --hidden_size 320 --intermediate_size 640
 
+rm -rf "$OUT/sft"  # a fresh run: nothing below may come from an earlier one
 echo "== 2/3 accelerate launch (ZeRO-3, 2 processes, CPU): recipes/causal_lm_sft.py"
 accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \
     recipes/causal_lm_sft.py --config recipes/llama/demo_tiny.yaml \
-    --output_dir "$OUT/sft" --save_final_logits true > "$OUT/sft.log" 2>&1 \
-    || { tail -n 40 "$OUT/sft.log"; echo "demo: training failed, full log: $OUT/sft.log" >&2; exit 1; }
+    --output_dir "$OUT/sft" --save_final_logits true > "$OUT/sft.log" 2>&1 || {
+    # A rank sometimes aborts in gloo's C++ teardown after everything was saved ("terminate called without
+    # an active exception", see the closing notes); say so plainly rather than call the training failed.
+    if grep -q "terminate called without an active exception" "$OUT/sft.log" && [ -f "$OUT/sft/model.safetensors" ]; then
+        echo "demo: note: a rank aborted while exiting, after training and saving finished (gloo teardown)"
+    else
+        tail -n 40 "$OUT/sft.log"; echo "demo: training failed, full log: $OUT/sft.log" >&2; exit 1
+    fi
+}
 grep -o '\[shardscope\] rank=.*' "$OUT/sft.log" || true
 
 echo "== 3/3 results"
