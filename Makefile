@@ -6,6 +6,9 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# DeepSpeed JIT-builds its CPU ops against this venv's torch headers: keep the builds with the venv, so
+# two checkouts on one machine do not rebuild over each other's cache.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install test demo clean
 
