@@ -84,3 +84,131 @@ def _run(cmd, output_dir, timeout) -> Run:
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     (Path(output_dir) / "launch.log").write_text(" ".join(cmd) + "\n\n" + output)
     return Run(cmd, proc.returncode, output, Path(output_dir))
+
+
+# ----------------------------------------------------------------------------- multi-node on loopback
+@dataclass
+class MultiNodeRun:
+    """Several launchers (one per "node") started together; every process they started is tracked."""
+
+    cmds: list
+    returncodes: list        # per launcher; None where it had to be killed
+    outputs: list            # per launcher: stdout + stderr
+    output_dir: Path
+    timed_out: bool
+    seconds: float
+    processes: list          # psutil.Process of every launcher and every descendant seen while running
+
+    def survivors(self) -> list:
+        """Processes from this run still alive (psutil checks the create time, so a reused pid does not count)."""
+        alive = []
+        for proc in self.processes:
+            try:
+                if proc.is_running() and proc.status() != "zombie":
+                    alive.append(proc)
+            except Exception:  # psutil.NoSuchProcess and friends: gone
+                pass
+        return alive
+
+    def check(self) -> "MultiNodeRun":
+        text = "\n".join(f"--- launcher {i} (exit {rc}): {' '.join(cmd)}\n{out[-4000:]}"
+                         for i, (cmd, rc, out) in enumerate(zip(self.cmds, self.returncodes, self.outputs)))
+        assert not self.timed_out and self.returncodes == [0] * len(self.cmds), text
+        return self
+
+
+def accelerate_multinode_flags(config_file: Path, machine_rank: int, num_machines: int, procs_per_machine: int,
+                               main_process_ip: str, main_process_port: int) -> list[str]:
+    """Launcher flags that run a shipped multi-node config as `num_machines` "nodes" of `procs_per_machine`
+    CPU ranks: the real per-node flags a cluster user passes, plus the CPU overrides (`--mixed_precision no`
+    except DeepSpeed; an FSDP2 HSDP mesh of nodes x processes per node)."""
+    config = yaml.safe_load(Path(config_file).read_text())
+    flags = ["--num_machines", str(num_machines), "--machine_rank", str(machine_rank),
+             "--main_process_ip", main_process_ip, "--main_process_port", str(main_process_port),
+             "--num_processes", str(num_machines * procs_per_machine)]
+    if config.get("distributed_type") != "DEEPSPEED":
+        flags += ["--mixed_precision", "no"]
+    if config.get("parallelism_config"):
+        flags += ["--parallelism_config_dp_replicate_size", str(num_machines),
+                  "--parallelism_config_dp_shard_size", str(procs_per_machine)]
+    return flags
+
+
+def accelerate_multinode_launch(config_file, script, script_args, output_dir, num_machines=2, procs_per_machine=2,
+                                main_process_ip="127.0.0.1", main_process_port=None, machine_ranks=None,
+                                launcher_flags=(), timeout=120) -> MultiNodeRun:
+    """Start one `accelerate launch` per machine rank on this host (each in its own session), wait for all,
+    and on `timeout` kill every process they started. `machine_ranks` picks which "nodes" start (default
+    all), e.g. `[1]` for a node whose main node never comes up."""
+    import signal
+    import time
+
+    import psutil
+
+    config = yaml.safe_load(Path(config_file).read_text())
+    # accelerate reports a non-distributed state on CPU ranks of a MULTI_GPU/FSDP launch unless told it is
+    # a CPU run; DeepSpeed must not get it (the Trainer would wrap the ZeRO-3 model in DDP instead).
+    env = cpu_env(**({} if config.get("distributed_type") == "DEEPSPEED" else {"ACCELERATE_USE_CPU": "1"}))
+    port = main_process_port or free_port()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    ranks = list(range(num_machines)) if machine_ranks is None else list(machine_ranks)
+    cmds, launchers, logs = [], [], []
+    start = time.monotonic()
+    for rank in ranks:
+        cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
+               *accelerate_multinode_flags(config_file, rank, num_machines, procs_per_machine, main_process_ip, port),
+               *map(str, launcher_flags), str(script), *map(str, script_args)]
+        log = open(output_dir / f"launcher{rank}.log", "w+")
+        launchers.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        cmds.append(cmd)
+        logs.append(log)
+    seen = {}
+
+    def track():
+        for launcher in launchers:
+            try:
+                root = psutil.Process(launcher.pid)
+                for proc in [root, *root.children(recursive=True)]:
+                    seen.setdefault(proc.pid, proc)
+            except psutil.Error:
+                pass
+
+    timed_out = False
+    while any(p.poll() is None for p in launchers):
+        track()
+        if time.monotonic() - start > timeout:
+            timed_out = True
+            break
+        time.sleep(0.2)
+    if timed_out:
+        track()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for launcher in launchers:
+                try:
+                    os.killpg(launcher.pid, sig)  # the launcher's session: its agent and ranks
+                except ProcessLookupError:
+                    pass
+            for proc in seen.values():  # anything that left the session
+                try:
+                    proc.send_signal(sig)
+                except psutil.Error:
+                    pass
+            _, alive = psutil.wait_procs(list(seen.values()), timeout=5)
+            if not alive:
+                break
+    returncodes = []
+    for launcher in launchers:
+        try:
+            launcher.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        returncodes.append(None if timed_out else launcher.returncode)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return MultiNodeRun(cmds, returncodes, outputs, output_dir, timed_out, time.monotonic() - start,
+                        list(seen.values()))

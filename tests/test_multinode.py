@@ -1,0 +1,115 @@
+"""Multi-node launches, for real, on one machine: two `accelerate launch` processes on 127.0.0.1 act as two
+nodes (`--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1`), 2 CPU ranks each, 4 gloo ranks
+in all. The shipped multi-node configs train the tiny Llama for 2 steps; the profiler's summary must show
+the world size, the node count and the sharding layout each config promises. Bad input (port in use,
+unreachable main address, a node whose main node never comes up) must fail within seconds and leave no
+process behind.
+"""
+import json
+import math
+import socket
+import time
+
+import pytest
+from launch import ROOT, accelerate_multinode_launch
+
+from shardscope.configs import find_config
+from shardscope.planner import compare
+
+WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
+HELLO = WORKER  # the bad-input launches fail before any rank starts
+FP32 = 4  # the CPU runs train in fp32 (--mixed_precision no; DeepSpeed without bf16)
+
+
+def _train(config, model, out):
+    args = ["--model", model, "--max_steps", 2, "--logging_steps", 1, "--per_device_train_batch_size", 2,
+            "--report_to", "none", "--save_strategy", "no", "--use_cpu", "--output_dir", out]
+    run = accelerate_multinode_launch(find_config(config).path, WORKER, args, out, timeout=150)
+    assert run.survivors() == [], f"processes left behind: {run.survivors()}"
+    assert len(run.processes) >= 2 + 4, "expected 2 launchers and 4 ranks among the tracked processes"
+    run.check()
+    summary = json.loads((out / "shardscope_summary.json").read_text())
+    independent = [json.loads((out / f"independent_count_rank{r}.json").read_text()) for r in range(4)]
+    assert summary["world_size"] == 4 and summary["num_nodes"] == 2
+    assert sorted(r["rank"] for r in summary["ranks"]) == [0, 1, 2, 3]
+    for rank, count in zip(sorted(summary["ranks"], key=lambda r: r["rank"]), independent):
+        assert rank["params_bytes"] == count["params_bytes"]  # the profiler's storage walk = the library accessors
+    return summary
+
+
+def test_ddp_multinode_replicates_everything(strategy_model, parameter_shapes, tmp_path):
+    summary = _train("ddp_multinode", strategy_model("shard_llama"), tmp_path)
+    full = sum(math.prod(s) for s in parameter_shapes("shard_llama")) * FP32
+    assert summary["strategy"] == "ddp"
+    assert [r["params_bytes"] for r in summary["ranks"]] == [full] * 4
+    assert [r["grads_bytes"] for r in summary["ranks"]] == [full] * 4
+
+
+def test_fsdp_hybrid_shard_shards_within_a_node_replicates_across(strategy_model, parameter_shapes, tmp_path):
+    summary = _train("fsdp_hybrid_shard", strategy_model("shard_llama"), tmp_path)
+    shapes = parameter_shapes("shard_llama")
+    full = sum(math.prod(s) for s in shapes) * FP32
+    # FSDP2 gives each of a node's 2 ranks ceil(dim0 / 2) rows of every tensor: half, not a quarter.
+    half = sum(math.ceil(s[0] / 2) * math.prod(s[1:]) for s in shapes) * FP32
+    assert summary["strategy"] == "fsdp_hybrid_shard"
+    assert summary["strategy_detail"]["sharding_strategy"] == "HYBRID_SHARD"
+    assert summary["strategy_detail"]["fsdp_version"] == 2
+    assert [r["params_bytes"] for r in summary["ranks"]] == [half] * 4
+    assert half < 0.51 * full
+    row = compare(tmp_path / "shardscope_summary.json")  # planner: N = GPUs per node for HYBRID_SHARD
+    assert all(c["rel_diff"] == 0 for r in row["ranks"] for c in r["components"] if c["component"] == "params_bytes")
+
+
+def test_zero3_multinode_shards_over_all_four_ranks(strategy_model, parameter_shapes, tmp_path):
+    summary = _train("zero3_multinode", strategy_model("shard_llama"), tmp_path)
+    numels = [math.prod(s) for s in parameter_shapes("shard_llama")]
+    threshold = summary["strategy_detail"]["stage3_param_persistence_threshold"]
+    # Each tensor's ds_tensor partition is ceil(numel / 4); tensors at or below the persistence threshold
+    # also keep their whole .data on every rank (on this tiny model: the attention projections and norms).
+    expected = (sum(math.ceil(n / 4) for n in numels) + sum(n for n in numels if n <= threshold)) * FP32
+    assert summary["strategy"] == "zero3"
+    assert [r["params_bytes"] for r in summary["ranks"]] == [expected] * 4
+    sharded = sum(n for n in numels if n > threshold) * FP32
+    assert sharded > 0.9 * sum(numels) * FP32  # most bytes are in sharded tensors: a quarter each
+    row = compare(tmp_path / "shardscope_summary.json")
+    assert all(c["rel_diff"] == 0 for r in row["ranks"] for c in r["components"] if c["component"] == "params_bytes")
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad_launch(tmp_path, **kwargs):
+    start = time.monotonic()
+    run = accelerate_multinode_launch(find_config("ddp_multinode").path, HELLO, ["--help"], tmp_path, **kwargs)
+    return run, time.monotonic() - start
+
+
+def test_port_in_use_fails_at_once_with_a_clear_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run, seconds = _bad_launch(tmp_path, main_process_port=port, machine_ranks=[0], timeout=30)
+    assert not run.timed_out and run.returncodes == [1], run.outputs
+    assert f"port `{port}`, but another process is utilizing it" in run.outputs[0]
+    assert seconds < 15
+    assert run.survivors() == []
+
+
+def test_unreachable_main_address_fails_within_the_rendezvous_timeout(tmp_path):
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed. Without a rendezvous timeout the node waits for
+    # its main node for 10 minutes (torch's static rendezvous default); --rdzv_conf timeout=3 bounds it.
+    run, seconds = _bad_launch(tmp_path, main_process_ip="192.0.2.1", machine_ranks=[1],
+                               launcher_flags=["--rdzv_conf", "timeout=3"], timeout=40)
+    assert not run.timed_out and run.returncodes == [1], run.outputs
+    assert "timed out after 3000ms while trying to connect to (192.0.2.1" in run.outputs[0]
+    assert seconds < 25
+    assert run.survivors() == []
+
+
+def test_node_without_its_main_node_is_killed_on_timeout(tmp_path):
+    # No rendezvous timeout: the launcher would wait for minutes. The helper's timeout kills the launcher's
+    # whole session (agent and anything it started): nothing may survive.
+    run, seconds = _bad_launch(tmp_path, machine_ranks=[1], timeout=8)
+    assert run.timed_out
+    assert run.processes, "the launcher was tracked"
+    assert run.survivors() == []
+    assert seconds < 20
