@@ -1,0 +1,135 @@
+"""`shardscope plan --dry-run`: real FSDP2 `fully_shard` on the meta device under torch's fake process group.
+
+The fake backend is internal torch API (torch.testing._internal.distributed.fake_pg): the first test pins
+what the dry run relies on, so a torch upgrade that moves it fails here, by name.
+"""
+import math
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from shardscope import dry_run as dr
+from shardscope.cli import main
+from shardscope.planner import Setup, load_config, model_spec, strategy_row
+
+MODELS = ("llama-2-7b", "mistral-7b", "llama-2-70b")
+WORLD_SIZES = (8, 64, 512)
+
+
+def test_fake_process_group_api_is_where_the_dry_run_expects_it():
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=64)
+    try:
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (5, 64, "fake")
+        t = torch.ones(3)
+        dist.all_reduce(t)  # a no-op: nothing is sent, the value is untouched
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def configs():
+    return {name: load_config(name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def specs(configs):
+    return {name: model_spec(config) for name, config in configs.items()}
+
+
+def test_shipped_models_at_8_64_512_ranks_fast_no_memory_and_equal_to_the_formula(configs, specs):
+    dr.dry_run(configs["llama-2-7b"], "fsdp_full_shard", 8)  # warm-up: imports and model classes
+    process = psutil.Process()
+    timings = {}
+    for name in MODELS:
+        spec = specs[name]
+        for world in WORLD_SIZES:
+            rss = process.memory_info().rss
+            start = time.perf_counter()
+            result = dr.dry_run(configs[name], "fsdp_full_shard", world)
+            timings[name, world] = time.perf_counter() - start
+            # No parameter memory: a fp32 shard of even the 7B model on 64 ranks is 420 MB.
+            assert process.memory_info().rss - rss < 150e6, (name, world)
+            assert timings[name, world] < 5, (name, world, timings[name, world])
+            assert result.computed_matches_built and [r.rank for r in result.ranks if r.built] == [0, world - 1]
+            assert len(result.ranks) == world
+            # Every element is owned by exactly one rank (no double counting, nothing lost).
+            assert sum(r.params_elements for r in result.ranks) == spec.params_total
+            row = strategy_row("fsdp_full_shard", spec, Setup(gpus_per_node=world))
+            # The padded storage is the same on every rank and is exactly the formula's s(P) (rows rounded up).
+            assert {r.params_bytes for r in result.ranks} == {row.params_bytes}
+            assert {r.grads_bytes for r in result.ranks} == {row.grads_bytes}
+            # AdamW moments follow the unpadded local shard: rank 0 (a full chunk of every tensor) equals
+            # the formula, which books the padded shard; ranks past the end of an uneven tensor hold less.
+            assert result.ranks[0].optimizer_bytes == row.optimizer_bytes
+            tensors = spec.num_tensors
+            for r in result.ranks:
+                assert r.optimizer_bytes == 8 * r.params_elements + 4 * tensors
+            lightest = min(r.optimizer_bytes for r in result.ranks)
+            compare = dr.compare_rows(result, spec, Setup(gpus_per_node=world))
+            assert compare["ranks"]["max"]["rel_diff"] == {k: 0.0 for k in compare["planned"]}
+            if world == 512:
+                # vocab 32000 = 62.5 x 512: 63-row chunks end at rank 507, so ranks 508-511 own no embedding or
+                # lm_head rows (2 tensors x 63 rows x hidden); Llama-2-7B's MLP width 11008 = 21.5 x 512 also
+                # leaves ranks 501-511 without gate/up rows (2 x 32 layers x 22 rows x 4096). 8 B per element.
+                missing = 2 * 63 * spec.hidden_size + (2 * 32 * 22 * 4096 if name == "llama-2-7b" else 0)
+                assert row.optimizer_bytes - lightest == 8 * missing
+                assert [r.rank for r in result.ranks if r.optimizer_bytes == lightest] == [508, 509, 510, 511]
+            else:  # every dimension divides: all ranks equal, the formula within 0%
+                assert lightest == row.optimizer_bytes
+    print("dry-run seconds:", {f"{n}@{w}": round(t, 2) for (n, w), t in timings.items()})
+
+
+def test_hybrid_shard_mesh_shards_over_a_node_and_agrees_with_the_formula(configs, specs):
+    result = dr.dry_run(configs["mistral-7b"], "fsdp_hybrid_shard", 64, nodes=8)
+    assert result.mesh == (8, 8) and result.shard_degree == 8
+    row = strategy_row("fsdp_hybrid_shard", specs["mistral-7b"], Setup(gpus_per_node=8, nodes=8))
+    assert {r.params_bytes for r in result.ranks} == {row.params_bytes}
+    assert {r.optimizer_bytes for r in result.ranks} == {row.optimizer_bytes}
+    # Replicated across nodes: each element is owned once per node, so 8 times in all.
+    assert sum(r.params_elements for r in result.ranks) == 8 * specs["mistral-7b"].params_total
+    assert result.computed_matches_built
+
+
+def test_cli_dry_run_prints_rows_beside_the_formula_and_says_zero3_is_not_dry_run(capsys):
+    import json
+
+    assert main(["plan", "--model", "llama-2-7b", "--dry-run", "--gpus", "4", "--nodes", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by_name = {r["strategy"]: r for r in out["results"]}
+    assert list(by_name) == ["fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "zero3"]
+    assert by_name["fsdp_full_shard"]["shard_degree"] == 8 and by_name["fsdp_hybrid_shard"]["shard_degree"] == 4
+    for name in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"):
+        assert by_name[name]["ranks"]["max"]["rel_diff"]["model_states_bytes"] == 0.0
+        assert by_name[name]["mesh"] == ([2, 4] if name == "fsdp_hybrid_shard" else [8])
+    # SHARD_GRAD_OP differs from FULL_SHARD only while a step runs: the steady-state shards are the same.
+    assert by_name["fsdp_shard_grad_op"]["per_rank"] == by_name["fsdp_full_shard"]["per_rank"]
+    assert by_name["zero3"]["dry_run"] is None and "not dry-run" in by_name["zero3"]["note"]
+    assert main(["plan", "--model", "mistral-7b", "--dry-run", "--world-size", "8", "--strategy", "zero3",
+                 "--strategy", "fsdp_full_shard"]) == 0
+    text = capsys.readouterr().out
+    assert "fsdp_full_shard formula" in text and "dry run max: rank 0 (built)" in text
+    assert "zero3 dry run" in text and "no meta-device/fake-process-group path" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "10", "--nodes", "4"], "world size 10 does not divide into 4 nodes"),
+    (["--world-size", "8", "--gpus", "3", "--nodes", "2"], "--world-size 8 disagrees with --gpus 3 x --nodes 2"),
+])
+def test_world_size_that_does_not_fit_the_mesh_is_one_line_exit_2(argv, message):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "shardscope", "plan", "--model", "llama-2-7b", "--dry-run", *argv],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"shardscope: error: {proc.stderr.split('error: ', 1)[1].strip()}"]
+    assert message in proc.stderr
+    assert time.perf_counter() - start < 10
