@@ -59,10 +59,11 @@ def accelerate_cpu_overrides(config_file: Path, num_processes: int = 2) -> list[
     return flags
 
 
-def accelerate_launch(config_file, script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
+def accelerate_launch(config_file, script, script_args, output_dir, num_processes=2, timeout=600,
+                      launcher_args=()) -> Run:
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
-           *accelerate_cpu_overrides(config_file, num_processes), str(script), *map(str, script_args),
-           "--output_dir", str(output_dir)]
+           *accelerate_cpu_overrides(config_file, num_processes), *map(str, launcher_args), str(script),
+           *map(str, script_args), "--output_dir", str(output_dir)]
     return _run(cmd, output_dir, timeout)
 
 

@@ -60,9 +60,13 @@ SFT_RUNS = {  # name -> (launcher, config, extra args)
     "lora_fsdp": ("accelerate", "fsdp_full_shard", ["--use_lora", "true", "--learning_rate", "1e-2",
                                                     "--gradient_checkpointing", "true"]),
 }
-IMAGE_RUNS = {
-    "ddp": ("ddp", []),
-    "zero3_frozen": ("zero3", ["--freeze_backbone", "true", "--learning_rate", "1e-2"]),
+IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
+    "ddp": ("ddp", [], []),
+    "zero2": ("zero2", [], []),
+    # accelerate 1.15's FSDP2 auto-wrap from `_no_split_modules` wraps Dinov2Embeddings, then shards its
+    # patch embeddings a second time ("value was None" in DeviceMesh): name the layer class instead.
+    "fsdp": ("fsdp_full_shard", [], ["--fsdp_transformer_layer_cls_to_wrap", "Dinov2Layer"]),
+    "zero3_frozen": ("zero3", ["--freeze_backbone", "true", "--learning_rate", "1e-2"], []),
 }
 
 
@@ -87,10 +91,11 @@ def runs(tmp_path_factory, sft_assets, image_assets):
                 run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(
                     sft_assets, *extra, "--resume_from_checkpoint", first.output_dir / f"checkpoint-{SAVE_AT}"), out)
             else:
-                config, extra = IMAGE_RUNS[name]
+                config, extra, launcher_args = IMAGE_RUNS[name]
                 run = accelerate_launch(ACC / f"{config}.yaml", IMAGE, [
                     "--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path", image_assets["model"],
-                    "--dataset", image_assets["data"], "--save_final_logits", "true", *extra], out)
+                    "--dataset", image_assets["data"], "--save_final_logits", "true", *extra], out,
+                    launcher_args=launcher_args)
             cache[(kind, name)] = run.check()
         return cache[(kind, name)]
 
@@ -229,7 +234,8 @@ def eval_history(output_dir: Path) -> list[tuple[int, float, float]]:
     return [(e["step"], e["eval_accuracy"], e["eval_loss"]) for e in history if "eval_accuracy" in e]
 
 
-@pytest.mark.parametrize("name,kind", [("ddp", "MULTI_CPU"), ("zero3_frozen", "DEEPSPEED")])
+@pytest.mark.parametrize("name,kind", [("ddp", "MULTI_CPU"), ("zero2", "DEEPSPEED"), ("fsdp", "FSDP"),
+                                       ("zero3_frozen", "DEEPSPEED")])
 def test_dinov2_learns_and_reloads(runs, name, kind):
     run = runs("image", name)
     assert {(line["world_size"], line["distributed_type"]) for line in run_lines(run)} == {("2", kind)}

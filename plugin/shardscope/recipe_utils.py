@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -102,12 +103,18 @@ def load_yaml_config(path: str) -> dict:
 
 
 def run(main) -> None:
-    """Call `main()`; a `UsageError` becomes one line on stderr and exit code 2."""
+    """Call `main()`; a `UsageError` becomes one line on stderr and exit code 2.
+
+    Then collect `main()`'s garbage (its datasets and Trainer) while pyarrow is still alive: Arrow
+    threads that survive into Python's final teardown abort the process ("terminate called without an
+    active exception", huggingface/datasets#7566, apache/arrow#45214) after everything was saved.
+    """
     try:
         main()
     except UsageError as error:
         print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    gc.collect()
 
 
 @dataclass
