@@ -16,6 +16,12 @@ class FakeClock:
         self.now += seconds
 
 
+def timed_step(window, clock, seconds, pause_after=False):
+    window.step_begin()
+    clock.tick(seconds)
+    window.step_end(pause_after=pause_after)
+
+
 def padded_batch(lengths, width):
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for row, n in enumerate(lengths):
@@ -79,31 +85,21 @@ def test_uneven_last_batch_counts_real_samples():
 def test_evaluation_gap_is_excluded_and_data_loading_is_not():
     clock = FakeClock()
     window = ThroughputWindow(clock)
-    window.step_begin()
-    clock.tick(1.0)
-    window.step_end()
+    timed_step(window, clock, 1.0)
     clock.tick(0.25)  # data loading for the next step: counted
-    window.step_begin()
-    clock.tick(1.0)
-    window.step_end(pause_after=True)
+    timed_step(window, clock, 1.0, pause_after=True)
     clock.tick(30.0)  # evaluation and checkpointing: not counted
-    window.step_begin()
-    clock.tick(1.0)
-    window.step_end()
+    timed_step(window, clock, 1.0)
     assert window.totals().seconds == pytest.approx(3.25)
 
 
 def test_reset_starts_a_new_window_without_losing_the_anchor():
     clock = FakeClock()
     window = ThroughputWindow(clock)
-    window.step_begin()
-    clock.tick(2.0)
-    window.step_end()
+    timed_step(window, clock, 2.0)
     window.reset()
-    clock.tick(1.0)
-    window.step_begin()
-    clock.tick(1.0)
-    window.step_end()
+    clock.tick(1.0)  # the gap since the last step still belongs to the next one
+    timed_step(window, clock, 1.0)
     assert window.totals().seconds == pytest.approx(2.0)
 
 
