@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 from shardscope.errors import UsageError
 from shardscope.recipe_utils import (
-    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, check_causal_lm, describe_run, end_of_run, gather_full_state_dict_on_save, load_config, load_dataset_checked,
-    prepare_sft_dataset, RecipeTrainingArguments, run, save_final_logits,
+    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, RecipeTrainingArguments, check_causal_lm, describe_run, load_config,
+    load_dataset_checked, prepare_sft_dataset, run, save_outputs,
 )
 
 
@@ -116,14 +116,8 @@ def main():
     trainer.save_state()
 
     # --- Save (ZeRO-3 gathers 16-bit weights, FSDP a full state dict; LoRA saves adapters only) ---
-    if script_args.save_final_logits:
-        batch = collator([train_dataset[i] for i in range(min(4, len(train_dataset)))])
-        save_final_logits(trainer, batch, f"{training_args.output_dir}/final_logits.pt")
-    gather_full_state_dict_on_save(trainer)
-    trainer.save_model()
-    if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(training_args.output_dir)
-    end_of_run()
+    batch = collator([train_dataset[i] for i in range(min(4, len(train_dataset)))])
+    save_outputs(trainer, tokenizer, batch if script_args.save_final_logits else None)
 
 
 if __name__ == "__main__":

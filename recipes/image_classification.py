@@ -19,8 +19,8 @@ import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
 from shardscope.recipe_utils import (
-    RecipeParser, RecipeTrainer, RecipeTrainingArguments, accuracy, check_dinov2, collate_images, describe_run, end_of_run, gather_full_state_dict_on_save,
-    image_transform, load_config, load_image_dataset, run, save_final_logits,
+    RecipeParser, RecipeTrainer, RecipeTrainingArguments, accuracy, check_dinov2, collate_images, describe_run,
+    image_transform, load_config, load_image_dataset, run, save_outputs,
 )
 
 
@@ -105,14 +105,8 @@ def main():
     trainer.save_state()
 
     # --- Save (ZeRO-3 gathers 16-bit weights, FSDP a full state dict) ---
-    if script_args.save_final_logits:
-        batch = collate_images([eval_data[i] for i in range(min(4, len(eval_data)))])
-        save_final_logits(trainer, batch, f"{training_args.output_dir}/final_logits.pt")
-    gather_full_state_dict_on_save(trainer)
-    trainer.save_model()
-    if trainer.is_world_process_zero():
-        processor.save_pretrained(training_args.output_dir)
-    end_of_run()
+    batch = collate_images([eval_data[i] for i in range(min(4, len(eval_data)))])
+    save_outputs(trainer, processor, batch if script_args.save_final_logits else None)
 
 
 if __name__ == "__main__":

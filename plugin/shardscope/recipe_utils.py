@@ -365,6 +365,20 @@ def accuracy(eval_pred) -> dict:
 # --- End of training ---------------------------------------------------------------------------------
 
 
+def save_outputs(trainer, processor, logits_batch: dict | None = None) -> None:
+    """Save the trained model (ZeRO-3 gathers 16-bit weights, FSDP a full state dict, LoRA adapters only)
+    with its tokenizer or image processor; with `logits_batch`, also the final logits on it (for reload
+    checks); then end the distributed run."""
+    out = trainer.args.output_dir
+    if logits_batch is not None:
+        save_final_logits(trainer, logits_batch, f"{out}/final_logits.pt")
+    gather_full_state_dict_on_save(trainer)
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        processor.save_pretrained(out)
+    end_of_run()
+
+
 def save_final_logits(trainer, batch: dict, path: str | Path) -> None:
     """Run the trained (wrapped: DDP/FSDP/DeepSpeed) model on `batch` on every rank; rank 0 saves the logits.
 
