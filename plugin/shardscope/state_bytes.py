@@ -42,12 +42,6 @@ class StateBytes:
     def total(self, category: str) -> int:
         return sum(self.by_device[category].values())
 
-    def as_dict(self) -> dict:
-        out = {f"{c}_bytes": self.total(c) for c in CATEGORIES}
-        out["trainable_params_bytes"] = self.trainable_params
-        out["bytes_by_device"] = {c: dict(self.by_device[c]) for c in CATEGORIES}
-        return out
-
 
 def local_tensor(tensor):
     """The part of `tensor` stored on this rank: a DTensor's local shard, or the tensor itself."""

@@ -1,9 +1,6 @@
 """Name the distributed strategy a run is using, with the same names as the shipped configs."""
 from __future__ import annotations
 
-STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload",
-                  "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_no_shard", "fsdp_offload")
-
 
 def detect_strategy() -> dict:
     """Read accelerate's live state: `{"strategy": NAME, "world_size": N, ...details}`.
