@@ -11,6 +11,8 @@ Data: a hub dataset (default `yahma/alpaca-cleaned`) or a local .json/.jsonl fil
 `output` and optionally `input` columns. The prompt (Alpaca template) is masked out of the loss (-100);
 only the response and EOS train. `--packing` concatenates examples into `max_seq_length` blocks.
 Full fine-tuning by default; `--use_lora` trains PEFT LoRA adapters and saves only those.
+Tensor parallelism (TP) and 2D FSDP2 x TP: launch with accelerate_configs/tp.yaml, fsdp_tp.yaml or
+hsdp_tp.yaml (or pass `--tp_size N` under torchrun); transformers shards the model while loading it.
 Any `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`...).
 """
 from dataclasses import dataclass, field
@@ -20,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 from shardscope.errors import UsageError
 from shardscope.recipe_utils import (
-    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, RecipeTrainingArguments, check_causal_lm, describe_run, load_config,
-    load_dataset_checked, prepare_sft_dataset, run, save_outputs,
+    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, RecipeTrainingArguments, check_causal_lm, describe_run,
+    compact_tp_shards, distributed_config, load_config, load_dataset_checked, prepare_sft_dataset, run, save_outputs,
+    tensor_parallel_mesh,
 )
 
 
@@ -52,6 +55,9 @@ class ModelArguments:
     lora_r: int = field(default=16)
     lora_alpha: int = field(default=32)
     lora_dropout: float = field(default=0.05)
+    tp_size: int | None = field(default=None, metadata={
+        "help": "Tensor-parallel degree; default: the launcher config's parallelism_config_tp_size, else 1. "
+                "The other ranks shard the TP pieces with FSDP2 (world = dp_replicate x dp_shard x tp)"})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
                                            metadata={"help": "Module names, or all-linear"})
 
@@ -66,6 +72,10 @@ def main():
         raise UsageError("model_name_or_path is required (YAML key or --model_name_or_path)")
     config = load_config(model_args.model_name_or_path)
     check_causal_lm(config, model_args.model_name_or_path)
+    mesh = tensor_parallel_mesh(config, model_args.model_name_or_path, model_args.tp_size)
+    if mesh and model_args.use_lora:
+        raise UsageError("--use_lora with tensor parallelism is not supported by this recipe (PEFT adapters on "
+                         "DTensor-sharded layers); use FSDP or DeepSpeed for LoRA")
     raw = load_dataset_checked(script_args.dataset, script_args.dataset_split, ALPACA_REQUIRED,
                                script_args.dataset_config)
     if script_args.max_train_samples:
@@ -74,6 +84,11 @@ def main():
     # --- Training arguments (this initialises the process group) ---
     training_args = parser.training_args()
     set_seed(training_args.seed)
+    if mesh and training_args.save_strategy != "no" and not training_args.save_only_model:
+        # transformers cannot checkpoint the optimizer of a model sharded while loading (DistributedConfig)
+        training_args.save_only_model = True
+        if training_args.process_index == 0:
+            print("[shardscope] tensor parallel: checkpoints hold the model only (save_only_model)", flush=True)
 
     # --- Tokenizer and data ---
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
@@ -86,7 +101,10 @@ def main():
     # --- Model (after TrainingArguments, so ZeRO-3 partitions it while loading) ---
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype,
-                                                 attn_implementation=model_args.attn_implementation)
+                                                 attn_implementation=model_args.attn_implementation,
+                                                 distributed_config=distributed_config(mesh) if mesh else None)
+    if mesh:
+        compact_tp_shards(model)
     if training_args.gradient_checkpointing:
         model.config.use_cache = False
     if model_args.use_lora:

@@ -21,7 +21,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from . import __version__
 from .memory import read_memory, reset_peak
 from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
-from .strategy import detect_strategy
+from .strategy import detect_strategy, num_nodes
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
 
@@ -54,11 +54,16 @@ class ShardingProfilerCallback(TrainerCallback):
     | shardscope/grads_bytes_{min,max,mean} | gradient storage at the optimizer step (incl. ZeRO partition buffers) |
     | shardscope/optimizer_bytes_{min,max,mean} | optimizer state incl. fp32 master copies (DeepSpeed) |
     | shardscope/peak_memory_bytes_{min,max,mean} | CUDA max allocated in the interval, or CPU peak RSS of the process |
-    | shardscope/samples_per_s | all ranks' samples per second over the interval (global) |
-    | shardscope/tokens_per_s | all ranks' non-padding tokens per second (global); absent when inputs carry no tokens |
-    | shardscope/tokens_per_s_per_device_{min,max,mean} | the same per rank |
+    | shardscope/samples_per_s | samples per second over the interval, all data-parallel replicas (global) |
+    | shardscope/tokens_per_s | non-padding tokens per second, all replicas (global); absent when inputs carry no tokens |
+    | shardscope/tokens_per_s_per_device_{min,max,mean} | tokens per second of the replica each rank works on |
     | shardscope/tflops_per_device_{min,max,mean} | model TFLOP/s per rank, convention in `throughput.FLOPS_CONVENTION` |
     | shardscope/mfu_{min,max,mean} | TFLOP/s over the device's dense peak; absent when the peak is unknown (CPU) |
+
+    Under tensor parallelism the `tp` ranks of a group all see the same batch and each does 1/tp of
+    its FLOPs: a rank's tokens/s is its replica's (the honest unit: a TP group is one data-parallel
+    replica), global samples/s and tokens/s count each replica once (sum over ranks / tp), and
+    TFLOP/s per device is the replica's FLOPs / tp. The summary's `mesh` gives the degrees.
 
     Time covers whole gradient-accumulation cycles including data loading, excluding evaluation and
     checkpointing. Nothing here may stop training: a measurement that fails is warned about once
@@ -90,7 +95,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._run_before_reporters()
         self._device = torch.device(args.device)
         with self._guard("strategy"):
-            self.preflight.update(detect_strategy())
+            self.preflight.update(detect_strategy(_unwrap(model)))
         with self._guard("parameter counts"):
             if self._flops_model is None:
                 self._flops_model = _flops_model(model)
@@ -117,7 +122,7 @@ class ShardingProfilerCallback(TrainerCallback):
         if not self._is_measure_step(state.global_step, state):
             return
         ranks = self._measure_all_ranks(model, optimizer, self._interval)
-        self._pending = _log_metrics(ranks)
+        self._pending = _log_metrics(ranks, self._tp)
         self._interval.reset()
         with self._guard("peak memory"):
             reset_peak(self._device)
@@ -198,7 +203,7 @@ class ShardingProfilerCallback(TrainerCallback):
             samples, tokens, seq_len = batch_counts(args, kwargs, patch_size)
             flops = None
             if tokens is not None and self._flops_model is not None:
-                flops = tokens * self._flops_model.per_token(seq_len)
+                flops = tokens * self._flops_model.per_token(seq_len) / self._tp  # a TP rank's share
             self._windows_call("add_batch", samples, tokens, flops)
 
     # --- Helpers ------------------------------------------------------------------------------------
@@ -215,6 +220,11 @@ class ShardingProfilerCallback(TrainerCallback):
             torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
         for window in (self._interval, self._run):
             getattr(window, method)(*args, **kwargs)
+
+    @property
+    def _tp(self) -> int:
+        """Tensor-parallel degree of the run (1 without TP)."""
+        return (self.preflight.get("mesh") or {}).get("tp", 1)
 
     def _is_measure_step(self, step: int, state) -> bool:
         every = self.every_n_steps or state.logging_steps or 1
@@ -238,7 +248,7 @@ class ShardingProfilerCallback(TrainerCallback):
         from .planner import Setup, estimate, gb, spec_from_config
 
         strategy = self.preflight.get("strategy")
-        world, nodes = self.preflight.get("world_size", 1), _num_nodes()
+        world, nodes = self.preflight.get("world_size", 1), num_nodes()
         precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
         setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision, seq_len=0,
                       micro_batch=args.per_device_train_batch_size,
@@ -262,10 +272,12 @@ class ShardingProfilerCallback(TrainerCallback):
         return {
             "shardscope_version": __version__,
             "strategy": self.preflight.get("strategy"),
-            "strategy_detail": {k: v for k, v in self.preflight.items() if k not in ("strategy", "world_size", "plan")},
+            "strategy_detail": {k: v for k, v in self.preflight.items()
+                                if k not in ("strategy", "world_size", "plan", "mesh")},
+            "mesh": self.preflight.get("mesh"),
             "preflight_plan": self.preflight.get("plan"),
             "world_size": self.preflight.get("world_size", len(ranks)),
-            "num_nodes": _num_nodes(),
+            "num_nodes": num_nodes(),
             "model": self.model_facts,
             "device": device,
             "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
@@ -350,14 +362,6 @@ def _flops_model(model):
                       trainable_total)
 
 
-def _num_nodes() -> int:
-    """Nodes in the run, from the launcher's environment (world size / local world size)."""
-    import os
-
-    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-    return max(1, world // local) if local else 1
-
-
 def _full_numel(p) -> int:
     if hasattr(p, "ds_numel"):  # DeepSpeed ZeRO-3 partitioned parameter
         return p.ds_numel
@@ -382,8 +386,9 @@ def _all_gather(values: dict, device: torch.device) -> list[dict]:
     return [dict(zip(RANK_FIELDS, t.tolist())) for t in gathered]
 
 
-def _log_metrics(ranks: list[dict]) -> dict:
-    """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s."""
+def _log_metrics(ranks: list[dict], tp: int = 1) -> dict:
+    """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s (each of the
+    `tp` ranks of a tensor-parallel group counts its shared batch: the group's replica counts once)."""
     flat = [{**{k: v for k, v in r.items() if k != "throughput"}, **r["throughput"]} for r in ranks]
     metrics = {}
     for key in REDUCED:
@@ -395,7 +400,7 @@ def _log_metrics(ranks: list[dict]) -> dict:
     for key in ("samples_per_s", "tokens_per_s"):
         values = [r[key] for r in flat if r.get(key) is not None]
         if values:
-            metrics[f"{PREFIX}{key}"] = sum(values)
+            metrics[f"{PREFIX}{key}"] = sum(values) / tp
     return metrics
 
 

@@ -389,20 +389,20 @@ def _check_launch(path: Path, loaded, problems: list[str]):
     try:
         # port 0: pick a free port, so validation never depends on (or probes) the configured one
         args = launch_args(path, "--main_process_port", "0")
-        if not (args.use_fsdp or args.use_deepspeed):
+        if not (args.use_fsdp or args.use_deepspeed or args.use_parallelism_config):
             return
         env = launch_env(args)
         with patch_environment(**{k: v for k, v in env.items() if os.environ.get(k) != v}):
+            if args.use_parallelism_config:  # HSDP / TP meshes: accelerate's own checks, then every process covered
+                from accelerate.parallelism_config import ParallelismConfig
+
+                mesh = ParallelismConfig()
+                if mesh.total_size != args.num_processes:
+                    problems.append(f"parallelism_config: dp_replicate_size x dp_shard_size x tp_size x ... = "
+                                    f"{mesh.total_size}, but num_processes is {args.num_processes}")
             if args.use_fsdp:
                 _fsdp_plugin()
-                if args.use_parallelism_config:  # FSDP2 HSDP: the mesh must cover every process
-                    from accelerate.parallelism_config import ParallelismConfig
-
-                    mesh = ParallelismConfig()
-                    if mesh.total_size != args.num_processes:
-                        problems.append(f"parallelism_config: dp_replicate_size x dp_shard_size x ... = "
-                                        f"{mesh.total_size}, but num_processes is {args.num_processes}")
-            else:
+            elif args.use_deepspeed:
                 plugin = DeepSpeedPlugin()
                 _check_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
     except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as error:

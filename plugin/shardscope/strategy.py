@@ -1,28 +1,62 @@
 """Name the distributed strategy a run is using, with the same names as the shipped configs."""
 from __future__ import annotations
 
+TP_STRATEGIES = {(False, False): "tp", (True, False): "fsdp_tp", (True, True): "hsdp_tp"}  # (shards, replicates)
 
-def detect_strategy() -> dict:
-    """Read accelerate's live state: `{"strategy": NAME, "world_size": N, ...details}`.
+
+def detect_strategy(model=None) -> dict:
+    """Read accelerate's live state (and the model's own mesh): `{"strategy": NAME, "world_size": N,
+    "mesh": {"dp_replicate": R, "dp_shard": S, "tp": T}, ...details}`.
 
     Call it after the Trainer has built its Accelerator. The name says what was configured; the
-    per-rank byte counts in the profiler summary show whether it really sharded.
+    per-rank byte counts in the profiler summary show whether it really sharded. `mesh` gives the
+    degrees the ranks are split into: data-parallel replicas x data-parallel shards x tensor-parallel.
+    A model sharded while loading (transformers `DistributedConfig`) carries its mesh in its config.
     """
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     if not PartialState._shared_state:
-        return {"strategy": "single", "world_size": 1}
+        return {"strategy": "single", "world_size": 1, "mesh": _mesh(1, 1, 1)}
     state = AcceleratorState()
     world_size = state.num_processes
     kind = state.distributed_type
+    loaded = getattr(getattr(model, "config", None), "distributed_config", None)
+    pc = state.parallelism_config
+    if loaded is not None and loaded.tp_size > 1:
+        mesh = _mesh(loaded.dp_replicate_size, loaded.fsdp_size, loaded.tp_size)
+    elif pc is not None and pc.tp_size > 1:
+        mesh = _mesh(pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size)
+    else:
+        mesh = None
+    if mesh is not None:
+        name = TP_STRATEGIES[(mesh["dp_shard"] > 1, mesh["dp_replicate"] > 1)]
+        return {"strategy": name, "world_size": world_size, "mesh": mesh,
+                "sharded_by": "transformers DistributedConfig" if loaded is not None else "accelerate"}
     if kind == DistributedType.DEEPSPEED:
-        return {"world_size": world_size, **_deepspeed_details(state.deepspeed_plugin)}
+        return {"world_size": world_size, "mesh": _mesh(1, world_size, 1), **_deepspeed_details(state.deepspeed_plugin)}
     if kind == DistributedType.FSDP:
-        return {"world_size": world_size, **_fsdp_details(state.fsdp_plugin, state.parallelism_config)}
+        details = _fsdp_details(state.fsdp_plugin, pc)
+        replicate = 1
+        if details["sharding_strategy"] == "HYBRID_SHARD":  # FSDP2: the mesh; FSDP1: shards within each node
+            replicate = pc.dp_replicate_size if pc is not None and pc.dp_replicate_size > 1 else num_nodes()
+        return {"world_size": world_size, "mesh": _mesh(replicate, world_size // replicate, 1), **details}
     if world_size > 1:
-        return {"strategy": "ddp", "world_size": world_size, "distributed_type": str(kind.value)}
-    return {"strategy": "single", "world_size": world_size}
+        return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
+                "distributed_type": str(kind.value)}
+    return {"strategy": "single", "world_size": world_size, "mesh": _mesh(1, 1, 1)}
+
+
+def num_nodes() -> int:
+    """Nodes in the run, from the launcher's environment (world size / local world size)."""
+    import os
+
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    return max(1, world // local) if local else 1
+
+
+def _mesh(dp_replicate: int, dp_shard: int, tp: int) -> dict:
+    return {"dp_replicate": int(dp_replicate), "dp_shard": int(dp_shard), "tp": int(tp)}
 
 
 def _deepspeed_details(plugin) -> dict:

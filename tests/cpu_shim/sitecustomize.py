@@ -12,6 +12,12 @@ optimizer, checkpointing) is the real library, so what the tests measure is what
 2. DeepSpeed launcher: with no accelerator accelerate picks no process-group backend, so the Trainer sees
    world size 1 while DeepSpeed (which falls back to gloo) sees 2 and asserts on the batch size. We
    hand accelerate the backend DeepSpeed itself uses on CPU, gloo.
+3. Tensor parallelism: `ParallelismConfig._validate_accelerator` accepts a mesh only when
+   `Accelerator.multi_device` is true, and that property lists the GPU-family types but not MULTI_CPU,
+   so a TP or FSDP x TP run on CPU stops at `Trainer(...)` although torch's DTensor TP works on gloo.
+   We count MULTI_CPU as multi-device when a parallelism config spans several ranks. The sharding itself
+   is transformers' (`from_pretrained(distributed_config=...)`) and the Trainer skips accelerate's
+   wrapping for such a model either way, so nothing about what the tests measure changes.
 """
 import os
 
@@ -57,9 +63,24 @@ def _patch_deepspeed_backend():
     PartialState._prepare_backend = prepare_backend_gloo
 
 
+def _patch_parallelism_config():
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    original = Accelerator.multi_device.fget
+
+    def multi_device(self):
+        pc = self.state.parallelism_config
+        cpu_mesh = self.distributed_type == DistributedType.MULTI_CPU and pc is not None and pc.total_size > 1
+        return original(self) or cpu_mesh
+
+    Accelerator.multi_device = property(multi_device)
+
+
 if "LOCAL_RANK" in os.environ:  # a launched rank (accelerate launch, torchrun, deepspeed)
     import torch
 
     if not torch.cuda.is_available():
         _patch_fsdp()  # acts only when accelerate built an FSDP plugin (config, env or TrainingArguments)
         _patch_deepspeed_backend()
+        _patch_parallelism_config()  # acts only when a parallelism config spans several ranks
