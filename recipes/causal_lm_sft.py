@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 from shardscope.errors import UsageError
 from shardscope.recipe_utils import (
-    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, RecipeTrainingArguments, check_causal_lm, describe_run,
-    compact_tp_shards, distributed_config, load_config, load_dataset_checked, prepare_sft_dataset, run, save_outputs,
-    tensor_parallel_mesh,
+    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, RecipeTrainingArguments, check_causal_lm, compact_tp_shards,
+    describe_run, distributed_config, load_config, load_dataset_checked, prepare_sft_dataset, run, save_outputs,
+    tensor_parallel_mesh, tensor_parallel_training_args,
 )
 
 
@@ -84,11 +84,8 @@ def main():
     # --- Training arguments (this initialises the process group) ---
     training_args = parser.training_args()
     set_seed(training_args.seed)
-    if mesh and training_args.save_strategy != "no" and not training_args.save_only_model:
-        # transformers cannot checkpoint the optimizer of a model sharded while loading (DistributedConfig)
-        training_args.save_only_model = True
-        if training_args.process_index == 0:
-            print("[shardscope] tensor parallel: checkpoints hold the model only (save_only_model)", flush=True)
+    if mesh:
+        tensor_parallel_training_args(training_args, mesh)
 
     # --- Tokenizer and data ---
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path)

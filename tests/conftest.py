@@ -17,6 +17,14 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def sft_assets(tmp_path_factory):
+    """Alpaca JSON + a tiny Llama with its byte-level tokenizer (shardscope.tiny), for recipe runs."""
+    from shardscope.tiny import make_sft_assets
+
+    return make_sft_assets(tmp_path_factory.mktemp("sft_assets"), "llama", n=256)
+
+
 # Models the strategy runs use, by name: (family, config sizes on top of shardscope.tiny's defaults).
 STRATEGY_MODELS = {
     # bytes mostly in tensors above ZeRO-3's persistence threshold, so ZeRO-3 really shards them

@@ -1,7 +1,8 @@
 """The shipped configs: catalogue, validation by the consuming libraries, the CLI, multi-node launcher
-arguments, the SLURM script, and one real launch each of an FSDP2 and a DeepSpeed yaml.
+arguments and the SLURM script.
 
-The per-strategy sharding checks live in test_strategies.py.
+Real launches of every single-node config live in test_strategies.py (sharding) and
+test_tensor_parallel.py (TP, FSDP x TP); checkpoints and resume in test_recipes.py.
 """
 import importlib.util
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import ROOT, accelerate_launch, free_port
+from launch import ROOT, free_port
 from shardscope.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
                                 validate_config)
 from shardscope.errors import UsageError
@@ -27,7 +28,7 @@ SHIPPED = sorted(
     + [(p, "deepspeed") for p in (ROOT / "ds_configs").rglob("*.json")]
     + [(p, "fsdp") for p in (ROOT / "fsdp_configs").rglob("*.json")]
 )
-MULTINODE = ["ddp_multinode", "fsdp_hybrid_shard", "zero3_multinode"]
+MULTINODE = ["ddp_multinode", "fsdp_hybrid_shard", "hsdp_tp", "zero3_multinode"]
 
 
 def rel(path):
@@ -249,6 +250,8 @@ def test_multinode_launcher_arguments(name, machine_rank):
         assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "8")
     else:
         assert "ACCELERATE_USE_FSDP" not in env and "ACCELERATE_USE_DEEPSPEED" not in env
+    if name == "hsdp_tp":  # replicas = nodes; shard x tp = GPUs per node; the recipe reads these
+        assert [env[f"PARALLELISM_CONFIG_{k}_SIZE"] for k in ("DP_REPLICATE", "DP_SHARD", "TP")] == ["2", "2", "4"]
 
 
 STUBS = {
@@ -298,33 +301,3 @@ def test_slurm_script_derives_launcher_flags(tmp_path):
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
     proc = run_sbatch(tmp_path, "x.yaml", "train.py")
     assert proc.returncode != 0 and "SLURM_NNODES" in proc.stderr and proc.stdout == ""
-
-
-# ----------------------------------------------------------------------------- real launches
-
-
-@pytest.mark.launch
-def test_shipped_fsdp2_and_deepspeed_yamls_launch(tiny_llama, tmp_path):
-    """Two shipped yamls run for real (2 CPU ranks) and save a full model; sharding is test_strategies' job.
-
-    The checkpoint files are written by the libraries themselves: a DDP fallback would write optimizer.pt
-    and no FSDP or DeepSpeed files."""
-    from safetensors import safe_open
-
-    worker = ROOT / "tests" / "workers" / "train_tiny.py"
-    worker_args = ["--use_cpu", "--max_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
-                   "--model", tiny_llama]
-    strategy_files = {
-        "fsdp_full_shard": ["pytorch_model_fsdp.bin", "optimizer.bin"],  # accelerate's FSDP save_state
-        "zero3": [f"global_step2/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)],  # DeepSpeed engine
-    }
-    for name, files in strategy_files.items():
-        accelerate_launch(find_config(name).path, worker, worker_args, tmp_path / name).check()
-        checkpoint = tmp_path / name / "checkpoint-2"
-        for file in files + ["rng_state_0.pth", "rng_state_1.pth"]:
-            assert (checkpoint / file).is_file(), f"{name}: {file} missing from {sorted(os.listdir(checkpoint))}"
-        assert not (checkpoint / "optimizer.pt").exists()
-        # FSDP2 FULL_STATE_DICT / zero3_save_16bit_model: a whole model, not per-rank shards
-        with safe_open(checkpoint / "model.safetensors", "pt") as saved:
-            assert saved.get_slice("model.embed_tokens.weight").get_shape() == [512, 64]
-            assert len(list(saved.keys())) == 21

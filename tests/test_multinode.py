@@ -10,7 +10,6 @@ import math
 import socket
 import time
 
-import pytest
 from launch import ROOT, accelerate_multinode_launch
 
 from shardscope.configs import find_config

@@ -9,7 +9,6 @@ Runs use the shipped demo YAMLs shrunk by command-line overrides, like users' ow
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from launch import ROOT, Run, accelerate_launch, cpu_env, deepspeed_launch
+from recipe_checks import losses, param_count, reload_logits, run_lines
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
 IMAGE = ROOT / "recipes" / "image_classification.py"
@@ -26,13 +26,6 @@ STEPS, SAVE_AT = 12, 6
 
 
 # --- Assets and launched runs (session-scoped: each run starts once) ----------------------------------
-
-
-@pytest.fixture(scope="session")
-def sft_assets(tmp_path_factory):
-    from shardscope.tiny import make_sft_assets
-
-    return make_sft_assets(tmp_path_factory.mktemp("sft_assets"), "llama", n=256)
 
 
 @pytest.fixture(scope="session")
@@ -100,45 +93,6 @@ def runs(tmp_path_factory, sft_assets, image_assets):
         return cache[(kind, name)]
 
     return get
-
-
-def losses(output_dir: Path) -> dict[int, float]:
-    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
-    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
-
-
-def run_lines(run: Run) -> list[dict]:
-    """The recipe's `[shardscope] rank=.. world_size=..` lines, one per rank, parsed."""
-    lines = [line[line.index("[shardscope] rank="):] for line in run.output.splitlines() if "[shardscope] rank=" in line]
-    return [dict(item.split("=", 1) for item in line.split()[1:]) for line in lines]
-
-
-def reload_logits(output_dir: Path, base_model: Path | None = None):
-    """Logits of the saved model (or base + saved LoRA adapter) on the batch the recipe logged at the end."""
-    saved = torch.load(Path(output_dir) / "final_logits.pt")
-    batch = {k: v for k, v in saved["batch"].items() if k != "labels"}
-    if base_model is not None:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), output_dir)
-    elif "pixel_values" in batch:
-        from transformers import Dinov2ForImageClassification
-
-        model = Dinov2ForImageClassification.from_pretrained(output_dir)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(output_dir)
-    with torch.no_grad():
-        return model.eval()(**batch).logits, saved["logits"]
-
-
-def param_count(folder: Path) -> int:
-    from safetensors import safe_open
-
-    with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 # --- Causal LM: every strategy end to end ---------------------------------------------------------------

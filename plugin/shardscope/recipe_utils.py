@@ -268,6 +268,26 @@ def distributed_config(mesh: dict):
     return DistributedConfig(tp_size=mesh["tp"], fsdp_size=mesh["dp_shard"], dp_replicate_size=mesh["dp_replicate"])
 
 
+def tensor_parallel_training_args(training_args, mesh: dict) -> None:
+    """Adjust `TrainingArguments` for a model sharded while loading (call before building the Trainer).
+
+    - transformers cannot checkpoint the optimizer of such a model: checkpoints hold the model only.
+    - transformers 5.23's Trainer sets accelerate's `ParallelismConfig(tp_size, dp_shard_size=all
+      data-parallel ranks)` but leaves `dp_replicate_size` to the launcher's environment, so under
+      HSDP x TP the replicas count twice ("Mesh should not be bigger than default world size"). We give
+      accelerate one data-parallel dimension (it only splits batches with it); the model keeps its own
+      replicate x shard x tp mesh.
+    """
+    from accelerate import ParallelismConfig
+
+    if training_args.save_strategy != "no" and not training_args.save_only_model:
+        training_args.save_only_model = True
+        if training_args.process_index == 0:
+            print("[shardscope] tensor parallel: checkpoints hold the model only (save_only_model)", flush=True)
+    training_args.parallelism_config = ParallelismConfig(
+        dp_replicate_size=1, dp_shard_size=mesh["dp_replicate"] * mesh["dp_shard"], tp_size=mesh["tp"])
+
+
 def compact_tp_shards(model) -> int:
     """Copy tensor-parallel shards that are views of a whole checkpoint tensor; return the bytes freed.
 
