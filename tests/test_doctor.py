@@ -161,6 +161,24 @@ def test_zero_offload_without_a_way_to_build_cpu_adam(tmp_path, monkeypatch):
     assert "DeepSpeedCPUAdam" in f.problem and "no-such-compiler" in f.problem
 
 
+def test_tensor_parallel_degree_the_model_cannot_take(tmp_path):
+    from transformers import Dinov2Config, MistralConfig
+
+    key = "parallelism_config.parallelism_config_tp_size"
+    MistralConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=4).save_pretrained(tmp_path / "mistral_12_4")
+    f = only(run(accelerate_config=SHIPPED["tp.yaml"], model=str(tmp_path / "mistral_12_4")), "tp-degree", key)
+    assert f.problem == "8 does not divide the model's attention heads (num_attention_heads 12, num_key_value_heads 4)"
+    assert f.fix == "use a tp_size in 1, 2, 4"
+    assert run(accelerate_config=SHIPPED["fsdp_tp.yaml"], model=str(tmp_path / "mistral_12_4")) == []  # tp 4
+    Dinov2Config().save_pretrained(tmp_path / "dinov2")
+    f = only(run(accelerate_config=SHIPPED["fsdp_tp.yaml"], model=str(tmp_path / "dinov2")), "tp-degree", key)
+    assert "no tensor-parallel plan" in f.problem
+    sft = ROOT / "recipes" / "causal_lm_sft.py"
+    f = only(run(str(sft), "--config", str(ROOT / "recipes/llama/llama2_7b_full.yaml"), "--use_lora", "true",
+                 accelerate_config=SHIPPED["tp.yaml"], model="llama-2-7b"), "tp-degree", key)
+    assert "LoRA" in f.problem
+
+
 def test_library_loader_problems_are_findings():
     findings = run(deepspeed=ROOT / "tests" / "fixtures" / "bad_configs" / "ds_bad_stage.json")
     assert findings and {f.code for f in findings} == {"config"}

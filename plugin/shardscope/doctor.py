@@ -18,6 +18,7 @@ are the cross-file ones those loaders cannot make (see docs/doctor.md for the ta
 | no-fit          | the chosen strategy does not fit the GPUs (planner); DDP/NO_SHARD when nothing replicated fits |
 | precision       | accelerate's mixed_precision differs from the Trainer's --bf16/--fp16                |
 | offload         | offload asked for without what it needs                                              |
+| tp-degree       | a tensor-parallel degree the model cannot take (heads, no TP plan, LoRA)             |
 | config          | anything the library loaders reject (from `configs.validate_config`)                 |
 
 Trainer arguments are only parsed (HfArgumentParser over `TrainingArguments`, or over a recipe's own
@@ -368,6 +369,10 @@ def strategy_of(kind: str, raw: dict) -> str | None:
         return {0: "ddp", 1: "zero1", 2: "zero2_offload" if offload else "zero2",
                 3: "zero3_offload" if offload else "zero3"}.get(stage)
     if kind == "accelerate":
+        mesh = tp_mesh_of(raw)
+        if mesh:
+            return {(False, False): "tp", (True, False): "fsdp_tp"}.get(
+                (mesh["dp_shard"] > 1, mesh["dp_replicate"] > 1), "hsdp_tp")
         dtype = raw.get("distributed_type", "NO")
         if dtype == "DEEPSPEED":
             ds = raw.get("deepspeed_config") or {}
@@ -386,6 +391,35 @@ def strategy_of(kind: str, raw: dict) -> str | None:
             "FALSE": "fsdp_shard_grad_op", "SHARD_GRAD_OP": "fsdp_shard_grad_op", "2": "fsdp_shard_grad_op",
             "NO_SHARD": "ddp", "3": "ddp", "HYBRID_SHARD": "fsdp_hybrid_shard", "4": "fsdp_hybrid_shard",
             "HYBRID_SHARD_ZERO2": "fsdp_hybrid_shard"}.get(mode, "fsdp_full_shard")
+
+
+def tp_mesh_of(raw: dict) -> dict | None:
+    """The `{"dp_replicate", "dp_shard", "tp"}` degrees of an accelerate yaml with tp_size > 1, else None."""
+    pc = raw.get("parallelism_config") or {}
+    sizes = {k: _int(pc.get(f"parallelism_config_{k}_size")) or 1 for k in ("dp_replicate", "dp_shard", "tp")}
+    return sizes if sizes["tp"] > 1 else None
+
+
+def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Finding]:
+    """Tensor parallelism splits attention by heads along the model's TP plan: both must allow `tp`."""
+    import math
+
+    key = "parallelism_config.parallelism_config_tp_size"
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    findings = []
+    if not getattr(config, "base_model_tp_plan", None):
+        findings.append(Finding("tp-degree", file, key, f"model type '{config.model_type}' has no tensor-parallel "
+                                "plan in transformers (config.base_model_tp_plan)", "use fsdp_full_shard or zero3"))
+    elif heads is None or heads % tp or kv % tp:
+        fits = [d for d in range(1, math.gcd(heads or 1, kv or 1) + 1) if math.gcd(heads or 1, kv or 1) % d == 0]
+        findings.append(Finding("tp-degree", file, key, f"{tp} does not divide the model's attention heads "
+                                f"(num_attention_heads {heads}, num_key_value_heads {kv})",
+                                f"use a tp_size in {', '.join(map(str, fits))}"))
+    if trainer and str(trainer.get("use_lora", "")).lower() == "true":
+        findings.append(Finding("tp-degree", file, key, "LoRA under tensor parallelism is refused by the recipe",
+                                "train LoRA with ddp, fsdp_full_shard or zero2/zero3"))
+    return findings
 
 
 def check_fit(file: str, strategy: str, spec, inputs: Inputs) -> list[Finding]:
@@ -473,6 +507,8 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
 
     model = _model(inputs, notes)
     if model is not None:
+        if acc is not None and tp_mesh_of(acc):
+            findings += check_tp_degree(str(inputs.accelerate_config), tp_mesh_of(acc)["tp"], model[1].config, trainer)
         for path, kind in ((inputs.accelerate_config, "accelerate"), (fsdp, "fsdp")):
             raw = _raw(path) if path else {}
             if not raw or (kind == "accelerate" and raw.get("distributed_type") != "FSDP"):
