@@ -14,6 +14,7 @@ import pytest
 
 from shardscope import dry_run as dr
 from shardscope.cli import main
+from shardscope import planner
 from shardscope.planner import Setup, load_config, model_spec, strategy_row
 
 MODELS = ("llama-2-7b", "mistral-7b", "llama-2-70b")
@@ -103,7 +104,9 @@ def test_hybrid_shard_mesh_shards_over_a_node_and_agrees_with_the_formula(config
 def test_cli_dry_run_prints_rows_beside_the_formula_and_says_zero3_is_not_dry_run(capsys):
     import json
 
-    assert main(["plan", "--model", "llama-2-7b", "--dry-run", "--gpus", "4", "--nodes", "2", "--json"]) == 0
+    # --tp 1: no tensor-parallel rows (they are in test_tp_dry_run_cli_on_a_tiny_model below)
+    assert main(["plan", "--model", "llama-2-7b", "--dry-run", "--gpus", "4", "--nodes", "2", "--tp", "1",
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     by_name = {r["strategy"]: r for r in out["results"]}
     assert list(by_name) == ["fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "zero3"]
@@ -133,3 +136,111 @@ def test_world_size_that_does_not_fit_the_mesh_is_one_line_exit_2(argv, message)
     assert proc.stderr.strip().splitlines() == [f"shardscope: error: {proc.stderr.split('error: ', 1)[1].strip()}"]
     assert message in proc.stderr
     assert time.perf_counter() - start < 10
+
+
+# ----------------------------------------------------------------------------- tensor parallel (transformers)
+def _tiny_config(family):
+    """Tiny Llama / Mistral whose vocabularies split unevenly under TP 2 then FSDP 2 (502 -> 251 -> 126 + 125)."""
+    from transformers import LlamaConfig, MistralConfig
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if family == "llama":
+        return LlamaConfig(vocab_size=502, **sizes)
+    return MistralConfig(vocab_size=510, num_key_value_heads=2, **sizes)
+
+
+def _expected_rank(config, mesh, rank):
+    """Independent oracle, from the config's shapes and the Llama/Mistral TP plan written out by hand:
+    q/k/v/gate/up, embed_tokens (embedding_rowwise) and lm_head (colwise_gather_output) split dim 0 over tp,
+    o/down (rowwise) dim 1, norms whole; then FSDP2 chunks dim 0 of the TP shard over dp_shard, padded to
+    the first chunk. TP alone: the embedding's gradient is whole (DTensor returns it Replicate).
+    Returns (params, grads, optimizer) bytes in fp32 with AdamW (2 moments of the unpadded shard + 4 B step)."""
+    r, s, t = mesh
+    tp, shard = rank % t, (rank // t) % s
+    h, i, V, L = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    hd = h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    layer = [((q, h), 0), ((kv, h), 0), ((kv, h), 0), ((h, q), 1), ((i, h), 0), ((i, h), 0), ((h, i), 1),
+             ((h,), None), ((h,), None)]
+    tensors = [((V, h), 0)] + layer * L + [((h,), None), ((V, h), 0)]
+
+    def cut(n, parts, index):
+        k = math.ceil(n / parts)
+        return max(0, min(k, n - index * k)), k
+
+    params = grads = optim = 0
+    for number, (shape, dim) in enumerate(tensors):
+        local = list(shape)
+        if dim is not None:
+            local[dim] = cut(local[dim], t, tp)[0]
+        rest = math.prod(local[1:])
+        held, padded = cut(local[0], s, shard) if r * s > 1 else (local[0], local[0])
+        params += 4 * padded * rest
+        grads += 4 * (math.prod(shape) if (r * s == 1 and number == 0) else padded * rest)
+        optim += 8 * held * rest + 4
+    return params, grads, optim
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("strategy, mesh", [("tp", (1, 1, 2)), ("fsdp_tp", (1, 2, 2)), ("hsdp_tp", (2, 2, 2))])
+def test_tp_planner_equals_transformers_sharding_on_every_rank(family, strategy, mesh):
+    """Planner formula == transformers' own TP + FSDP2 (maybe_distribute_model) on the fake process group ==
+    the hand oracle, for the built ranks and for every computed rank."""
+    config = _tiny_config(family)
+    r, s, t = mesh
+    world = r * s * t
+    result = dr.dry_run(config, strategy, world, nodes=r, precision="fp32", tp=t)
+    assert result.mesh == mesh and result.mesh_dim_names == ("dp_replicate", "fsdp", "tp")
+    assert result.computed_matches_built and [x.rank for x in result.ranks if x.built] == [0, world - 1]
+    for rank in result.ranks:
+        assert (rank.params_bytes, rank.grads_bytes, rank.optimizer_bytes) == _expected_rank(config, mesh, rank.rank)
+    spec = model_spec(config)
+    _, setup = planner.setup_for_mesh(Setup(precision="fp32"), {"dp_replicate": r, "dp_shard": s, "tp": t})
+    row = strategy_row(strategy, spec, setup)
+    assert row.mesh == {"dp_replicate": r, "dp_shard": s, "tp": t}
+    heaviest = result.ranks[0]
+    assert (row.params_bytes, row.grads_bytes, row.optimizer_bytes) == (
+        heaviest.params_bytes, heaviest.grads_bytes, heaviest.optimizer_bytes)
+    # Each element once per TP group and replica, except the norms, whole on each of the t TP ranks.
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
+    assert sum(x.params_elements for x in result.ranks) == r * (spec.params_total + (t - 1) * norms)
+
+
+def test_tp_dry_run_of_70b_on_64_ranks_is_fast_and_equal_to_the_formula(configs, specs):
+    process = psutil.Process()
+    for strategy, nodes, mesh in (("fsdp_tp", 8, (1, 8, 8)), ("hsdp_tp", 8, (8, 1, 8))):
+        rss, start = process.memory_info().rss, time.perf_counter()
+        result = dr.dry_run(configs["llama-2-70b"], strategy, 64, nodes=nodes, tp=8)
+        elapsed = time.perf_counter() - start
+        assert elapsed < 10 and process.memory_info().rss - rss < 300e6, (strategy, elapsed)
+        assert result.mesh == mesh and result.computed_matches_built and len(result.ranks) == 64
+        compare = dr.compare_rows(result, specs["llama-2-70b"], Setup())
+        assert compare["ranks"]["max"]["rel_diff"] == {k: 0.0 for k in compare["planned"]}
+        print(strategy, "70B on 64 ranks:", round(elapsed, 2), "s")
+
+
+def test_tp_dry_run_cli_on_a_tiny_model(tiny_llama, capsys):
+    import json
+
+    assert main(["plan", "--model", str(tiny_llama), "--dry-run", "--gpus", "2", "--nodes", "2", "--tp", "2",
+                 "--strategy", "tp", "--strategy", "fsdp_tp", "--strategy", "hsdp_tp", "--json"]) == 0
+    by_name = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert {n: (r["world_size"], r["mesh"]) for n, r in by_name.items()} == {
+        "tp": (2, [1, 1, 2]), "fsdp_tp": (4, [1, 2, 2]), "hsdp_tp": (4, [2, 1, 2])}
+    for r in by_name.values():
+        assert r["computed_matches_built"] and r["ranks"]["max"]["rel_diff"]["model_states_bytes"] == 0.0
+    assert main(["plan", "--model", str(tiny_llama), "--dry-run", "--gpus", "4", "--strategy", "fsdp_tp"]) == 0
+    assert "transformers' maybe_distribute_model" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("strategy, world, nodes, tp, message", [
+    ("fsdp_tp", 6, 1, 3, "--tp 3 must divide num_attention_heads (4) and num_key_value_heads (2)"),
+    ("fsdp_tp", 4, 2, 4, "--tp 4 must divide the GPUs per node (--gpus 2)"),
+    ("tp", 4, 1, 2, "tensor parallelism alone runs on --tp ranks of one node"),
+])
+def test_tp_dry_run_bad_degree_is_one_line(strategy, world, nodes, tp, message):
+    from shardscope.errors import UsageError
+
+    with pytest.raises(UsageError) as error:
+        dr.dry_run(_tiny_config("mistral"), strategy, world, nodes=nodes, tp=tp)
+    assert message in str(error.value) and "\n" not in str(error.value)

@@ -367,3 +367,139 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardscope: error:") and message in lines[0]
+
+
+# ----------------------------------------------------------------------------- tensor parallel rows
+def test_tp_activations_are_the_korthikanti_tensor_parallel_formula():
+    spec = planner.spec_from_config(LlamaConfig(**TINY, num_key_value_heads=2))
+    s, b, h, a, L, V, t = 256, 2, 64, 4, 2, 512, 2
+    setup = Setup(gpus_per_node=t, seq_len=s, micro_batch=b, tp_size=t)
+    r = {name: strategy_row(name, spec, setup) for name in ("fsdp_full_shard", "tp", "fsdp_tp")}
+    head = b * s * V * (4 + 2)  # logits gathered whole by lm_head's colwise_gather_output (fp32 + 16-bit)
+    # Without sequence parallelism only the attention/MLP internals split: 34 -> 10 + 24/t per s*b*h (16-bit).
+    assert r["fsdp_full_shard"].activations_bytes == L * s * b * h * 34 + head
+    assert r["tp"].activations_bytes == r["fsdp_tp"].activations_bytes == L * s * b * h * (10 + 24 / t) + head
+    eager = planner.activation_bytes(spec, planner.replace(setup, attention="eager"), tp=t)
+    assert eager["per_layer"] == int(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    ckpt = planner.activation_bytes(spec, planner.replace(setup, activation_checkpointing=True), tp=t)
+    assert ckpt["layers"] == int(L * s * b * h * 2 + s * b * h * (10 + 24 / t))  # layer inputs stay whole
+
+
+def test_tp_rows_shard_each_tensor_as_the_plan_says_and_fsdp_splits_the_tp_shard():
+    config = LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False)
+    spec = planner.spec_from_config(config)
+    h, i, V, L, kv = 64, 128, 512, 2, 2 * 16
+    t, S = 2, 2
+    # colwise (dim 0 / t): q, k, v, gate, up, embed_tokens, lm_head; rowwise (dim 1 / t): o, down; norms whole.
+    tp_local = (2 * V * h + L * (h * h + 2 * kv * h + 2 * i * h)) // t + L * (h * h + i * h) // t + (2 * L + 1) * h
+    tensors = 2 + 9 * L + 1
+    fp32 = Setup(gpus_per_node=t * S, precision="fp32", tp_size=t)
+    tp = strategy_row("tp", spec, fp32)
+    embed_grad_extra = (V - V // t) * h  # TP alone: the embedding's gradient is whole on every rank
+    assert (tp.params_bytes, tp.grads_bytes) == (4 * tp_local, 4 * (tp_local + embed_grad_extra))
+    assert tp.optimizer_bytes == 8 * tp_local + 4 * tensors and tp.buffers_bytes == 0
+    fsdp_tp = strategy_row("fsdp_tp", spec, fp32)
+    assert fsdp_tp.mesh == {"dp_replicate": 1, "dp_shard": S, "tp": t} and fsdp_tp.shard_degree == t * S
+    # Every dim here divides evenly, so FSDP2 over S halves the TP shard exactly.
+    assert (fsdp_tp.params_bytes, fsdp_tp.grads_bytes) == (4 * tp_local // S, 4 * tp_local // S)
+    unit = max(spec.unit_numels)
+    assert fsdp_tp.buffers_detail == {"gathered_units": 2 * -(-unit // t) * 4, "unit_grad": -(-unit // t) * 4}
+    hsdp = strategy_row("hsdp_tp", spec, Setup(gpus_per_node=t * S, nodes=3, precision="fp32", tp_size=t))
+    assert hsdp.mesh == {"dp_replicate": 3, "dp_shard": S, "tp": t} and hsdp.params_bytes == fsdp_tp.params_bytes
+
+
+def test_comm_per_step_is_the_documented_ring_formula():
+    spec = model_spec("llama-2-70b")
+    setup = Setup(gpus_per_node=8, nodes=2, tp_size=8)  # bf16-mixed: e = 2, FSDP2 of transformers in fp32 (p = 4)
+    r = rows(estimate(spec, setup))
+    P, N, e, b, s = spec.params_total, 16, 2, 1, 2048
+    h, L, V, t = spec.hidden_size, spec.num_layers, spec.vocab_size, 8
+    assert r["fsdp_full_shard"]["comm"] == {"param_all_gather": int(2 * (N - 1) / N * P * e),
+                                            "grad_reduce_scatter": int((N - 1) / N * P * e)}
+    assert r["ddp"]["comm_bytes_per_step"] == int(2 * (N - 1) / N * P * 4)  # autocast: fp32 grads
+    tp_terms = {"tp_all_reduce": int(2 * (t - 1) / t * (4 * L + 2) * b * s * h * e),
+                "tp_logits_all_gather": int((t - 1) / t * b * s * V * e)}
+    assert r["tp"]["comm"] == tp_terms
+    S = r["fsdp_tp"]["mesh"]["dp_shard"]
+    local = r["tp"]["params_bytes"] // 4  # elements of a TP shard (t = 8, no FSDP)
+    assert r["fsdp_tp"]["comm"] == {**tp_terms, "param_all_gather": int(2 * (S - 1) / S * local * 4),
+                                    "grad_reduce_scatter": int((S - 1) / S * local * 4)}
+    # The comparison the figure is for: FSDP x TP moves far less per step than FULL_SHARD over the same ranks.
+    assert r["fsdp_tp"]["comm_bytes_per_step"] < r["fsdp_full_shard"]["comm_bytes_per_step"] / 4
+
+
+def test_tp_default_degree_and_place_in_the_decision_tree():
+    spec = model_spec("llama-2-70b")  # 64 heads, 8 KV heads
+    assert planner.tp_degree(spec, Setup(gpus_per_node=8)) == 8
+    assert planner.tp_degree(spec, Setup(gpus_per_node=6)) == 2
+    assert planner.tp_degree(model_spec("mistral-7b"), Setup(gpus_per_node=1)) == 1
+    setup = Setup(gpus_per_node=8, nodes=2, activation_checkpointing=False)
+    r = rows(estimate(spec, setup))
+    # Memory between FULL_SHARD's total and FSDP x TP's: TP is what fits, and it is named with its mesh.
+    assert r["fsdp_tp"]["total_bytes"] < r["fsdp_full_shard"]["total_bytes"]
+    usable = (r["fsdp_tp"]["total_bytes"] + r["fsdp_full_shard"]["total_bytes"]) / 2
+    result = estimate(spec, planner.replace(setup, gpu_memory_bytes=int(usable / 0.9)))
+    assert result["recommendation"]["strategy"] == "fsdp_tp"
+    assert "tensor parallel 8 x FSDP 2" in result["recommendation"]["reason"]
+    assert "fsdp_full_shard" in result["recommendation"]["reason"]  # tried first, did not fit
+    # Enough memory for FULL_SHARD: it comes first (TP's win is activations, not model states).
+    roomy = estimate(spec, planner.replace(setup, gpu_memory_bytes=int(r["fsdp_full_shard"]["total_bytes"] / 0.89)))
+    assert roomy["recommendation"]["strategy"] == "fsdp_full_shard"
+    # At degree 1 the TP rows are not candidates; a model with no TP plan has no TP rows.
+    one = estimate(model_spec(params=1e9), Setup(gpus_per_node=1, tp_size=1, gpu_memory_bytes=2 * 2 ** 30))
+    assert one["recommendation"]["strategy"] not in planner.TP_STRATEGIES
+
+
+def test_tp_from_params_only_is_approximate():
+    P, t, S = 7e9, 4, 2
+    result = estimate(model_spec(params=P), Setup(gpus_per_node=t, nodes=S, tp_size=t))
+    r = rows(result)
+    assert r["fsdp_tp"]["approximate"] and not r["fsdp_full_shard"]["approximate"]
+    assert r["fsdp_tp"]["params_bytes"] == 4 * -(-int(P) // (t * S))  # fp32 under bf16-mixed
+    assert r["tp"]["params_bytes"] == 4 * -(-int(P) // t)
+    assert result["tp"]["approximate"] and any("approximate" in n for n in result["notes"])
+
+
+def test_vision_model_without_tp_plan_has_no_tp_rows():
+    from transformers import Dinov2Config
+
+    spec = planner.spec_from_config(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 intermediate_size=128))
+    assert not spec.tp_plan
+    result = estimate(spec, Setup(gpus_per_node=2))
+    assert not set(rows(result)) & set(planner.TP_STRATEGIES) and result["tp"] is None
+    with pytest.raises(planner.UsageError, match="--tp 2: .* cannot be tensor-parallel"):
+        estimate(spec, Setup(gpus_per_node=2, tp_size=2))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "8", "--tp", "3"], "--tp 3 must divide the GPUs per node (--gpus 8)"),
+    (["--gpus", "6", "--tp", "3"], "--tp 3 must divide num_attention_heads (32) and num_key_value_heads (8)"),
+    (["--gpus", "8", "--tp", "0"], "--tp must be at least 1, got 0"),
+])
+def test_bad_tp_degree_is_one_line_naming_flag_and_numbers(capsys, argv, message):
+    assert cli.main(["plan", "--model", "mistral-7b", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("shardscope: error:") and message in err
+
+
+def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys):
+    spec = model_spec(str(tiny_llama))
+    mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    _, setup = planner.setup_for_mesh(Setup(precision="fp32"), mesh)
+    planned = strategy_row("fsdp_tp", spec, setup)
+    measured = {"params_bytes": planned.params_bytes, "grads_bytes": planned.grads_bytes,
+                "optimizer_bytes": planned.optimizer_bytes}
+    path = _summary(tmp_path, tiny_llama, "fsdp_tp", measured, world_size=4, mesh=mesh)
+    result = planner.compare(path)
+    assert result["strategy"] == "fsdp_tp" and result["mesh"] == mesh
+    assert all(c["rel_diff"] == 0 for rank in result["ranks"] for c in rank["components"])
+    assert cli.main(["plan", "--compare", str(path)]) == 0
+    assert "fsdp_tp (mesh 1x2x2)" in capsys.readouterr().out
+    for bad, message in (({"dp_replicate": 1, "dp_shard": 1, "tp": 2}, "disagrees with world_size 4"),
+                         ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "(which is hsdp_tp)"),
+                         (None, "key 'mesh' must give")):
+        path = _summary(tmp_path, tiny_llama, "fsdp_tp", measured, world_size=4, mesh=bad)
+        assert cli.main(["plan", "--compare", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and str(path) in err and message in err

@@ -25,8 +25,9 @@ from pathlib import Path
 
 from .errors import UsageError
 
+TP_STRATEGIES = ("tp", "fsdp_tp", "hsdp_tp")  # transformers DistributedConfig(tp_size, fsdp_size, dp_replicate_size)
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload",
-              "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_offload")
+              "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_offload", *TP_STRATEGIES)
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum")
 COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -79,6 +80,12 @@ class ModelSpec:
     num_labels: int = 0
     exact: bool = True                     # counted on the meta device
     assumed: tuple[str, ...] = ()
+    # Tensor parallelism, per tensor of `tensor_shapes`: (full shape, dim the TP plan splits or -1, whether its
+    # gradient is whole under TP alone), from transformers' resolved TP plan; () from a count. `tp_plan` False:
+    # transformers has no TP plan for the model.
+    tp_layout: tuple[tuple[tuple[int, ...], int, bool], ...] = ()
+    tp_plan: bool = True
+    tp_note: str = ""
 
     @property
     def num_tensors(self) -> int:
@@ -157,6 +164,7 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
         if isinstance(module, torch.nn.Linear):
             key = (module_name.rsplit(".", 1)[-1], module.in_features, module.out_features)
             linears[key] = linears.get(key, 0) + 1
+    tp_layout, tp_note = _tp_layout(model, params)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = _get(text, "vocab_size")
     vision = not vocab and bool(_get(config, "image_size"))
@@ -179,7 +187,75 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
         patch_size=_get(config, "patch_size") if vision else 0,
         extra_tokens=(1 + _get(config, "num_register_tokens")) if vision else 0,
         num_labels=_get(config, "num_labels") if vision else 0,
+        tp_layout=tp_layout or (), tp_plan=tp_layout is not None, tp_note=tp_note,
     )
+
+
+def _tp_style_dim(style, leaf: str, ndim: int) -> int | None:
+    """The tensor dim a transformers TP style shards a parameter on (-1: kept whole; None: unknown style).
+
+    Mirrors each style's `shard_param` (transformers/distributed/tensor_parallel.py): colwise and
+    packed_colwise Shard(ndim - 2) (a 1-D bias: dim 0); rowwise Shard(-1) with the bias replicated;
+    packed_rowwise Shard(-1), 1-D replicated; embedding_rowwise / embedding_colwise their `shard_dim`;
+    styles that only hook the forward (all_reduce, sequence_parallel, replicate, ...) keep it whole.
+    """
+    from transformers.distributed.tensor_parallel import (ColwiseParallel, EmbeddingParallel, PackedColwiseParallel,
+                                                          PackedRowwiseParallel, RowwiseParallel, TensorParallelLayer)
+
+    if ndim == 0:
+        return -1
+    if isinstance(style, (ColwiseParallel, PackedColwiseParallel)):
+        return max(ndim - 2, 0)
+    if isinstance(style, RowwiseParallel):
+        return -1 if leaf == "bias" else ndim - 1
+    if isinstance(style, PackedRowwiseParallel):
+        return -1 if ndim == 1 else ndim - 1
+    if isinstance(style, EmbeddingParallel):
+        return style.shard_dim % ndim
+    if type(style).shard_param is TensorParallelLayer.shard_param:
+        return -1
+    return None
+
+
+def _tp_layout(model, params) -> tuple[tuple | None, str]:
+    """(shape, TP dim, gradient whole) per parameter, from the plan transformers itself would apply,
+    or (None, why not).
+
+    The plan is `model._resolve_parallel_plans(DistributedConfig(tp_size=2))`, the call
+    `maybe_distribute_model` makes: config.base_model_tp_plan + the class `_tp_plan` (+ `embed_tokens:
+    embedding_rowwise`), expanded to one style per parameter name. The degree does not change which
+    dim a style splits, so 2 stands for any.
+    """
+    try:
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    except ImportError:  # transformers without native tensor parallelism
+        return None, "this transformers has no transformers.distributed"
+    if not getattr(model, "tp_plan", None):
+        return None, f"transformers has no tensor-parallel plan for {type(model).__name__}"
+    try:
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+    except (ValueError, AttributeError) as error:
+        return None, f"transformers cannot resolve a tensor-parallel plan: {str(error).splitlines()[0]}"
+    names = {}
+    for name, param in model.named_parameters():  # tied weights: the first name, as `parameters()` dedups
+        names.setdefault(id(param), name)
+    layout, unknown = [], set()
+    for param in params:
+        name = names[id(param)]
+        style = ALL_PARALLEL_STYLES[plan[name]] if name in plan else None
+        dim = -1 if style is None else _tp_style_dim(style, name.rsplit(".", 1)[-1], param.dim())
+        if dim is None:
+            unknown.add(plan[name])
+            dim = -1
+        # embedding_rowwise runs DTensor's embedding op (vocab-sharded weight, replicated ids): its weight
+        # gradient comes back Replicate, the whole (V, h) on every TP rank (measured: torch 2.13,
+        # transformers 5.23; `plan --dry-run` runs a backward to see it). Under FSDP2 the reduce-scatter
+        # leaves each rank its shard instead.
+        grad_whole = dim == 0 and type(style).__name__ == "EmbeddingParallel"
+        layout.append((tuple(param.shape), dim, grad_whole))
+    note = f"TP styles {', '.join(sorted(unknown))} counted as replicated (not modelled)" if unknown else ""
+    return tuple(layout), note
 
 
 def spec_from_count(params: float, layers: int | None = None, hidden: int | None = None,
@@ -258,6 +334,7 @@ class Setup:
     headroom: float = 0.10                 # fraction of GPU memory kept free (context, fragmentation)
     cpu_memory_bytes: int | None = None    # per node; checked for offload rows when given
     prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
+    tp_size: int | None = None             # tensor-parallel degree of tp/fsdp_tp/hsdp_tp; None: `tp_degree` default
 
     @property
     def world_size(self) -> int:
@@ -280,6 +357,12 @@ class Setup:
             raise UsageError(f"unknown optimizer '{self.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
         if not 0 <= self.headroom < 1:
             raise UsageError(f"headroom must be in [0, 1), got {self.headroom}")
+        if self.tp_size is not None:
+            if self.tp_size < 1:
+                raise UsageError(f"--tp must be at least 1, got {self.tp_size}")
+            if self.gpus_per_node % self.tp_size:
+                raise UsageError(f"--tp {self.tp_size} must divide the GPUs per node (--gpus {self.gpus_per_node}): "
+                                 f"a tensor-parallel group stays inside one node")
         return self
 
 
@@ -293,7 +376,69 @@ class ElementBytes:
 
 
 def family(strategy: str) -> str:
+    if strategy in TP_STRATEGIES:
+        return "tp"  # torch AdamW on DTensors, bytes per element as DDP / FSDP
     return "deepspeed" if strategy.startswith("zero") else "fsdp" if strategy.startswith("fsdp") else "torch"
+
+
+def tp_degree(spec: ModelSpec, setup: Setup) -> int:
+    """The tensor-parallel degree t of the tp / fsdp_tp / hsdp_tp rows.
+
+    `setup.tp_size` (`--tp`) when given: it must divide num_attention_heads and num_key_value_heads
+    (each rank keeps whole heads) and the GPUs per node (checked by `Setup.validate`). Default: the
+    GPUs per node capped to the largest degree that divides both head counts, i.e.
+    gcd(GPUs per node, num_attention_heads, num_key_value_heads): 8 for Llama-2-70B (64 / 8 heads) on
+    8 GPUs, 1 on one GPU (then the TP rows equal ddp / fsdp and are not recommended). With head
+    counts assumed from `--params`, the GPUs per node and nothing is checked against the heads.
+    """
+    heads = spec.num_heads or 1
+    kv = spec.num_kv_heads or heads
+    assumed = any(a.startswith("heads=") for a in spec.assumed)  # --params without --heads: not checked
+    if setup.tp_size is None:
+        return setup.gpus_per_node if assumed else math.gcd(setup.gpus_per_node, heads, kv)
+    t = setup.tp_size
+    if not spec.tp_plan:
+        raise UsageError(f"--tp {t}: {spec.name} cannot be tensor-parallel here ({spec.tp_note})")
+    if not assumed:
+        check_tp_heads(t, heads, kv, spec.name)
+    return t
+
+
+def check_tp_heads(t: int, heads: int, kv_heads: int, name: str) -> None:
+    """One-line `UsageError` unless TP degree t divides both head counts (each rank keeps whole heads)."""
+    if heads % t or kv_heads % t:
+        raise UsageError(f"--tp {t} must divide num_attention_heads ({heads}) and num_key_value_heads ({kv_heads}) "
+                         f"of {name}")
+
+
+def tp_mesh(strategy: str, setup: Setup, t: int) -> dict:
+    """The `{"dp_replicate", "dp_shard", "tp"}` degrees of a row (the profiler summary's `mesh`).
+
+    tp: t ranks of one node (world = t); fsdp_tp: FSDP2 over the other world / t ranks;
+    hsdp_tp: replicated across the nodes, FSDP2 over gpus_per_node / t ranks inside each node.
+    Ranks are laid out row-major over (dp_replicate, dp_shard, tp), as transformers' mesh
+    (pp, dp_replicate, fsdp, tp) does, so a TP group is t consecutive ranks inside a node.
+    """
+    if strategy == "tp":
+        return {"dp_replicate": 1, "dp_shard": 1, "tp": t}
+    if strategy == "fsdp_tp":
+        return {"dp_replicate": 1, "dp_shard": setup.world_size // t, "tp": t}
+    if strategy == "hsdp_tp":
+        return {"dp_replicate": setup.nodes, "dp_shard": setup.gpus_per_node // t, "tp": t}
+    n = setup.world_size
+    if strategy == "ddp":
+        return {"dp_replicate": n, "dp_shard": 1, "tp": 1}
+    if strategy == "fsdp_hybrid_shard":
+        return {"dp_replicate": setup.nodes, "dp_shard": setup.gpus_per_node, "tp": 1}
+    return {"dp_replicate": 1, "dp_shard": n, "tp": 1}
+
+
+def setup_for_mesh(setup: Setup, mesh: dict) -> tuple[str, Setup]:
+    """The TP strategy name and a Setup whose row reproduces `mesh` (a summary's `{"dp_replicate",
+    "dp_shard", "tp"}`): nodes = dp_replicate, GPUs per node = dp_shard x tp, tp_size = tp."""
+    r, s, t = (int(mesh[k]) for k in ("dp_replicate", "dp_shard", "tp"))
+    name = "hsdp_tp" if r > 1 else "fsdp_tp" if s > 1 else "tp"
+    return name, replace(setup, gpus_per_node=s * t, nodes=r, tp_size=t)
 
 
 def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads: bool = False,
@@ -329,7 +474,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------- activations
-def activation_bytes(spec: ModelSpec, setup: Setup) -> dict:
+def activation_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> dict:
     """Estimated activation memory per GPU for one micro-batch (an estimate, not a count).
 
     s = tokens per sample (text: seq_len; vision: (image/patch)^2 + CLS/registers), b = micro-batch,
@@ -340,6 +485,14 @@ def activation_bytes(spec: ModelSpec, setup: Setup) -> dict:
     No checkpointing: L * layer. Checkpointing: L * s*b*h*e (each layer's input) + one layer
     (recomputed during backward). Text adds logits: b*s*V*4 (fp32 upcast for the loss) plus
     b*s*V*e when e = 2 (the 16-bit logits). Vision adds b*num_labels*4.
+
+    Tensor parallelism of degree t (`tp`; Korthikanti et al. Table 2, tensor parallel without
+    sequence parallelism): layer = s*b*h*(10 + 24/t + 5*a*s/(h*t)) * e/2. Only the attention and MLP
+    internals are split; the 10*s*b*h part (layer norms, dropouts, the inputs of the attention and
+    MLP blocks) stays whole on every TP rank, because transformers does not wire sequence parallelism
+    yet (`DistributedConfig(enable_sequence_parallel=...)` is reserved). Checkpointed layer inputs
+    (s*b*h*e) are not split either, and the logits stay whole: lm_head's `colwise_gather_output`
+    all-gathers them before the loss. t = 1 gives the 34 above.
     """
     if spec.kind == "vision":
         image = setup.image_size or spec.image_size
@@ -348,15 +501,15 @@ def activation_bytes(spec: ModelSpec, setup: Setup) -> dict:
         s = setup.seq_len
     b, h, a, L = setup.micro_batch, spec.hidden_size, spec.num_heads, spec.num_layers
     e = 2 if setup.precision != "fp32" else 4
-    scores = 5 * a * s / h if setup.attention == "eager" else 0
-    layer = s * b * h * (34 + scores) * e / 2
+    scores = 5 * a * s / (h * tp) if setup.attention == "eager" else 0
+    layer = s * b * h * (10 + 24 / tp + scores) * e / 2
     layers = L * s * b * h * e + layer if setup.activation_checkpointing else L * layer
     if spec.kind == "vision":
         head = b * spec.num_labels * 4
     else:
         head = b * s * spec.vocab_size * (4 + (e if e == 2 else 0))
     return {"tokens_per_sample": s, "per_layer": int(layer), "layers": int(layers), "head": int(head),
-            "total": int(layers + head)}
+            "total": int(layers + head), "tp": tp}
 
 
 # ----------------------------------------------------------------------------- model states
@@ -369,6 +522,7 @@ class Counts:
     trainable: int
     units: tuple[int, ...]
     n_trainable_tensors: int
+    tp_layout: tuple[tuple[tuple[int, ...], int, bool], ...] = ()  # aligned with `tensors`; LoRA adapters whole
 
 
 def lora_params(spec: ModelSpec, rank: int, targets=LORA_DEFAULT_TARGETS) -> list[tuple[int, int]]:
@@ -384,8 +538,10 @@ def lora_params(spec: ModelSpec, rank: int, targets=LORA_DEFAULT_TARGETS) -> lis
 
 def counts(spec: ModelSpec, setup: Setup) -> Counts:
     base = tuple((d, r, not setup.lora_rank) for d, r in spec.tensor_shapes)
+    layout = spec.tp_layout if len(spec.tp_layout) == len(base) else tuple(((d, r), -1, False)
+                                                                             for d, r in spec.tensor_shapes)
     if not setup.lora_rank:
-        return Counts(base, spec.params_total, spec.params_total, spec.unit_numels, spec.num_tensors)
+        return Counts(base, spec.params_total, spec.params_total, spec.unit_numels, spec.num_tensors, layout)
     lora = lora_params(spec, setup.lora_rank, setup.lora_targets)
     if not lora:
         raise UsageError(f"no Linear layer of {spec.name} matches LoRA targets {','.join(setup.lora_targets)}")
@@ -393,7 +549,9 @@ def counts(spec: ModelSpec, setup: Setup) -> Counts:
     tensors = base + tuple((d, r, True) for d, r in lora) if base else ()
     blocks = spec.unit_numels[:-1] or spec.unit_numels
     units = tuple(u + added // len(blocks) for u in blocks) + (spec.unit_numels[-1:] if spec.unit_numels[:-1] else ())
-    return Counts(tensors, spec.params_total + added, added, units, len(lora))
+    # LoRA adapters are not in the model's TP plan: counted whole on every TP rank (not measured).
+    layout = layout + tuple(((d, r), -1, False) for d, r in lora) if base else ()
+    return Counts(tensors, spec.params_total + added, added, units, len(lora), layout)
 
 
 def _shard_tensors(c: Counts, n: int, trainable_only: bool = False, by_rows: bool = False) -> int:
@@ -403,6 +561,35 @@ def _shard_tensors(c: Counts, n: int, trainable_only: bool = False, by_rows: boo
         return _ceil_div(c.trainable if trainable_only else c.total, n)
     return sum(_ceil_div(d, n) * r if by_rows else _ceil_div(d * r, n)
                for d, r, train in c.tensors if train or not trainable_only)
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    """Rows that chunk `index` of `size` split into `parts` gets (torch.chunk / DTensor Shard / FSDP2:
+    chunks of ceil(size / parts), the last ones shorter or empty)."""
+    k = _ceil_div(size, parts)
+    return max(0, min(k, size - index * k))
+
+
+def _tp_fsdp_shard(c: Counts, t: int, s: int, trainable_only: bool = False, tp_grads: bool = False) -> int:
+    """Elements of the heaviest rank's (rank 0's) storage under TP degree t then FSDP2 over s ranks.
+
+    Per tensor: the TP plan's dim split in t (colwise / embedding_rowwise: dim 0, rowwise: the last
+    dim, replicated: whole), then FSDP2 splits the local TP shard's dim 0 in s padded chunks of
+    ceil(rows / s) rows. `tp_grads` (TP without FSDP): gradients, whole for the tensors whose
+    gradient DTensor comes back Replicate (embedding_rowwise). Without a tensor list (`--params`):
+    ceil(total / (t * s)), approximate.
+    """
+    if not c.tensors:
+        return _ceil_div(c.trainable if trainable_only else c.total, t * s)
+    total = 0
+    for (_, _, train), (shape, dim, grad_whole) in zip(c.tensors, c.tp_layout):
+        if trainable_only and not train:
+            continue
+        local = list(shape) or [1]
+        if dim >= 0 and not (tp_grads and grad_whole):
+            local[dim] = _chunk(local[dim], t, 0)
+        total += _ceil_div(local[0], s) * math.prod(local[1:])
+    return total
 
 
 @dataclass
@@ -419,6 +606,10 @@ class Row:
     model_states_bytes: int = 0
     buffers_detail: dict = field(default_factory=dict)
     shard_degree: int = 1
+    mesh: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp"}
+    comm_bytes_per_step: int = 0              # computed: bytes each rank sends per optimizer step
+    comm: dict = field(default_factory=dict)  # its terms
+    approximate: bool = False                 # TP rows from --params: totals / (t x s)
 
     def __post_init__(self):
         self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
@@ -457,17 +648,56 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     grads are 16-bit (they cast a pre-flattened partition), ZeRO-3 always (it flattens the partition
     into a new tensor). With bf16, model states + copy32 are DeepSpeed's own 18 B/param estimate.
     ZeRO-1/2 flatten all trainable params and pad to a multiple of 2*N elements.
+
+    Tensor parallel rows (transformers `DistributedConfig`; t = `tp_degree`, S = dp_shard, R =
+    dp_replicate from `tp_mesh`), torch AdamW on DTensors, bytes per element as fsdp:
+    tp:               params s_t(P)*p, grads s_t(T)*g, optim s_t(T)*o + steps, no buffers; s_t() =
+                      each tensor split as the model's TP plan says (colwise and embedding_rowwise:
+                      dim 0 / t, rowwise: last dim / t, norms and other unplanned tensors whole);
+                      except that the embedding_rowwise weight's gradient is whole (V*h*g) on every
+                      TP rank: DTensor's embedding backward returns it Replicate (measured)
+    fsdp_tp, hsdp_tp: as tp, then FSDP2 splits each local TP shard's dim 0 over S (padded
+                      ceil(rows / S) rows, as fsdp); buffers 3*ceil(U/t)*p (current + prefetched unit
+                      gathered, + its unsharded grad; transformers' FSDP2 has no MixedPrecisionPolicy
+                      unless DistributedConfig(fsdp_mixed_precision=True), so they are in the param dtype)
+    From `--params` (no tensor list): ceil(P / (t*S)) and the row is `approximate`.
+    Activations: `activation_bytes(spec, setup, t)`.
+
+    Communication, `comm_bytes_per_step`: a computed figure (not measured), bytes each rank sends
+    per optimizer step of A = grad_accum_steps micro-batches, with ring collectives: all-reduce of X
+    bytes over n ranks sends 2(n-1)/n*X, all-gather and reduce-scatter (n-1)/n*X. P, T in elements:
+    ddp:              grad all-reduce 2(N-1)/N*T*g (once per step: the Trainer's no_sync)
+    zero1, zero2(_offload): grad reduce-scatter (N-1)/N*T*g (zero2: every micro-batch, x A) + all-gather
+                      of the updated 16-bit params (N-1)/N*P*p
+    zero3(_offload):  (N-1)/N * (2*A*P*p + A*T*g): params gathered in forward and in backward, grads
+                      reduce-scattered in every backward
+    fsdp_full_shard, fsdp_offload: (N-1)/N * (2*A*P*e + T*e); fsdp_shard_grad_op gathers once: A*P*e;
+                      fsdp_hybrid_shard: N = GPUs per node, + 2(R-1)/R*s(T)*e across nodes
+    tp:               A * [2(t-1)/t * ((4 + 2*ckpt)*L + 2) * b*s*h*e + (t-1)/t * b*s*V*e]: per layer 2
+                      all-reduces of b*s*h*e in forward (after o_proj, down_proj) and 2 in backward
+                      (input grads of q/k/v and gate/up), 2 more with activation checkpointing (the
+                      recomputed forward); the embedding's forward all-reduce and lm_head's backward
+                      input-grad all-reduce; lm_head's all-gather of the logits
+    fsdp_tp, hsdp_tp: tp + (S-1)/S * (2*A*s_t(P)*p + s_t(T)*g) (FSDP2 over the TP shards, param
+                      dtype) + hsdp_tp's 2(R-1)/R * s(s_t(T))*g across nodes
     """
     c = c or counts(spec, setup)
-    act = activation_bytes(spec, setup)["total"] if activations is None else activations
     fam = family(strategy)
+    t = tp_degree(spec, setup) if fam == "tp" else 1
+    act = activation_bytes(spec, setup, t)["total"] if activations is None else activations
     stage = int(strategy[4]) if fam == "deepspeed" else 0
     eb = element_bytes(setup.precision, fam, setup.optimizer, setup.fp32_grads, stage)
     p, g, m, o, e = eb.param, eb.grad, eb.master, eb.moments, eb.compute
     n = setup.gpus_per_node if strategy == "fsdp_hybrid_shard" else setup.world_size
     adam = setup.optimizer == "adamw"
     bucket = setup.bucket_elements if setup.bucket_elements is not None else spec.hidden_size ** 2
-    cpu, detail = 0, {}
+    cpu, detail, comm = 0, {}, {}
+    mesh = tp_mesh(strategy, setup, t)
+    A = setup.grad_accum_steps
+    approximate = False
+
+    def ring(k: int) -> float:  # bytes sent per byte all-gathered / reduce-scattered over k ranks
+        return (k - 1) / k
 
     if fam == "torch":
         steps = 4 * c.n_trainable_tensors if adam else 0
@@ -504,6 +734,23 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
         else:
             row = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
             detail["fp32_grad_copy_in_step"] = tshard * 4
+    elif fam == "tp":
+        S, R = mesh["dp_shard"], mesh["dp_replicate"]
+        pshard, tshard = _tp_fsdp_shard(c, t, S), _tp_fsdp_shard(c, t, S, trainable_only=True)
+        gshard = tshard if R * S > 1 else _tp_fsdp_shard(c, t, 1, trainable_only=True, tp_grads=True)
+        steps = 4 * c.n_trainable_tensors if adam else 0
+        row = dict(params_bytes=pshard * p, grads_bytes=gshard * g, optimizer_bytes=int(tshard * (m + o)) + steps)
+        approximate = not c.tensors
+        comm.update(_tp_comm(spec, setup, t, e))
+        if R * S > 1:  # transformers applies FSDP2 over (dp_replicate, fsdp) when dp_size > 1
+            unit = _ceil_div(max(c.units), t)
+            detail["gathered_units"], detail["unit_grad"] = 2 * unit * p, unit * g
+            ptp, ttp = _tp_fsdp_shard(c, t, 1), _tp_fsdp_shard(c, t, 1, trainable_only=True)
+            comm["param_all_gather"] = 2 * A * ring(S) * ptp * p
+            comm["grad_reduce_scatter"] = ring(S) * ttp * g
+            if R > 1:
+                comm["grad_all_reduce"] = 2 * ring(R) * tshard * g
+        n = t * S
     else:  # fsdp
         if setup.fsdp_version == 1:  # one padded flat parameter per unit
             pshard = sum(_ceil_div(u, n) for u in c.units)
@@ -523,13 +770,45 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
             cpu = pshard * p + tshard * g + optim
         else:
             row = dict(params_bytes=pshard * p, grads_bytes=tshard * g, optimizer_bytes=optim)
+    if fam == "torch":
+        comm["grad_all_reduce"] = 2 * ring(setup.world_size) * c.trainable * g
+    elif fam == "deepspeed":
+        N = setup.world_size
+        if stage in (1, 2):
+            comm["grad_reduce_scatter"] = ring(N) * c.trainable * g * (A if stage == 2 else 1)
+            comm["param_all_gather"] = ring(N) * c.total * p
+        else:
+            comm["param_all_gather"] = 2 * A * ring(N) * c.total * p
+            comm["grad_reduce_scatter"] = A * ring(N) * c.trainable * g
+    elif fam == "fsdp":
+        gathers = 1 if strategy == "fsdp_shard_grad_op" else 2
+        comm["param_all_gather"] = gathers * A * ring(n) * c.total * e
+        comm["grad_reduce_scatter"] = ring(n) * c.trainable * e
+        if strategy == "fsdp_hybrid_shard" and setup.nodes > 1:
+            comm["grad_all_reduce"] = 2 * ring(setup.nodes) * _ceil_div(c.trainable, n) * e
+    comm = {k: int(v) for k, v in comm.items()}
     return Row(strategy=strategy, activations_bytes=act, buffers_bytes=int(sum(detail.values())),
-               cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n, **row)
+               cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n, mesh=mesh,
+               comm_bytes_per_step=sum(comm.values()), comm=comm, approximate=approximate, **row)
+
+
+def _tp_comm(spec: ModelSpec, setup: Setup, t: int, e: int) -> dict:
+    """Tensor-parallel traffic per rank per optimizer step (see `strategy_row`): activation
+    all-reduces of b*s*h*e bytes and lm_head's all-gather of the b*s*V*e logits, over t ranks."""
+    if t == 1:
+        return {}
+    tokens = setup.micro_batch * activation_bytes(spec, setup)["tokens_per_sample"] * setup.grad_accum_steps
+    per_layer = 4 + (2 if setup.activation_checkpointing else 0)
+    all_reduces = per_layer * spec.num_layers + 2
+    out = {"tp_all_reduce": 2 * (t - 1) / t * all_reduces * tokens * spec.hidden_size * e}
+    if spec.vocab_size:
+        out["tp_logits_all_gather"] = (t - 1) / t * tokens * spec.vocab_size * e
+    return out
 
 
 # ----------------------------------------------------------------------------- plan
 TIERS = (("ddp",), ("fsdp_shard_grad_op", "zero2"), ("fsdp_hybrid_shard",), ("fsdp_full_shard", "zero3"),
-         ("zero2_offload",), ("fsdp_offload", "zero3_offload"))
+         ("hsdp_tp",), ("tp",), ("fsdp_tp",), ("zero2_offload",), ("fsdp_offload", "zero3_offload"))
 
 
 def _usable(setup: Setup) -> float | None:
@@ -546,8 +825,12 @@ def _fits(row: Row, setup: Setup) -> bool | None:
 
 def recommend(rows: list[Row], setup: Setup) -> dict:
     """The fastest strategy that fits with headroom, in the order DDP -> ZeRO-2/SHARD_GRAD_OP ->
-    (HYBRID_SHARD on several nodes) -> ZeRO-3/FULL_SHARD -> ZeRO-2 offload -> ZeRO-3/FSDP offload;
-    within a tier `setup.prefer` ("fsdp" or "deepspeed") goes first."""
+    (HYBRID_SHARD on several nodes) -> ZeRO-3/FULL_SHARD -> (HSDP x TP on several nodes) -> TP
+    (when it spans all the GPUs: world = t) -> FSDP x TP -> ZeRO-2 offload -> ZeRO-3/FSDP offload;
+    within a tier `setup.prefer` ("fsdp" or "deepspeed") goes first. TP comes after full sharding:
+    FSDP over the same N ranks already divides the model states by N; what TP adds is smaller
+    activations (the attention/MLP internals / t) and smaller gathered units (/ t), for per-layer
+    all-reduces of the activations. The TP rows are skipped at degree 1 (absent without a TP plan)."""
     if setup.gpu_memory_bytes is None:
         return {"strategy": None, "reason": "no GPU memory given (--gpu NAME or --gpu-memory SIZE)"}
     by_name = {r.strategy: r for r in rows}
@@ -556,12 +839,22 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
     for tier in TIERS:
         if tier == ("fsdp_hybrid_shard",) and setup.nodes == 1:
             continue  # one node: identical to full shard
+        if tier[0] in TP_STRATEGIES:
+            row = by_name.get(tier[0])
+            if row is None or row.mesh["tp"] == 1 or (tier == ("hsdp_tp",) and setup.nodes == 1):
+                continue
+            if tier == ("tp",) and row.mesh["tp"] != setup.world_size:
+                continue  # TP alone uses t GPUs of one node, not all of them
         names = sorted(tier, key=lambda s: family(s) != setup.prefer)
         for name in names:
             row = by_name[name]
             if row.fits:
                 why = (f"{name} needs {gb(row.total_bytes)} GB per GPU of {gb(usable)} GB usable "
                        f"({gb(setup.gpu_memory_bytes)} GB less {setup.headroom:.0%} headroom)")
+                if name in TP_STRATEGIES:
+                    mesh = row.mesh
+                    why += (f", tensor parallel {mesh['tp']} x FSDP {mesh['dp_shard']}"
+                            + (f" x replicas {mesh['dp_replicate']}" if mesh["dp_replicate"] > 1 else ""))
                 if tried:
                     why += "; faster options do not fit: " + ", ".join(tried)
                 return {"strategy": name, "reason": why}
@@ -576,7 +869,26 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
     setup.validate()
     c = counts(spec, setup)
     act = activation_bytes(spec, setup)
-    rows = [strategy_row(s, spec, setup, c, act["total"]) for s in STRATEGIES]
+    notes = []
+    if spec.tp_plan:
+        t = tp_degree(spec, setup)
+        act_tp = activation_bytes(spec, setup, t)
+        strategies = STRATEGIES
+        kv = spec.num_kv_heads or spec.num_heads
+        tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
+                   f"default: gcd(GPUs per node {setup.gpus_per_node}, heads {spec.num_heads}, KV heads {kv})",
+                   "activations": act_tp, "approximate": not c.tensors}
+        if not c.tensors:
+            notes.append("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)")
+        if spec.tp_note:
+            notes.append(spec.tp_note)
+    else:
+        if setup.tp_size is not None:
+            tp_degree(spec, setup)  # raises: no plan
+        strategies = tuple(s for s in STRATEGIES if s not in TP_STRATEGIES)
+        tp_info, act_tp = None, None
+        notes.append(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}")
+    rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"]) for s in strategies]
     for row in rows:
         row.fits = _fits(row, setup)
     return {
@@ -588,8 +900,10 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
                   "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings},
         "setup": {**asdict(setup), "world_size": setup.world_size},
         "activations": act,
+        "tp": tp_info,
         "notes": ["model states (params, grads, optimizer) are exact counts; activations are an estimate",
-                  "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md"],
+                  "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
+                  "comm_bytes_per_step is computed from ring-collective formulas, not measured", *notes],
     }
 
 
@@ -683,6 +997,20 @@ def compare(summary_path: str | Path, spec: ModelSpec | None = None, setup: Setu
             raise UsageError(f"summary '{summary_path}': key 'model.name_or_path' is not a local folder; "
                              f"pass --model")
     setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision)
+    mesh = summary.get("mesh")
+    if strategy in TP_STRATEGIES:
+        if not isinstance(mesh, dict) or not all(isinstance(mesh.get(k), int) and mesh[k] >= 1
+                                                 for k in ("dp_replicate", "dp_shard", "tp")):
+            raise UsageError(f"summary '{summary_path}': key 'mesh' must give positive integers dp_replicate, "
+                             f"dp_shard and tp for strategy {strategy}, got {mesh!r}")
+        degrees = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["tp"]
+        if degrees != world:
+            raise UsageError(f"summary '{summary_path}': key 'mesh' ({mesh['dp_replicate']} x {mesh['dp_shard']} x "
+                             f"{mesh['tp']} = {degrees}) disagrees with world_size {world}")
+        by_mesh, setup = setup_for_mesh(setup, mesh)
+        if by_mesh != strategy:
+            raise UsageError(f"summary '{summary_path}': key 'strategy' ({strategy}) disagrees with key 'mesh' "
+                             f"{mesh} (which is {by_mesh})")
     detail = summary.get("strategy_detail") or {}
     if strategy.startswith("zero3") and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
         setup = replace(setup, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
@@ -701,7 +1029,7 @@ def compare(summary_path: str | Path, spec: ModelSpec | None = None, setup: Setu
             "peak_memory_bytes": rank.get("peak_memory_bytes"), "memory_kind": rank.get("memory_kind")})
     trainable = info.get("trainable_params")
     return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
-            "precision": precision, "model": spec.name, "planned_total_bytes": row.total_bytes,
+            "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": row.total_bytes,
             "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
             "trainable_params_measured": trainable, "ranks": ranks}
 
@@ -721,18 +1049,29 @@ def format_table(result: dict) -> str:
         f"{s['optimizer']}, micro-batch {s['micro_batch']}, "
         f"{result['activations']['tokens_per_sample']} tokens/sample, checkpointing "
         f"{'on' if s['activation_checkpointing'] else 'off'}" + (f", LoRA r={s['lora_rank']}" if s["lora_rank"] else ""),
-        "",
-        "per GPU, GB (1e9 B)   params   grads  optim  activ*  buffers   total  | CPU/rank  fits",
     ]
+    tp = result.get("tp")
+    if tp:
+        meshes = {r["strategy"]: r["mesh"] for r in result["rows"]}
+        lines.append(f"tensor parallel degree {tp['degree']} ({tp['source']}); dp_replicate x dp_shard x tp: "
+                     + ", ".join(f"{n} {m['dp_replicate']}x{m['dp_shard']}x{m['tp']}" for n, m in meshes.items()
+                                 if n in TP_STRATEGIES) + ("; approximate (--params)" if tp["approximate"] else ""))
+    lines += ["", "per GPU, GB (1e9 B)   params   grads  optim  activ*  buffers   total  | CPU/rank  fits  comm/step**"]
     for r in result["rows"]:
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
-        lines.append(f"{r['strategy']:<20} {gb(r['params_bytes']):>8} {gb(r['grads_bytes']):>7} "
-                     f"{gb(r['optimizer_bytes']):>6} {gb(r['activations_bytes']):>7} {gb(r['buffers_bytes']):>8} "
-                     f"{gb(r['total_bytes']):>7}  | {gb(r['cpu_bytes']) if r['cpu_bytes'] else '':>8}  {fits}")
+        lines.append(f"{r['strategy'] + ('~' if r.get('approximate') else ''):<20} {gb(r['params_bytes']):>8} "
+                     f"{gb(r['grads_bytes']):>7} {gb(r['optimizer_bytes']):>6} {gb(r['activations_bytes']):>7} "
+                     f"{gb(r['buffers_bytes']):>8} {gb(r['total_bytes']):>7}  | "
+                     f"{gb(r['cpu_bytes']) if r['cpu_bytes'] else '':>8}  {fits:<4}  "
+                     f"{gb(r['comm_bytes_per_step']):>10}")
     rec = result["recommendation"]
     lines += ["", f"recommendation: {rec['strategy'] or 'none'}: {rec['reason']}",
               "* activations are an estimate; params/grads/optimizer are exact counts "
-              "(optimizer includes fp32 master weights). Formulas: docs/planner.md"]
+              "(optimizer includes fp32 master weights). Formulas: docs/planner.md",
+              "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]
+    if any(r.get("approximate") for r in result["rows"]):
+        lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
+    lines += [n for n in result.get("notes", [])[3:] if not n.startswith("tp/fsdp_tp/hsdp_tp rows from --params")]
     return "\n".join(lines)
 
 
@@ -747,7 +1086,10 @@ def format_seed(table: dict) -> str:
 
 
 def format_compare(result: dict) -> str:
-    lines = [f"{result['summary']}: {result['strategy']}, world size {result['world_size']}, {result['precision']}, "
+    mesh = result.get("mesh") or {}
+    where = f" (mesh {mesh['dp_replicate']}x{mesh['dp_shard']}x{mesh['tp']})" if mesh.get("tp", 1) > 1 else ""
+    lines = [f"{result['summary']}: {result['strategy']}{where}, world size {result['world_size']}, "
+             f"{result['precision']}, "
              f"model {result['model']} (planned {result['params_total_planned']:,} params, "
              f"measured {result['params_total_measured'] or '?'})",
              f"{'rank':<5}{'component':<20}{'planned':>14}{'measured':>14}{'rel diff':>10}"]
@@ -829,6 +1171,8 @@ def build_parser(subparsers):
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
     tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp")
+    tr.add_argument("--tp", type=int, help="tensor-parallel degree of the tp/fsdp_tp/hsdp_tp rows (default: the "
+                                           "largest that divides --gpus, num_attention_heads and num_key_value_heads)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable, bytes per GPU")
     out.add_argument("--convention", choices=("seed-12",), help="print the 12 vs 16 B/param seed table")
@@ -852,7 +1196,7 @@ def setup_from_args(args) -> Setup:
                  image_size=args.image_size, activation_checkpointing=args.checkpointing,
                  attention=args.attention, lora_rank=args.lora_rank,
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
-                 fp32_grads=args.fp32_grads, headroom=args.headroom, prefer=args.prefer,
+                 fp32_grads=args.fp32_grads, headroom=args.headroom, prefer=args.prefer, tp_size=args.tp,
                  cpu_memory_bytes=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None).validate()
 
 
