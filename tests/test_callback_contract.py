@@ -147,3 +147,27 @@ def test_preflight_warns_with_the_planners_advice_when_the_strategy_will_not_fit
     assert bool(warned) is (not fits)
     if not fits:
         assert "recommended" in warned[0] and "ddp" in warned[0]
+
+
+def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, tmp_path):
+    """GPU-only branch: an FSDP x TP run (2 shards x tp 2) is planned on that mesh, not the planner's
+    default TP degree for 4 GPUs (4 here)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from shardscope.planner import Setup, estimate, setup_for_mesh, spec_from_config
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
+    mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    callback = ShardingProfilerCallback()
+    callback._device = torch.device("cuda", 0)
+    callback.preflight = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    callback._plan_preflight(llama, args, SimpleNamespace(is_world_process_zero=True))
+    _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=2, gpu_memory_bytes=80 * 10**9), mesh)
+    row = next(r for r in estimate(spec_from_config(llama.config), setup)["rows"] if r["strategy"] == "fsdp_tp")
+    default = next(r for r in estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
+                   if r["strategy"] == "fsdp_tp")
+    assert default["total_bytes"] != row["total_bytes"]
+    assert callback.preflight["plan"]["strategy"] == "fsdp_tp"
+    assert callback.preflight["plan"]["total_bytes"] == row["total_bytes"]

@@ -140,6 +140,12 @@ def test_strategy_that_does_not_fit_the_gpus():
     f = only(run("--bf16", accelerate_config=SHIPPED["zero3.yaml"], model="llama-2-70b", gpus=2,
                  gpu_memory_bytes=gpu_memory("A100-40")), "no-fit", "strategy")
     assert "zero3 needs" in f.problem
+    # a TP yaml is planned on its own mesh (fsdp_tp.yaml: 2 shards x tp 4), whatever --gpus says
+    f = only(run("--bf16", accelerate_config=SHIPPED["fsdp_tp.yaml"], model="llama-2-70b", gpus=8,
+                 gpu_memory_bytes=gpu_memory("A100-80")), "no-fit", "strategy")
+    assert "fsdp_tp needs" in f.problem
+    assert run("--bf16", "--gradient_checkpointing", "--per_device_train_batch_size", "1",
+               accelerate_config=SHIPPED["fsdp_tp.yaml"], **fit) == []  # llama-2-7b
 
 
 def test_mixed_precision_differs_between_accelerate_and_trainer():

@@ -123,6 +123,20 @@ def test_per_rank_bytes_follow_the_mesh(runs, assets, name):
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name", list(RUNS))
+def test_planner_rows_equal_the_measured_bytes(runs, name):
+    """`shardscope plan --compare`: the tp / fsdp_tp row for the summary's mesh, against every rank."""
+    from shardscope.planner import compare
+
+    result = compare(runs(name) / "shardscope_summary.json")
+    assert result["strategy"] == name and len(result["ranks"]) == RUNS[name][2]
+    for rank in result["ranks"]:
+        components = {c["component"]: c for c in rank["components"]}
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert components[key]["planned"] == components[key]["measured"], (rank["rank"], key)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", list(RUNS))
 def test_saved_model_reloads_with_from_pretrained(runs, name):
     reloaded, trained = reload_logits(runs(name))
     torch.testing.assert_close(reloaded, trained, rtol=1e-4, atol=1e-4)

@@ -245,7 +245,7 @@ class ShardingProfilerCallback(TrainerCallback):
         Activations depend on batches not seen yet, so the plan uses sequence length 0: model
         states and buffers only, a lower bound. Saved in the summary as `preflight.plan`.
         """
-        from .planner import Setup, estimate, gb, spec_from_config
+        from .planner import Setup, estimate, gb, setup_for_mesh, spec_from_config
 
         strategy = self.preflight.get("strategy")
         world, nodes = self.preflight.get("world_size", 1), num_nodes()
@@ -253,6 +253,8 @@ class ShardingProfilerCallback(TrainerCallback):
         setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision, seq_len=0,
                       micro_batch=args.per_device_train_batch_size,
                       gpu_memory_bytes=torch.cuda.get_device_properties(self._device).total_memory)
+        if self._tp > 1:
+            strategy, setup = setup_for_mesh(setup, self.preflight["mesh"])
         plan = estimate(spec_from_config(_unwrap(model).config), setup)
         row = next((r for r in plan["rows"] if r["strategy"] == strategy), None)
         if row is None:

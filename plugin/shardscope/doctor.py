@@ -371,8 +371,7 @@ def strategy_of(kind: str, raw: dict) -> str | None:
     if kind == "accelerate":
         mesh = tp_mesh_of(raw)
         if mesh:
-            return {(False, False): "tp", (True, False): "fsdp_tp"}.get(
-                (mesh["dp_shard"] > 1, mesh["dp_replicate"] > 1), "hsdp_tp")
+            return "hsdp_tp" if mesh["dp_replicate"] > 1 else "fsdp_tp" if mesh["dp_shard"] > 1 else "tp"
         dtype = raw.get("distributed_type", "NO")
         if dtype == "DEEPSPEED":
             ds = raw.get("deepspeed_config") or {}
@@ -422,8 +421,9 @@ def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Fi
     return findings
 
 
-def check_fit(file: str, strategy: str, spec, inputs: Inputs) -> list[Finding]:
-    from .planner import Setup, estimate, gb
+def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None = None) -> list[Finding]:
+    """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes."""
+    from .planner import Setup, estimate, gb, setup_for_mesh
 
     trainer = inputs.trainer or {}
     precision = "bf16-mixed" if trainer.get("bf16") else "fp16-mixed" if trainer.get("fp16") else (
@@ -435,8 +435,12 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs) -> list[Finding]:
                   activation_checkpointing=bool(trainer.get("gradient_checkpointing")),
                   lora_rank=lora, lora_targets=("all-linear",) if lora else ("q_proj", "v_proj"),
                   grad_accum_steps=int(trainer.get("gradient_accumulation_steps") or 1))
+    if mesh:
+        strategy, setup = setup_for_mesh(setup, mesh)
     result = estimate(spec, setup)
     rows = {r["strategy"]: r for r in result["rows"]}
+    if strategy not in rows:  # a TP yaml with a model that has no TP plan: the tp-degree finding says so
+        return []
     row, best = rows[strategy], result["recommendation"]
     if row["fits"]:
         return []
@@ -521,7 +525,8 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
             chosen = [(str(p), strategy_of(k, _raw(p))) for p, k in
                       ((deepspeed, "deepspeed"), (fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
             file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
-            findings += check_fit(file, strategy or "ddp", model[0], inputs)
+            mesh = tp_mesh_of(acc) if acc is not None and file == str(inputs.accelerate_config) else None
+            findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh)
     elif inputs.gpus and inputs.gpu_memory_bytes:
         notes.append("fit check skipped: no model (--model)")
     return _dedupe(findings), notes

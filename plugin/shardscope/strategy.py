@@ -1,9 +1,6 @@
 """Name the distributed strategy a run is using, with the same names as the shipped configs."""
 from __future__ import annotations
 
-TP_STRATEGIES = {(False, False): "tp", (True, False): "fsdp_tp", (True, True): "hsdp_tp"}  # (shards, replicates)
-
-
 def detect_strategy(model=None) -> dict:
     """Read accelerate's live state (and the model's own mesh): `{"strategy": NAME, "world_size": N,
     "mesh": {"dp_replicate": R, "dp_shard": S, "tp": T}, ...details}`.
@@ -30,7 +27,7 @@ def detect_strategy(model=None) -> dict:
     else:
         mesh = None
     if mesh is not None:
-        name = TP_STRATEGIES[(mesh["dp_shard"] > 1, mesh["dp_replicate"] > 1)]
+        name = "hsdp_tp" if mesh["dp_replicate"] > 1 else "fsdp_tp" if mesh["dp_shard"] > 1 else "tp"
         return {"strategy": name, "world_size": world_size, "mesh": mesh,
                 "sharded_by": "transformers DistributedConfig" if loaded is not None else "accelerate"}
     if kind == DistributedType.DEEPSPEED:
