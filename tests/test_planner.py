@@ -174,7 +174,7 @@ def test_seed_figures_12_and_16_bytes_per_param():
 def test_planner_rows_for_7b_on_4_gpus():
     result = estimate(model_spec(params=7e9), Setup(gpus_per_node=4, gpu_memory_bytes=80 * 2 ** 30))
     r = rows(result)
-    states = {s: r[s]["model_states_bytes"] / GB for s in STRATEGIES}  # within the `step` counters' bytes
+    states = {s: r[s]["model_states_bytes"] / GB for s in r}  # within the `step` counters' bytes
     assert states["ddp"] == pytest.approx(112, abs=1e-5)  # 16 B/param, unsharded
     # The 16 B/param sharded figures of the seed table: ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
     assert states["zero2"] == pytest.approx(38.5, abs=1e-5)
@@ -327,7 +327,8 @@ def test_bad_summary_names_file_and_key(tmp_path, capsys, content, message):
 def test_cli_json_contract(capsys):
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [r["strategy"] for r in result["rows"]] == list(STRATEGIES)
+    # one node, tp = its 4 GPUs: fsdp_tp and hsdp_tp would repeat tp's mesh, so they are left out
+    assert [r["strategy"] for r in result["rows"]] == [s for s in STRATEGIES if s not in ("fsdp_tp", "hsdp_tp")]
     keys = {"strategy", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
             "total_bytes", "fits"}
     for row in result["rows"]:
@@ -503,3 +504,15 @@ def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys
         assert cli.main(["plan", "--compare", str(path)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and str(path) in err and message in err
+
+
+def test_tensor_parallel_rows_show_each_mesh_once():
+    spec = model_spec("llama-2-70b")
+    meshes = {r["strategy"]: r["mesh"] for r in estimate(spec, Setup(gpus_per_node=8, nodes=2, tp_size=4))["rows"]
+              if r["strategy"] in ("tp", "fsdp_tp", "hsdp_tp")}
+    assert meshes == {"tp": {"dp_replicate": 1, "dp_shard": 1, "tp": 4},
+                      "fsdp_tp": {"dp_replicate": 1, "dp_shard": 4, "tp": 4},
+                      "hsdp_tp": {"dp_replicate": 2, "dp_shard": 2, "tp": 4}}
+    one_node = estimate(spec, Setup(gpus_per_node=8, tp_size=4))
+    assert [r["strategy"] for r in one_node["rows"] if "tp" in r["mesh"] and r["mesh"]["tp"] > 1] == ["tp", "fsdp_tp"]
+    assert any("hsdp_tp left out" in note for note in one_node["notes"])

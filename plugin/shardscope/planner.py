@@ -873,7 +873,12 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
     if spec.tp_plan:
         t = tp_degree(spec, setup)
         act_tp = activation_bytes(spec, setup, t)
-        strategies = STRATEGIES
+        # fsdp_tp is tp when tp spans every GPU, hsdp_tp is fsdp_tp on one node: show each mesh once
+        same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
+        strategies = tuple(s for s in STRATEGIES if not same.get(s))
+        if any(same.values()):
+            notes.append("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
+                         "their mesh is the one of the row above them")
         kv = spec.num_kv_heads or spec.num_heads
         tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
                    f"default: gcd(GPUs per node {setup.gpus_per_node}, heads {spec.num_heads}, KV heads {kv})",
