@@ -55,11 +55,11 @@ class ModelArguments:
     lora_r: int = field(default=16)
     lora_alpha: int = field(default=32)
     lora_dropout: float = field(default=0.05)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
+                                           metadata={"help": "Module names, or all-linear"})
     tp_size: int | None = field(default=None, metadata={
         "help": "Tensor-parallel degree; default: the launcher config's parallelism_config_tp_size, else 1. "
                 "The other ranks shard the TP pieces with FSDP2 (world = dp_replicate x dp_shard x tp)"})
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
-                                           metadata={"help": "Module names, or all-linear"})
 
 
 def main():

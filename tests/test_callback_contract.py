@@ -166,8 +166,7 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     callback._plan_preflight(llama, args, SimpleNamespace(is_world_process_zero=True))
     _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=2, gpu_memory_bytes=80 * 10**9), mesh)
     row = next(r for r in estimate(spec_from_config(llama.config), setup)["rows"] if r["strategy"] == "fsdp_tp")
-    default = next(r for r in estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
-                   if r["strategy"] == "fsdp_tp")
-    assert default["total_bytes"] != row["total_bytes"]
+    default = estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
+    assert row["mesh"] == mesh and mesh not in [r["mesh"] for r in default]  # only the mesh gives this row
     assert callback.preflight["plan"]["strategy"] == "fsdp_tp"
     assert callback.preflight["plan"]["total_bytes"] == row["total_bytes"]

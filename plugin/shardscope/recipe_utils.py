@@ -280,6 +280,9 @@ def tensor_parallel_training_args(training_args, mesh: dict) -> None:
     """
     from accelerate import ParallelismConfig
 
+    if training_args.deepspeed:
+        raise UsageError("--deepspeed with tensor parallelism: transformers shards the model while loading it, "
+                         "DeepSpeed would partition it again; use accelerate_configs/fsdp_tp.yaml instead")
     if training_args.save_strategy != "no" and not training_args.save_only_model:
         training_args.save_only_model = True
         if training_args.process_index == 0:
