@@ -144,8 +144,16 @@ def test_saved_model_reloads_with_from_pretrained(runs, name):
 
 @pytest.mark.launch
 def test_throughput_counts_each_replica_once(runs):
-    """The ranks of a TP group share one batch: global tokens/s = sum over ranks / tp."""
+    """The ranks of a TP group share one batch: global tokens/s = sum over ranks / tp, in the logs and
+    in `shardscope report`."""
+    from shardscope.compare import load_run
+
     for name, (_, _, processes, mesh, _) in RUNS.items():
+        summary = json.loads((runs(name) / "shardscope_summary.json").read_text())
+        row = load_run(runs(name))
+        for key in ("tokens_per_s", "samples_per_s"):
+            per_rank = [rank["throughput"][key] for rank in summary["ranks"]]
+            assert row[key] == pytest.approx(sum(per_rank) / mesh["tp"])
         history = json.loads((runs(name) / "trainer_state.json").read_text())["log_history"]
         logged = [entry for entry in history if "shardscope/tokens_per_s" in entry]
         assert logged

@@ -165,9 +165,9 @@ def _spread(values: list) -> dict:
     return {"min": min(values), "max": max(values)} if values else {"min": None, "max": None}
 
 
-def _total(values: list):
+def _total(values: list, share: float = 1.0):
     values = [v for v in values if isinstance(v, (int, float))]
-    return sum(values) if values else None
+    return sum(values) * share if values else None
 
 
 def _mean(values: list):
@@ -190,6 +190,7 @@ def load_run(run_dir: Path) -> dict:
     summary = read_summary(summary_path)
     ranks = summary["ranks"]
     throughput = [r.get("throughput") or {} for r in ranks]
+    replicas_share = 1 / ((summary.get("mesh") or {}).get("tp") or 1)  # a TP group shares one batch
     row.update(
         status="ok" if not exit_code else "failed",
         reason=failure_reason(log_text) if exit_code else None,
@@ -198,8 +199,8 @@ def load_run(run_dir: Path) -> dict:
         model=(summary.get("model") or {}).get("name_or_path"),
         ranks=[{k: r.get(k) for k in (*COMPONENTS, "peak_memory_bytes")} for r in ranks],
         **{k: _spread([r[k] for r in ranks]) for k in (*COMPONENTS, "peak_memory_bytes")},
-        tokens_per_s=_total([t.get("tokens_per_s") for t in throughput]),
-        samples_per_s=_total([t.get("samples_per_s") for t in throughput]),
+        tokens_per_s=_total([t.get("tokens_per_s") for t in throughput], replicas_share),
+        samples_per_s=_total([t.get("samples_per_s") for t in throughput], replicas_share),
         tflops_per_device=_mean([t.get("tflops_per_device") for t in throughput]),
         mfu=_mean([t.get("mfu") for t in throughput]),
         **_trainer_facts(run_dir),
