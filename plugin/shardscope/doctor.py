@@ -38,6 +38,7 @@ from types import SimpleNamespace
 
 from .configs import ConfigProblems, _strings_that_should_be_values, validate_config
 from .errors import UsageError
+from .strategy import tp_strategy
 
 
 @dataclass(frozen=True)
@@ -371,7 +372,7 @@ def strategy_of(kind: str, raw: dict) -> str | None:
     if kind == "accelerate":
         mesh = tp_mesh_of(raw)
         if mesh:
-            return "hsdp_tp" if mesh["dp_replicate"] > 1 else "fsdp_tp" if mesh["dp_shard"] > 1 else "tp"
+            return tp_strategy(mesh)
         dtype = raw.get("distributed_type", "NO")
         if dtype == "DEEPSPEED":
             ds = raw.get("deepspeed_config") or {}
@@ -471,6 +472,7 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
         if path is not None and not Path(path).is_file():
             raise UsageError(f"config file '{path}' does not exist")
     acc = _raw(inputs.accelerate_config) if inputs.accelerate_config else None
+    acc_mesh = tp_mesh_of(acc) if acc is not None else None
     world = None
     if inputs.gpus:
         world = inputs.gpus * inputs.nodes
@@ -511,8 +513,8 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
 
     model = _model(inputs, notes)
     if model is not None:
-        if acc is not None and tp_mesh_of(acc):
-            findings += check_tp_degree(str(inputs.accelerate_config), tp_mesh_of(acc)["tp"], model[1].config, trainer)
+        if acc_mesh:
+            findings += check_tp_degree(str(inputs.accelerate_config), acc_mesh["tp"], model[1].config, trainer)
         for path, kind in ((inputs.accelerate_config, "accelerate"), (fsdp, "fsdp")):
             raw = _raw(path) if path else {}
             if not raw or (kind == "accelerate" and raw.get("distributed_type") != "FSDP"):
@@ -525,7 +527,7 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
             chosen = [(str(p), strategy_of(k, _raw(p))) for p, k in
                       ((deepspeed, "deepspeed"), (fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
             file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
-            mesh = tp_mesh_of(acc) if acc is not None and file == str(inputs.accelerate_config) else None
+            mesh = acc_mesh if file == str(inputs.accelerate_config) else None
             findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh)
     elif inputs.gpus and inputs.gpu_memory_bytes:
         notes.append("fit check skipped: no model (--model)")

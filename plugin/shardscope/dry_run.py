@@ -65,9 +65,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .errors import UsageError
+from .planner import TP_STRATEGIES, _chunk
 
-TP_DRY_RUN = ("tp", "fsdp_tp", "hsdp_tp")
-DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_DRY_RUN)
+DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_STRATEGIES)
 FSDP_MESH_DIMS = ("shard", "fsdp")  # the mesh dims FSDP2 shards over (ours; transformers')
 RESHARD_AFTER_FORWARD = {"fsdp_full_shard": True, "fsdp_shard_grad_op": False, "fsdp_hybrid_shard": True}
 NOT_DRY_RUN = {
@@ -152,11 +152,6 @@ def _local(shape, sharding, sizes: dict, coords: dict) -> tuple[int, int]:
     return local[0] * rest, local[0] * rest
 
 
-def _chunk(size: int, parts: int, index: int) -> int:
-    k = -(-size // parts)
-    return max(0, min(k, size - index * k))
-
-
 def _computed_rank(layouts, rank: int, mesh_shape: tuple, mesh_names: tuple, moments: int) -> RankCount:
     """One rank's bytes from the tensors' layouts and the chunking rules (see module docstring)."""
     coords, rest = [], rank
@@ -199,7 +194,7 @@ def _shard_model(config, strategy: str, mesh_shape: tuple, dtype):
     from .planner import _meta_model
 
     model = _meta_model(config).to(dtype)
-    if strategy in TP_DRY_RUN:
+    if strategy in TP_STRATEGIES:
         from transformers.distributed import DistributedConfig
         from transformers.distributed.utils import TransformersDeviceMesh
 
@@ -305,7 +300,7 @@ def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: s
     if dist.is_initialized():
         raise UsageError("--dry-run needs its own fake process group; call it outside a distributed run")
     start = time.perf_counter()
-    if strategy in TP_DRY_RUN:
+    if strategy in TP_STRATEGIES:
         mesh_shape = tp_mesh_shape(config, strategy, world_size, nodes, tp)
         shard_degree = mesh_shape[1] * mesh_shape[2]  # ranks that divide the model states
     else:
@@ -320,7 +315,7 @@ def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: s
                   for r, b in built.items())
     return DryRun(strategy, world_size, nodes, world_size // nodes, shard_degree, mesh_shape,
                   str(dtype).replace("torch.", ""), ranks, matches, time.perf_counter() - start, names,
-                  mesh_shape[2] if strategy in TP_DRY_RUN else 1)
+                  mesh_shape[2] if strategy in TP_STRATEGIES else 1)
 
 
 def check_mesh(world_size: int, nodes: int) -> None:
@@ -336,7 +331,7 @@ def compare_rows(result: DryRun, spec, setup) -> dict:
     """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup."""
     from .planner import setup_for_mesh, strategy_row
 
-    if result.strategy in TP_DRY_RUN:
+    if result.strategy in TP_STRATEGIES:
         r, s, t = result.mesh
         _, row_setup = setup_for_mesh(setup, {"dp_replicate": r, "dp_shard": s, "tp": t})
     else:
@@ -458,7 +453,7 @@ def dry_run_command(args) -> int:
             tp_mesh_shape(config, "fsdp_tp", world, nodes, args.tp)[2] > 1)
         strategies = [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN)
                       if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
-                      and (s not in TP_DRY_RUN or tp_default)]
+                      and (s not in TP_STRATEGIES or tp_default)]
     out = run(args.model, strategies, world, nodes, setup)
     if args.json:
         print(json.dumps(out, indent=1))

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import UsageError
+from .strategy import tp_strategy
 
 TP_STRATEGIES = ("tp", "fsdp_tp", "hsdp_tp")  # transformers DistributedConfig(tp_size, fsdp_size, dp_replicate_size)
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload",
@@ -437,8 +438,7 @@ def setup_for_mesh(setup: Setup, mesh: dict) -> tuple[str, Setup]:
     """The TP strategy name and a Setup whose row reproduces `mesh` (a summary's `{"dp_replicate",
     "dp_shard", "tp"}`): nodes = dp_replicate, GPUs per node = dp_shard x tp, tp_size = tp."""
     r, s, t = (int(mesh[k]) for k in ("dp_replicate", "dp_shard", "tp"))
-    name = "hsdp_tp" if r > 1 else "fsdp_tp" if s > 1 else "tp"
-    return name, replace(setup, gpus_per_node=s * t, nodes=r, tp_size=t)
+    return tp_strategy(mesh), replace(setup, gpus_per_node=s * t, nodes=r, tp_size=t)
 
 
 def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads: bool = False,
@@ -841,7 +841,7 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
             continue  # one node: identical to full shard
         if tier[0] in TP_STRATEGIES:
             row = by_name.get(tier[0])
-            if row is None or row.mesh["tp"] == 1 or (tier == ("hsdp_tp",) and setup.nodes == 1):
+            if row is None or row.mesh["tp"] == 1:  # estimate() leaves out rows that repeat a mesh
                 continue
             if tier == ("tp",) and row.mesh["tp"] != setup.world_size:
                 continue  # TP alone uses t GPUs of one node, not all of them

@@ -27,8 +27,7 @@ def detect_strategy(model=None) -> dict:
     else:
         mesh = None
     if mesh is not None:
-        name = "hsdp_tp" if mesh["dp_replicate"] > 1 else "fsdp_tp" if mesh["dp_shard"] > 1 else "tp"
-        return {"strategy": name, "world_size": world_size, "mesh": mesh,
+        return {"strategy": tp_strategy(mesh), "world_size": world_size, "mesh": mesh,
                 "sharded_by": "transformers DistributedConfig" if loaded is not None else "accelerate"}
     if kind == DistributedType.DEEPSPEED:
         return {"world_size": world_size, "mesh": _mesh(1, world_size, 1), **_deepspeed_details(state.deepspeed_plugin)}
@@ -42,6 +41,11 @@ def detect_strategy(model=None) -> dict:
         return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
                 "distributed_type": str(kind.value)}
     return {"strategy": "single", "world_size": world_size, "mesh": _mesh(1, 1, 1)}
+
+
+def tp_strategy(mesh: dict) -> str:
+    """The shipped config name of a tensor-parallel mesh: replicas -> hsdp_tp, shards -> fsdp_tp, else tp."""
+    return "hsdp_tp" if mesh["dp_replicate"] > 1 else "fsdp_tp" if mesh["dp_shard"] > 1 else "tp"
 
 
 def num_nodes() -> int:
