@@ -20,10 +20,8 @@ Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import re
 import shlex
 import socket

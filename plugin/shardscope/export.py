@@ -13,7 +13,6 @@ and renamed into place at the end: an error leaves nothing behind, and an existi
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
