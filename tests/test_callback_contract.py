@@ -155,7 +155,9 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from shardscope.planner import Setup, estimate, setup_for_mesh, spec_from_config
+    from shardscope.mesh import Setup, setup_for_mesh
+    from shardscope.model_spec import spec_from_config
+    from shardscope.planner import estimate
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}

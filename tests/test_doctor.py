@@ -131,7 +131,7 @@ def test_default_accelerate_config_would_change_the_strategy(empty_hf_home):
 
 
 def test_strategy_that_does_not_fit_the_gpus():
-    from shardscope.planner import gpu_memory
+    from shardscope.units import gpu_memory
 
     fit = dict(model="llama-2-7b", gpus=8, gpu_memory_bytes=gpu_memory("A100-80"))
     f = only(run("--bf16", accelerate_config=SHIPPED["ddp.yaml"], **fit), "no-fit", "strategy")

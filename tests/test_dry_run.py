@@ -14,8 +14,9 @@ import pytest
 
 from shardscope import dry_run as dr
 from shardscope.cli import main
-from shardscope import planner
-from shardscope.planner import Setup, load_config, model_spec, strategy_row
+from shardscope.formulas import strategy_row
+from shardscope.mesh import Setup, setup_for_mesh
+from shardscope.model_spec import load_model_config as load_config, model_spec
 
 MODELS = ("llama-2-7b", "mistral-7b", "llama-2-70b")
 WORLD_SIZES = (8, 64, 512)
@@ -195,7 +196,7 @@ def test_tp_planner_equals_transformers_sharding_on_every_rank(family, strategy,
     for rank in result.ranks:
         assert (rank.params_bytes, rank.grads_bytes, rank.optimizer_bytes) == _expected_rank(config, mesh, rank.rank)
     spec = model_spec(config)
-    _, setup = planner.setup_for_mesh(Setup(precision="fp32"), {"dp_replicate": r, "dp_shard": s, "tp": t})
+    _, setup = setup_for_mesh(Setup(precision="fp32"), {"dp_replicate": r, "dp_shard": s, "tp": t})
     row = strategy_row(strategy, spec, setup)
     assert row.mesh == {"dp_replicate": r, "dp_shard": s, "tp": t}
     heaviest = result.ranks[0]

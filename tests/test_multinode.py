@@ -13,7 +13,7 @@ import time
 from launch import ROOT, accelerate_multinode_launch
 
 from shardscope.configs import find_config
-from shardscope.planner import compare
+from shardscope.planner import plan_vs_run as compare
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 HELLO = WORKER  # the bad-input launches fail before any rank starts

@@ -11,8 +11,15 @@ import psutil
 import pytest
 from transformers import LlamaConfig
 
-from shardscope import cli, planner
-from shardscope.planner import STRATEGIES, ModelSpec, Setup, estimate, model_spec, strategy_row
+from shardscope import cli, formulas, mesh, planner, units
+from shardscope import model_spec as specs
+from shardscope.errors import UsageError
+from shardscope.formulas import strategy_row
+from shardscope.mesh import Setup, setup_for_mesh
+from shardscope.model_spec import ModelSpec, model_spec
+from shardscope.planner import estimate
+from shardscope.strategy import STRATEGIES, TP_STRATEGIES
+from dataclasses import replace
 
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +43,7 @@ def test_tiny_llama_counted_on_meta_equals_hand_formula_and_real_model(tied):
     from transformers import AutoModelForCausalLM
 
     config = LlamaConfig(**TINY, tie_word_embeddings=tied)
-    spec = planner.spec_from_config(config)
+    spec = specs.spec_from_config(config)
     h, i, L, V = 64, 128, 2, 512
     per_layer = 4 * h * h + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
     assert spec.params_total == V * h * (1 if tied else 2) + L * per_layer + h
@@ -53,7 +60,7 @@ def test_shipped_configs_have_the_real_parameter_counts():
     mistral = model_spec("mistral-7b")
     assert mistral.params_total == 7_241_732_096
     assert (mistral.num_kv_heads, mistral.intermediate_size, mistral.tied_embeddings) == (8, 14336, False)
-    assert planner.shipped_models() == ["llama-2-70b", "llama-2-7b", "mistral-7b"]
+    assert specs.shipped_models() == ["llama-2-70b", "llama-2-7b", "mistral-7b"]
 
 
 def test_70b_plans_in_under_two_seconds_without_parameter_memory():
@@ -117,7 +124,7 @@ def test_hybrid_shard_shards_within_a_node_only():
 
 
 def test_bytes_per_parameter_convention():
-    eb = planner.element_bytes
+    eb = formulas.element_bytes
     ds, torch_ = eb("bf16-mixed", "deepspeed"), eb("bf16-mixed", "torch")
     assert (ds.param, ds.grad, ds.master + ds.moments) == (2, 2, 12)  # 16 B/param
     assert eb("bf16-mixed", "deepspeed", fp32_grads=True).grad == 4  # 18 B/param
@@ -129,44 +136,44 @@ def test_bytes_per_parameter_convention():
 
 
 def test_lora_trainable_fraction_from_target_shapes():
-    spec = planner.spec_from_config(LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False))
+    spec = specs.spec_from_config(LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False))
     r, h, kv_out = 8, 64, 2 * 16  # 2 kv heads of dim 16
     setup = Setup(precision="fp32", lora_rank=r)
-    c = planner.counts(spec, setup)
+    c = formulas.counts(spec, setup)
     lora = 2 * (r * (h + h) + r * (h + kv_out))  # q_proj and v_proj in two layers
     assert (c.trainable, c.total) == (lora, spec.params_total + lora)
     ddp = strategy_row("ddp", spec, setup, activations=0)
     assert ddp.params_bytes == 4 * (spec.params_total + lora) and ddp.grads_bytes == 4 * lora
     assert ddp.optimizer_bytes == 8 * lora + 4 * 8  # 8 LoRA tensors, one `step` each
-    all_linear = planner.counts(spec, Setup(lora_rank=r, lora_targets=("all-linear",))).trainable
+    all_linear = formulas.counts(spec, Setup(lora_rank=r, lora_targets=("all-linear",))).trainable
     assert all_linear > lora
 
 
 def test_activation_formula_and_checkpointing():
-    spec = planner.spec_from_count(1e9, layers=4, hidden=256, vocab=1000, heads=4)
+    spec = specs.spec_from_count(1e9, layers=4, hidden=256, vocab=1000, heads=4)
     s, b, h, L, V = 128, 2, 256, 4, 1000
-    act = planner.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, attention="eager"))
+    act = formulas.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, attention="eager"))
     layer = s * b * h * (34 + 5 * 4 * s / h)  # 16-bit, Korthikanti et al.
     assert act["per_layer"] == int(layer) and act["layers"] == int(L * layer)
     assert act["head"] == b * s * V * (4 + 2)
-    ckpt = planner.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, activation_checkpointing=True))
+    ckpt = formulas.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, activation_checkpointing=True))
     assert ckpt["layers"] == int(L * s * b * h * 2 + s * b * h * 34)
-    assert planner.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, precision="fp32"))["layers"] == 2 * L * s * b * h * 34
+    assert formulas.activation_bytes(spec, Setup(seq_len=s, micro_batch=b, precision="fp32"))["layers"] == 2 * L * s * b * h * 34
 
 
 def test_vision_tokens_from_image_and_patch():
     from transformers import Dinov2Config
 
-    spec = planner.spec_from_config(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    spec = specs.spec_from_config(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                  intermediate_size=128, image_size=224, patch_size=14))
     assert spec.kind == "vision"
-    assert planner.activation_bytes(spec, Setup())["tokens_per_sample"] == (224 // 14) ** 2 + 1
-    assert planner.activation_bytes(spec, Setup(image_size=518))["tokens_per_sample"] == 37 ** 2 + 1
+    assert formulas.activation_bytes(spec, Setup())["tokens_per_sample"] == (224 // 14) ** 2 + 1
+    assert formulas.activation_bytes(spec, Setup(image_size=518))["tokens_per_sample"] == 37 ** 2 + 1
 
 
 # ----------------------------------------------------------------------------- seed figures, ordering
 def test_seed_figures_12_and_16_bytes_per_param():
-    table = planner.seed_table(7e9, 4)
+    table = planner.convention_table(7e9, 4)
     assert [table["seed-12"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [84, 42, 31.5, 21]
     assert [table["planner-16"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [112, 49, 38.5, 28]
 
@@ -199,9 +206,9 @@ def test_zero1_holds_full_grads_only_between_accumulation_steps():
 
 def test_mistral_7b_ddp_on_one_80gb_gpu_does_not_fit_fsdp_on_four_does():
     spec = model_spec("mistral-7b")
-    one = rows(estimate(spec, Setup(gpus_per_node=1, gpu_memory_bytes=planner.gpu_memory("A100-80"))))
+    one = rows(estimate(spec, Setup(gpus_per_node=1, gpu_memory_bytes=units.gpu_memory("A100-80"))))
     assert not one["ddp"]["fits"] and one["ddp"]["model_states_bytes"] > 100 * GB
-    four = estimate(spec, Setup(gpus_per_node=4, gpu_memory_bytes=planner.gpu_memory("A100-80")))
+    four = estimate(spec, Setup(gpus_per_node=4, gpu_memory_bytes=units.gpu_memory("A100-80")))
     assert rows(four)["fsdp_full_shard"]["fits"] and not rows(four)["ddp"]["fits"]
     assert four["recommendation"]["strategy"] in ("fsdp_shard_grad_op", "fsdp_full_shard")
 
@@ -214,7 +221,7 @@ def test_recommendation_walks_the_decision_tree():
     tiny_gpu = estimate(spec, small)
     assert tiny_gpu["recommendation"]["strategy"] == "fsdp_full_shard"
     assert "ddp" in tiny_gpu["recommendation"]["reason"] and "fsdp_shard_grad_op" in tiny_gpu["recommendation"]["reason"]
-    deepspeed = estimate(spec, planner.replace(small, prefer="deepspeed"))
+    deepspeed = estimate(spec, replace(small, prefer="deepspeed"))
     assert deepspeed["recommendation"]["strategy"] == "zero3"
     nothing = estimate(spec, Setup(gpu_memory_bytes=2 * 2 ** 30))
     assert nothing["recommendation"]["strategy"] is None and "nothing fits" in nothing["recommendation"]["reason"]
@@ -276,7 +283,7 @@ def test_deepspeed_estimators_differ_where_pinned():
                                                          cpu_offload=False)
     ours = r.model_states_bytes + r.buffers_detail["gathered_layer"] + r.buffers_detail["fp32_grad_copy_in_step"]
     threshold = 10 * llama.hidden_size  # the Trainer's "auto"
-    persistent = 2 * sum(d * rows for d, rows, _ in planner.counts(llama, Setup(gpus_per_node=N)).tensors
+    persistent = 2 * sum(d * rows for d, rows, _ in formulas.counts(llama, Setup(gpus_per_node=N)).tensors
                          if d * rows <= threshold)
     assert 0 < persistent < 0.001 * llama.params_total
     assert abs(ours - ds_gpu - 2 * llama.params_total / N - persistent) <= 64
@@ -301,7 +308,7 @@ def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
     measured = {"params_bytes": planned.params_bytes, "grads_bytes": planned.grads_bytes,
                 "optimizer_bytes": int(planned.optimizer_bytes * 1.1)}
     path = _summary(tmp_path, tiny_llama, "fsdp_full_shard", measured)
-    result = planner.compare(path)
+    result = planner.plan_vs_run(path)
     comps = {c["component"]: c for c in result["ranks"][1]["components"]}
     assert comps["params_bytes"]["rel_diff"] == 0 and comps["optimizer_bytes"]["rel_diff"] == pytest.approx(0.1, abs=1e-5)
     assert cli.main(["plan", "--compare", str(path)]) == 0
@@ -347,10 +354,10 @@ def test_cli_table_and_seed_convention(capsys):
 
 
 def test_size_parsing():
-    assert planner.parse_size("80GB") == 80 * 10 ** 9
-    assert planner.parse_size("80GiB") == planner.parse_size("80") == 80 * 2 ** 30
-    assert planner.parse_size("85899345920") == 85899345920
-    assert planner.parse_count("7B") == planner.parse_count("7e9") == 7e9
+    assert units.parse_size("80GB") == 80 * 10 ** 9
+    assert units.parse_size("80GiB") == units.parse_size("80") == 80 * 2 ** 30
+    assert units.parse_size("85899345920") == 85899345920
+    assert units.parse_count("7B") == units.parse_count("7e9") == 7e9
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -372,7 +379,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
 
 # ----------------------------------------------------------------------------- tensor parallel rows
 def test_tp_activations_are_the_korthikanti_tensor_parallel_formula():
-    spec = planner.spec_from_config(LlamaConfig(**TINY, num_key_value_heads=2))
+    spec = specs.spec_from_config(LlamaConfig(**TINY, num_key_value_heads=2))
     s, b, h, a, L, V, t = 256, 2, 64, 4, 2, 512, 2
     setup = Setup(gpus_per_node=t, seq_len=s, micro_batch=b, tp_size=t)
     r = {name: strategy_row(name, spec, setup) for name in ("fsdp_full_shard", "tp", "fsdp_tp")}
@@ -380,15 +387,15 @@ def test_tp_activations_are_the_korthikanti_tensor_parallel_formula():
     # Without sequence parallelism only the attention/MLP internals split: 34 -> 10 + 24/t per s*b*h (16-bit).
     assert r["fsdp_full_shard"].activations_bytes == L * s * b * h * 34 + head
     assert r["tp"].activations_bytes == r["fsdp_tp"].activations_bytes == L * s * b * h * (10 + 24 / t) + head
-    eager = planner.activation_bytes(spec, planner.replace(setup, attention="eager"), tp=t)
+    eager = formulas.activation_bytes(spec, replace(setup, attention="eager"), tp=t)
     assert eager["per_layer"] == int(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
-    ckpt = planner.activation_bytes(spec, planner.replace(setup, activation_checkpointing=True), tp=t)
+    ckpt = formulas.activation_bytes(spec, replace(setup, activation_checkpointing=True), tp=t)
     assert ckpt["layers"] == int(L * s * b * h * 2 + s * b * h * (10 + 24 / t))  # layer inputs stay whole
 
 
 def test_tp_rows_shard_each_tensor_as_the_plan_says_and_fsdp_splits_the_tp_shard():
     config = LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False)
-    spec = planner.spec_from_config(config)
+    spec = specs.spec_from_config(config)
     h, i, V, L, kv = 64, 128, 512, 2, 2 * 16
     t, S = 2, 2
     # colwise (dim 0 / t): q, k, v, gate, up, embed_tokens, lm_head; rowwise (dim 1 / t): o, down; norms whole.
@@ -431,24 +438,24 @@ def test_comm_per_step_is_the_documented_ring_formula():
 
 def test_tp_default_degree_and_place_in_the_decision_tree():
     spec = model_spec("llama-2-70b")  # 64 heads, 8 KV heads
-    assert planner.tp_degree(spec, Setup(gpus_per_node=8)) == 8
-    assert planner.tp_degree(spec, Setup(gpus_per_node=6)) == 2
-    assert planner.tp_degree(model_spec("mistral-7b"), Setup(gpus_per_node=1)) == 1
+    assert mesh.tp_degree(spec, Setup(gpus_per_node=8)) == 8
+    assert mesh.tp_degree(spec, Setup(gpus_per_node=6)) == 2
+    assert mesh.tp_degree(model_spec("mistral-7b"), Setup(gpus_per_node=1)) == 1
     setup = Setup(gpus_per_node=8, nodes=2, activation_checkpointing=False)
     r = rows(estimate(spec, setup))
     # Memory between FULL_SHARD's total and FSDP x TP's: TP is what fits, and it is named with its mesh.
     assert r["fsdp_tp"]["total_bytes"] < r["fsdp_full_shard"]["total_bytes"]
     usable = (r["fsdp_tp"]["total_bytes"] + r["fsdp_full_shard"]["total_bytes"]) / 2
-    result = estimate(spec, planner.replace(setup, gpu_memory_bytes=int(usable / 0.9)))
+    result = estimate(spec, replace(setup, gpu_memory_bytes=int(usable / 0.9)))
     assert result["recommendation"]["strategy"] == "fsdp_tp"
     assert "tensor parallel 8 x FSDP 2" in result["recommendation"]["reason"]
     assert "fsdp_full_shard" in result["recommendation"]["reason"]  # tried first, did not fit
     # Enough memory for FULL_SHARD: it comes first (TP's win is activations, not model states).
-    roomy = estimate(spec, planner.replace(setup, gpu_memory_bytes=int(r["fsdp_full_shard"]["total_bytes"] / 0.89)))
+    roomy = estimate(spec, replace(setup, gpu_memory_bytes=int(r["fsdp_full_shard"]["total_bytes"] / 0.89)))
     assert roomy["recommendation"]["strategy"] == "fsdp_full_shard"
     # At degree 1 the TP rows are not candidates; a model with no TP plan has no TP rows.
     one = estimate(model_spec(params=1e9), Setup(gpus_per_node=1, tp_size=1, gpu_memory_bytes=2 * 2 ** 30))
-    assert one["recommendation"]["strategy"] not in planner.TP_STRATEGIES
+    assert one["recommendation"]["strategy"] not in TP_STRATEGIES
 
 
 def test_tp_from_params_only_is_approximate():
@@ -464,12 +471,12 @@ def test_tp_from_params_only_is_approximate():
 def test_vision_model_without_tp_plan_has_no_tp_rows():
     from transformers import Dinov2Config
 
-    spec = planner.spec_from_config(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    spec = specs.spec_from_config(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                  intermediate_size=128))
     assert not spec.tp_plan
     result = estimate(spec, Setup(gpus_per_node=2))
-    assert not set(rows(result)) & set(planner.TP_STRATEGIES) and result["tp"] is None
-    with pytest.raises(planner.UsageError, match="--tp 2: .* cannot be tensor-parallel"):
+    assert not set(rows(result)) & set(TP_STRATEGIES) and result["tp"] is None
+    with pytest.raises(UsageError, match="--tp 2: .* cannot be tensor-parallel"):
         estimate(spec, Setup(gpus_per_node=2, tp_size=2))
 
 
@@ -487,12 +494,12 @@ def test_bad_tp_degree_is_one_line_naming_flag_and_numbers(capsys, argv, message
 def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys):
     spec = model_spec(str(tiny_llama))
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    _, setup = planner.setup_for_mesh(Setup(precision="fp32"), mesh)
+    _, setup = setup_for_mesh(Setup(precision="fp32"), mesh)
     planned = strategy_row("fsdp_tp", spec, setup)
     measured = {"params_bytes": planned.params_bytes, "grads_bytes": planned.grads_bytes,
                 "optimizer_bytes": planned.optimizer_bytes}
     path = _summary(tmp_path, tiny_llama, "fsdp_tp", measured, world_size=4, mesh=mesh)
-    result = planner.compare(path)
+    result = planner.plan_vs_run(path)
     assert result["strategy"] == "fsdp_tp" and result["mesh"] == mesh
     assert all(c["rel_diff"] == 0 for rank in result["ranks"] for c in rank["components"])
     assert cli.main(["plan", "--compare", str(path)]) == 0

@@ -1,7 +1,7 @@
 """The planner's formulas against what the profiler counted on the same real 2-rank runs (fp32, AdamW)."""
 import pytest
 
-from shardscope.planner import compare
+from shardscope.planner import plan_vs_run as compare
 
 AGREEING = ["ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op"]
 

@@ -22,13 +22,13 @@ from . import __version__
 from .memory import read_memory, reset_peak
 from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
 from .strategy import detect_strategy, num_nodes
+from .summary import SUMMARY_FILE, reduce_ranks, write_summary
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
 
 logger = logging.getLogger("shardscope")
 
 PREFIX = "shardscope/"
-SUMMARY_FILE = "shardscope_summary.json"
 # Per-rank figures exchanged with one all_gather per measurement (NaN = not measured on that rank).
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
@@ -139,9 +139,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._remove_hooks()
         if state.is_world_process_zero and self.summary_file:
             with self._guard("summary file"):
-                path = Path(args.output_dir) / self.summary_file
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(self._summary(args, state, ranks), indent=2))
+                path = write_summary(Path(args.output_dir) / self.summary_file, self._summary(args, state, ranks))
                 logger.warning("shardscope summary written to %s", path)
 
     # --- Measuring --------------------------------------------------------------------------------
@@ -245,7 +243,10 @@ class ShardingProfilerCallback(TrainerCallback):
         Activations depend on batches not seen yet, so the plan uses sequence length 0: model
         states and buffers only, a lower bound. Saved in the summary as `preflight.plan`.
         """
-        from .planner import Setup, estimate, gb, setup_for_mesh, spec_from_config
+        from .mesh import Setup, setup_for_mesh
+        from .model_spec import spec_from_config
+        from .planner import estimate
+        from .units import gb
 
         strategy = self.preflight.get("strategy")
         world, nodes = self.preflight.get("world_size", 1), num_nodes()
@@ -392,17 +393,15 @@ def _log_metrics(ranks: list[dict], tp: int = 1) -> dict:
     """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s (each of the
     `tp` ranks of a tensor-parallel group counts its shared batch: the group's replica counts once)."""
     flat = [{**{k: v for k, v in r.items() if k != "throughput"}, **r["throughput"]} for r in ranks]
+    reduced = reduce_ranks(flat, REDUCED, tp)
     metrics = {}
     for key in REDUCED:
-        values = [r[key] for r in flat if r.get(key) is not None]
-        if values:
+        if key in reduced:
             name = "tokens_per_s_per_device" if key == "tokens_per_s" else key
-            metrics.update({f"{PREFIX}{name}_min": min(values), f"{PREFIX}{name}_max": max(values),
-                            f"{PREFIX}{name}_mean": sum(values) / len(values)})
+            metrics.update({f"{PREFIX}{name}_{k}": v for k, v in reduced[key].items()})
     for key in ("samples_per_s", "tokens_per_s"):
-        values = [r[key] for r in flat if r.get(key) is not None]
-        if values:
-            metrics[f"{PREFIX}{key}"] = sum(values) / tp
+        if reduced[f"global_{key}"] is not None:
+            metrics[f"{PREFIX}{key}"] = reduced[f"global_{key}"]
     return metrics
 
 

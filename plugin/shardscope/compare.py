@@ -21,7 +21,6 @@ Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 import socket
@@ -32,10 +31,9 @@ from pathlib import Path
 
 from .configs import find_config
 from .errors import UsageError
+from .summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
 
-SUMMARY_FILE = "shardscope_summary.json"  # callback.SUMMARY_FILE (not imported: that pulls in transformers)
 LOG_FILE = "launch.log"
-COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 _FOOTER = re.compile(r"^\[shardscope compare\] exit code (-?\d+) after ([\d.]+) s$", re.MULTILINE)
 
 
@@ -158,24 +156,9 @@ def _trainer_facts(run_dir: Path) -> dict:
     return {"final_loss": losses[-1] if losses else None, "train_runtime_s": runtimes[-1] if runtimes else None}
 
 
-def _spread(values: list) -> dict:
-    values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
-    return {"min": min(values), "max": max(values)} if values else {"min": None, "max": None}
-
-
-def _total(values: list, share: float = 1.0):
-    values = [v for v in values if isinstance(v, (int, float))]
-    return sum(values) * share if values else None
-
-
-def _mean(values: list):
-    values = [v for v in values if isinstance(v, (int, float))]
-    return sum(values) / len(values) if values else None
-
-
 def load_run(run_dir: Path) -> dict:
     """One run folder -> one report row (raw numbers). A corrupt summary raises a one-line UsageError."""
-    from .planner import compare, read_summary
+    from .planner import plan_vs_run
 
     log = run_dir / LOG_FILE
     log_text = log.read_text(errors="replace") if log.exists() else ""
@@ -187,8 +170,8 @@ def load_run(run_dir: Path) -> dict:
         return {**row, "status": "failed", "reason": _no_summary_reason(exit_code, log_text)}
     summary = read_summary(summary_path)
     ranks = summary["ranks"]
-    throughput = [r.get("throughput") or {} for r in ranks]
-    replicas_share = 1 / ((summary.get("mesh") or {}).get("tp") or 1)  # a TP group shares one batch
+    throughput = [r.get("throughput") if isinstance(r.get("throughput"), dict) else {} for r in ranks]
+    rates = reduce_ranks(throughput, ("tflops_per_device", "mfu"), (summary.get("mesh") or {}).get("tp") or 1)
     row.update(
         status="ok" if not exit_code else "failed",
         reason=failure_reason(log_text) if exit_code else None,
@@ -196,15 +179,13 @@ def load_run(run_dir: Path) -> dict:
         precision=summary.get("precision"), memory_kind=ranks[0].get("memory_kind"),
         model=(summary.get("model") or {}).get("name_or_path"),
         ranks=[{k: r.get(k) for k in (*COMPONENTS, "peak_memory_bytes")} for r in ranks],
-        **{k: _spread([r[k] for r in ranks]) for k in (*COMPONENTS, "peak_memory_bytes")},
-        tokens_per_s=_total([t.get("tokens_per_s") for t in throughput], replicas_share),
-        samples_per_s=_total([t.get("samples_per_s") for t in throughput], replicas_share),
-        tflops_per_device=_mean([t.get("tflops_per_device") for t in throughput]),
-        mfu=_mean([t.get("mfu") for t in throughput]),
+        **{k: spread([r.get(k) for r in ranks]) for k in (*COMPONENTS, "peak_memory_bytes")},
+        tokens_per_s=rates["global_tokens_per_s"], samples_per_s=rates["global_samples_per_s"],
+        tflops_per_device=(rates.get("tflops_per_device") or {}).get("mean"), mfu=(rates.get("mfu") or {}).get("mean"),
         **_trainer_facts(run_dir),
     )
     try:
-        planned = compare(summary_path)
+        planned = plan_vs_run(summary_path)
         row["planned"] = {c["component"]: c["planned"] for c in planned["ranks"][0]["components"]}
         row["planned"]["total_bytes"] = planned["planned_total_bytes"]
         row["planned"]["strategy"] = planned["strategy"]

@@ -180,13 +180,13 @@ def _load_json(path: Path) -> dict:
     return config
 
 
-def _strings_that_should_be_values(config, prefix="") -> list[str]:
+def strings_that_should_be_values(config, prefix="") -> list[str]:
     """Keys whose value is a number or boolean written as a string (libraries compare or coerce them silently)."""
     found = []
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            found += _strings_that_should_be_values(value, name + ".")
+            found += strings_that_should_be_values(value, name + ".")
         elif isinstance(value, str) and value != "auto" and not str(key).startswith("_"):
             if value.strip().lower() in ("true", "false") or _is_number(value):
                 found.append(f"{name}: {value!r} is a string; write it without quotes (or \"auto\")")
@@ -210,7 +210,7 @@ def _check_deepspeed_file(path: Path, problems: list[str], world_size: int):
 
 def _check_deepspeed(config: dict, problems: list[str], world_size: int):
     """Fill "auto" the way the Trainer does, then parse with DeepSpeed's own config class."""
-    problems += _strings_that_should_be_values(config)
+    problems += strings_that_should_be_values(config)
     if importlib.util.find_spec("deepspeed") is None:
         problems.append("DeepSpeed is not installed, so its parser cannot check this (pip install 'shardscope[deepspeed]')")
     if problems:
@@ -428,7 +428,7 @@ def _fsdp_plugin(**kwargs):
 def _check_fsdp(path: Path, problems: list[str], world_size: int):
     """`TrainingArguments(fsdp=True, fsdp_config=...)`, then the FSDP plugin the Trainer builds from it."""
     config = _load_json(path)
-    problems += _strings_that_should_be_values(config)
+    problems += strings_that_should_be_values(config)
     if problems:
         return None
     from transformers import TrainingArguments

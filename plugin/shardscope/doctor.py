@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from .configs import ConfigProblems, _strings_that_should_be_values, validate_config
+from .configs import ConfigProblems, strings_that_should_be_values, validate_config
 from .errors import UsageError
-from .strategy import tp_strategy
+from .mesh import tp_heads_problem, valid_tp_degrees
+from .strategy import fsdp_settings, strategy_of_config, tp_mesh_of_config
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def check_deepspeed(path: Path, trainer: dict | None, world_size: int | None, so
 
     raw, found, file = _raw(path), [], str(path)
     strings = set()
-    for line in _strings_that_should_be_values(raw):
+    for line in strings_that_should_be_values(raw):
         key, _, _ = line.partition(":")
         strings.add(key)
         value = _get(raw, key)
@@ -255,15 +256,6 @@ def cpu_adam_missing() -> str | None:
     if not shutil.which("ninja") and importlib.util.find_spec("ninja") is None:
         problems.append("ninja is not installed")
     return ", ".join(problems) or None
-
-
-def _fsdp_settings(kind: str, raw: dict) -> dict:
-    """accelerate-yaml names for the FSDP settings of an accelerate yaml or a Trainer fsdp_config."""
-    if kind == "accelerate":
-        return dict(raw.get("fsdp_config") or {})
-    settings = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in raw.items()}
-    settings["fsdp_version"] = raw.get("version", raw.get("fsdp_version", 2))  # transformers' default is 2
-    return settings
 
 
 def check_fsdp_keys(path: Path, kind: str) -> list[Finding]:
@@ -360,50 +352,8 @@ def check_fsdp_offload(file: str, settings: dict, prefix: str) -> list[Finding]:
 # --- strategy and planner
 
 
-def strategy_of(kind: str, raw: dict) -> str | None:
-    """The planner's strategy name for an accelerate yaml / DeepSpeed JSON / Trainer fsdp_config."""
-    if kind == "deepspeed":
-        zero = raw.get("zero_optimization") or {}
-        stage = _int(zero.get("stage")) or 0
-        offload = any(str((zero.get(k) or {}).get("device", "none")).lower() != "none"
-                      for k in ("offload_optimizer", "offload_param"))
-        return {0: "ddp", 1: "zero1", 2: "zero2_offload" if offload else "zero2",
-                3: "zero3_offload" if offload else "zero3"}.get(stage)
-    if kind == "accelerate":
-        mesh = tp_mesh_of(raw)
-        if mesh:
-            return tp_strategy(mesh)
-        dtype = raw.get("distributed_type", "NO")
-        if dtype == "DEEPSPEED":
-            ds = raw.get("deepspeed_config") or {}
-            if ds.get("deepspeed_config_file"):
-                return strategy_of("deepspeed", _raw(Path(ds["deepspeed_config_file"])))
-            zero = {"stage": ds.get("zero_stage", 2), "offload_optimizer": {"device": ds.get("offload_optimizer_device")},
-                    "offload_param": {"device": ds.get("offload_param_device")}}
-            return strategy_of("deepspeed", {"zero_optimization": zero})
-        if dtype != "FSDP":
-            return "ddp"
-    settings = _fsdp_settings(kind, raw)
-    if str(settings.get("fsdp_offload_params", settings.get("fsdp_cpu_offload", False))).lower() == "true":
-        return "fsdp_offload"
-    mode = str(settings.get("fsdp_sharding_strategy", settings.get("fsdp_reshard_after_forward", "true"))).upper()
-    return {"TRUE": "fsdp_full_shard", "FULL_SHARD": "fsdp_full_shard", "1": "fsdp_full_shard",
-            "FALSE": "fsdp_shard_grad_op", "SHARD_GRAD_OP": "fsdp_shard_grad_op", "2": "fsdp_shard_grad_op",
-            "NO_SHARD": "ddp", "3": "ddp", "HYBRID_SHARD": "fsdp_hybrid_shard", "4": "fsdp_hybrid_shard",
-            "HYBRID_SHARD_ZERO2": "fsdp_hybrid_shard"}.get(mode, "fsdp_full_shard")
-
-
-def tp_mesh_of(raw: dict) -> dict | None:
-    """The `{"dp_replicate", "dp_shard", "tp"}` degrees of an accelerate yaml with tp_size > 1, else None."""
-    pc = raw.get("parallelism_config") or {}
-    sizes = {k: _int(pc.get(f"parallelism_config_{k}_size")) or 1 for k in ("dp_replicate", "dp_shard", "tp")}
-    return sizes if sizes["tp"] > 1 else None
-
-
 def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Finding]:
     """Tensor parallelism splits attention by heads along the model's TP plan: both must allow `tp`."""
-    import math
-
     key = "parallelism_config.parallelism_config_tp_size"
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -411,8 +361,8 @@ def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Fi
     if not getattr(config, "base_model_tp_plan", None):
         findings.append(Finding("tp-degree", file, key, f"model type '{config.model_type}' has no tensor-parallel "
                                 "plan in transformers (config.base_model_tp_plan)", "use fsdp_full_shard or zero3"))
-    elif heads is None or heads % tp or kv % tp:
-        fits = [d for d in range(1, math.gcd(heads or 1, kv or 1) + 1) if math.gcd(heads or 1, kv or 1) % d == 0]
+    elif heads is None or tp_heads_problem(tp, heads, kv):
+        fits = valid_tp_degrees(heads or 1, kv or 1)
         findings.append(Finding("tp-degree", file, key, f"{tp} does not divide the model's attention heads "
                                 f"(num_attention_heads {heads}, num_key_value_heads {kv})",
                                 f"use a tp_size in {', '.join(map(str, fits))}"))
@@ -424,7 +374,9 @@ def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Fi
 
 def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None = None) -> list[Finding]:
     """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes."""
-    from .planner import Setup, estimate, gb, setup_for_mesh
+    from .mesh import Setup, setup_for_mesh
+    from .planner import estimate
+    from .units import gb
 
     trainer = inputs.trainer or {}
     precision = "bf16-mixed" if trainer.get("bf16") else "fp16-mixed" if trainer.get("fp16") else (
@@ -472,7 +424,7 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
         if path is not None and not Path(path).is_file():
             raise UsageError(f"config file '{path}' does not exist")
     acc = _raw(inputs.accelerate_config) if inputs.accelerate_config else None
-    acc_mesh = tp_mesh_of(acc) if acc is not None else None
+    acc_mesh = tp_mesh_of_config(acc) if acc is not None else None
     world = None
     if inputs.gpus:
         world = inputs.gpus * inputs.nodes
@@ -509,7 +461,7 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
         if validate:
             _validated(fsdp, "fsdp", findings, world or 8)
         findings += check_fsdp_keys(fsdp, "fsdp")
-        findings += check_fsdp_offload(str(fsdp), _fsdp_settings("fsdp", _raw(fsdp)), "")
+        findings += check_fsdp_offload(str(fsdp), fsdp_settings("fsdp", _raw(fsdp)), "")
 
     model = _model(inputs, notes)
     if model is not None:
@@ -519,12 +471,12 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
             raw = _raw(path) if path else {}
             if not raw or (kind == "accelerate" and raw.get("distributed_type") != "FSDP"):
                 continue
-            settings = _fsdp_settings(kind, raw)
+            settings = fsdp_settings(kind, raw)
             key = "fsdp_config.fsdp_transformer_layer_cls_to_wrap" if kind == "accelerate" else "transformer_layer_cls_to_wrap"
             findings += check_wrap_class(str(path), key, wrap_classes(settings),
                                          settings.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"), model[1])
         if inputs.gpus and inputs.gpu_memory_bytes:
-            chosen = [(str(p), strategy_of(k, _raw(p))) for p, k in
+            chosen = [(str(p), strategy_of_config(k, _raw(p), read=lambda f: _raw(Path(f)))) for p, k in
                       ((deepspeed, "deepspeed"), (fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
             file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
             mesh = acc_mesh if file == str(inputs.accelerate_config) else None
@@ -539,11 +491,11 @@ def _model(inputs: Inputs, notes: list[str]):
     name = inputs.model
     if name is None:
         return None
-    from .planner import _meta_model, load_config, spec_from_config
+    from .model_spec import load_model_config, meta_model, spec_from_config
 
     try:
-        config = load_config(name)
-        return spec_from_config(config, name=name), _meta_model(config)
+        config = load_model_config(name)
+        return spec_from_config(config, name=name), meta_model(config)
     except UsageError as error:
         if not inputs.model_from_args:
             raise
@@ -612,7 +564,7 @@ def register(subparsers) -> None:
 
 
 def doctor_command(args) -> int:
-    from .planner import gpu_memory, parse_size
+    from .units import gpu_memory, parse_size
 
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     inputs = Inputs(accelerate_config=args.accelerate_config, deepspeed=args.deepspeed, fsdp_config=args.fsdp_config,

@@ -58,14 +58,15 @@ partitioned here without allocating its shard. Its row stays the planner's formu
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .errors import UsageError
-from .planner import TP_STRATEGIES, _chunk
+from .formulas import chunk, strategy_row
+from .mesh import check_tp_heads, setup_for_mesh, tp_degree
+from .model_spec import config_value, load_model_config, meta_model, model_spec
+from .strategy import TP_STRATEGIES
 
 DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_STRATEGIES)
 FSDP_MESH_DIMS = ("shard", "fsdp")  # the mesh dims FSDP2 shards over (ours; transformers')
@@ -144,11 +145,11 @@ def _local(shape, sharding, sizes: dict, coords: dict) -> tuple[int, int]:
     cuts = dict(sharding)
     if "tp" in cuts:
         d = cuts.pop("tp")
-        local[d] = _chunk(local[d], sizes["tp"], coords["tp"])
+        local[d] = chunk(local[d], sizes["tp"], coords["tp"])
     rest = math.prod(local[1:])
     for name, d in cuts.items():  # at most one: the FSDP dim, on dim 0
         n = sizes[name]
-        return _chunk(local[0], n, coords[name]) * rest, -(-local[0] // n) * rest
+        return chunk(local[0], n, coords[name]) * rest, -(-local[0] // n) * rest
     return local[0] * rest, local[0] * rest
 
 
@@ -191,9 +192,8 @@ def _shard_model(config, strategy: str, mesh_shape: tuple, dtype):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .planner import _meta_model
 
-    model = _meta_model(config).to(dtype)
+    model = meta_model(config).to(dtype)
     if strategy in TP_STRATEGIES:
         from transformers.distributed import DistributedConfig
         from transformers.distributed.utils import TransformersDeviceMesh
@@ -255,12 +255,10 @@ def _build_rank(config, strategy: str, rank: int, mesh_shape: tuple, dtype, mome
 
 def tp_mesh_shape(config, strategy: str, world_size: int, nodes: int, tp: int | None) -> tuple[int, int, int]:
     """(dp_replicate, dp_shard, tp) of a TP dry run, checked like the planner's rows (one-line errors)."""
-    from .planner import _get, check_tp_heads
-
     gpus = world_size // nodes
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = _get(text, "num_attention_heads", "n_head") or 1
-    kv = _get(text, "num_key_value_heads") or heads
+    heads = config_value(text, "num_attention_heads", "n_head") or 1
+    kv = config_value(text, "num_key_value_heads") or heads
     if strategy == "tp":
         t = world_size if tp is None else tp
         if t != world_size or nodes != 1:
@@ -329,8 +327,6 @@ def check_mesh(world_size: int, nodes: int) -> None:
 # ----------------------------------------------------------------------------- beside the planner
 def compare_rows(result: DryRun, spec, setup) -> dict:
     """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup."""
-    from .planner import setup_for_mesh, strategy_row
-
     if result.strategy in TP_STRATEGIES:
         r, s, t = result.mesh
         _, row_setup = setup_for_mesh(setup, {"dp_replicate": r, "dp_shard": s, "tp": t})
@@ -350,16 +346,12 @@ def compare_rows(result: DryRun, spec, setup) -> dict:
     return out
 
 
-def run(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
-    from .planner import load_config, model_spec
-
-    config = load_config(model)
+def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
+    config = load_model_config(model)
     spec = model_spec(config)
     results = []
     for strategy in strategies:
         if strategy in NOT_DRY_RUN:
-            from .planner import strategy_row
-
             row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes))
             results.append({"strategy": strategy, "dry_run": None, "note": NOT_DRY_RUN[strategy],
                             "planned": {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
@@ -368,8 +360,6 @@ def run(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
             continue
         world, where = world_size, nodes
         if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
-            from .planner import tp_degree
-
             world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
         result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
                          setup.tp_size if strategy != "tp" else world)
@@ -382,81 +372,3 @@ def run(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
                         "per_rank": [dict(asdict(r)) for r in result.ranks]})
     return {"model": spec.name, "params_total": spec.params_total, "world_size": world_size, "nodes": nodes,
             "precision": setup.precision, "optimizer": setup.optimizer, "results": results}
-
-
-def format_dry_run(out: dict) -> str:
-    from .planner import gb
-
-    lines = [f"dry run: {out['model']} ({out['params_total']:,} params), {out['world_size']} ranks on "
-             f"{out['nodes']} node(s), {out['precision']}, {out['optimizer']}; meta device + fake process group: "
-             f"real FSDP2 fully_shard per decoder layer + root; TP rows: transformers' maybe_distribute_model",
-             f"{'per rank, GB (1e9 B)':<38}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}  diff vs formula"]
-    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes")
-    for r in out["results"]:
-        planned = r["planned"]
-        lines.append(f"{r['strategy'] + ' formula':<38}" + "".join(f"{gb(planned[k]):>9}" for k in keys))
-        if r.get("dry_run", True) is None:
-            lines.append(f"{r['strategy'] + ' dry run':<38}  {r['note']}")
-            continue
-        for label in ("max", "min"):
-            rank = r["ranks"][label]
-            how = "built" if rank["built"] else "computed"
-            diff = max(rank["rel_diff"].values(), key=abs)
-            lines.append(f"{'  dry run ' + label + ': rank ' + str(rank['rank']) + ' (' + how + ')':<38}"
-                         + "".join(f"{gb(rank[k]):>9}" for k in keys) + f"  {diff:+.3%}")
-        mesh = ", ".join(f"{n} {m}" for n, m in zip(r["mesh_dim_names"], r["mesh"]))
-        lines.append(f"  {r['world_size']} ranks, mesh ({mesh}), model states over {r['shard_degree']}, "
-                     f"{r['dtype']} shards, built ranks {r['built_ranks']}, computed = built: "
-                     f"{'yes' if r['computed_matches_built'] else 'NO'}, {r['seconds']:.2f} s")
-    lines += ["params include FSDP2's padding of uneven shards (storage of ceil(dim0/n) rows); grads the same "
-              "(TP alone: as the meta backward left them); AdamW moments follow the unpadded local shard (+4 B step "
-              "per tensor). Formulas: docs/planner.md; dry run: docs/cluster.md"]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- CLI wiring
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`shardscope plan` flags for the dry run; `--dry-run` routes the command here."""
-    group = parser.add_argument_group("dry run (real FSDP2 / TP sharding on the meta device, fake process group)")
-    group.add_argument("--dry-run", action="store_true",
-                       help="shard the model for the given ranks (FSDP2; TP with transformers) and count each "
-                            "rank's bytes")
-    group.add_argument("--world-size", type=int, help="total ranks (default: --gpus x --nodes)")
-    group.add_argument("--strategy", action="append", choices=(*DRY_RUN_STRATEGIES, *NOT_DRY_RUN),
-                       help="repeatable; default: the FSDP strategies (hybrid only with --nodes > 1), the TP ones "
-                            "when the TP degree is above 1 (hsdp_tp only with --nodes > 1), and zero3")
-    formula_command = parser.get_default("func")
-
-    def command(args) -> int:
-        return dry_run_command(args) if args.dry_run else formula_command(args)
-
-    parser.set_defaults(func=command)
-
-
-def dry_run_command(args) -> int:
-    from .planner import load_config, setup_from_args
-
-    if not args.model:
-        raise UsageError("--dry-run needs --model (a config to build; --params has no layer shapes)")
-    if args.lora_rank:
-        raise UsageError("--dry-run does not apply LoRA; drop --lora-rank")
-    nodes = args.nodes
-    world = args.world_size if args.world_size is not None else args.gpus * nodes
-    if args.world_size is not None and args.gpus != 1 and args.gpus * nodes != world:
-        raise UsageError(f"--world-size {world} disagrees with --gpus {args.gpus} x --nodes {nodes}")
-    check_mesh(world, nodes)  # before anything heavy is imported
-    setup = replace(setup_from_args(args), gpus_per_node=world // nodes, nodes=nodes).validate()
-    strategies = args.strategy
-    if not strategies:
-        config = load_config(args.model)
-        tp_default = bool(getattr(config, "base_model_tp_plan", None)) and (
-            tp_mesh_shape(config, "fsdp_tp", world, nodes, args.tp)[2] > 1)
-        strategies = [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN)
-                      if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
-                      and (s not in TP_STRATEGIES or tp_default)]
-    out = run(args.model, strategies, world, nodes, setup)
-    if args.json:
-        print(json.dumps(out, indent=1))
-    else:
-        print(format_dry_run(out))
-    return 0

@@ -155,16 +155,16 @@ def _model_from_config(source: str):
     import torch
     import transformers
 
-    from .planner import load_config
+    from .model_spec import load_model_config
 
-    config = load_config(source)
+    config = load_model_config(source)
     cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
     with torch.device("meta"):
         if cls is not None:
             return cls(config)
-    from .planner import _meta_model
+    from .model_spec import meta_model
 
-    return _meta_model(config)
+    return meta_model(config)
 
 
 def _load(module, state: dict, what: str) -> None:

@@ -1,0 +1,269 @@
+"""A model's config -> `ModelSpec`: the numbers the planner's formulas need, counted on the meta device.
+
+Sources: a shipped name (`model_configs/NAME/config.json`), a local folder, a hub id, a
+`PretrainedConfig`, or a bare parameter count (`spec_from_count`, shapes assumed and listed).
+No weight is ever loaded.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UsageError
+
+MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for Llama/Mistral
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know about a model. `assumed` names values that were guessed."""
+
+    name: str
+    params_total: int                      # distinct parameters (tied weights counted once)
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int                        # 0 for vision models
+    largest_layer_params: int              # DeepSpeed's definition: largest module's own params
+    unit_numels: tuple[int, ...]           # FSDP wrap units: each block, then the rest (root)
+    tensor_shapes: tuple[tuple[int, int], ...] = ()  # (dim 0, numel / dim 0) per distinct tensor; () from a count
+    linear_shapes: tuple[tuple[str, int, int, int], ...] = ()  # (leaf name, in, out, how many)
+    num_kv_heads: int = 0
+    intermediate_size: int = 0
+    tied_embeddings: bool = False
+    kind: str = "text"                     # "text" or "vision"
+    image_size: int = 0
+    patch_size: int = 0
+    extra_tokens: int = 0                  # vision: CLS + register tokens
+    num_labels: int = 0
+    exact: bool = True                     # counted on the meta device
+    assumed: tuple[str, ...] = ()
+    # Tensor parallelism, per tensor of `tensor_shapes`: (full shape, dim the TP plan splits or -1, whether its
+    # gradient is whole under TP alone), from transformers' resolved TP plan; () from a count. `tp_plan` False:
+    # transformers has no TP plan for the model.
+    tp_layout: tuple[tuple[tuple[int, ...], int, bool], ...] = ()
+    tp_plan: bool = True
+    tp_note: str = ""
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensor_shapes) if self.tensor_shapes else 9 * self.num_layers + 3
+
+
+def resolve_model(model: str) -> str:
+    """A shipped name (`llama-2-7b`, `mistral-7b`, `llama-2-70b`), a local folder, or a hub id."""
+    shipped = MODEL_CONFIGS_DIR / model.lower()
+    if "/" not in model and (shipped / "config.json").is_file():
+        return str(shipped)
+    return model
+
+
+def shipped_models() -> list[str]:
+    return sorted(p.parent.name for p in MODEL_CONFIGS_DIR.glob("*/config.json"))
+
+
+def load_model_config(model: str):
+    """`AutoConfig.from_pretrained` with the hub/offline errors turned into one-line `UsageError`s."""
+    path = resolve_model(model)
+    looks_local = os.path.isdir(path) or path.startswith((".", "/", "~")) or os.sep + os.sep in path
+    if looks_local and not os.path.isdir(path):
+        raise UsageError(f"model folder '{model}' does not exist")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if os.path.isdir(path):
+            raise UsageError(f"model folder '{model}' has no usable config.json: {message}") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+        if offline or "connect" in message.lower() or "offline" in message.lower():
+            raise UsageError(f"model '{model}' is not a local folder and the hub cannot be reached") from None
+        raise UsageError(f"model '{model}' cannot be loaded from the hub: {message}") from None
+
+
+def meta_model(config):
+    """Build the model on the meta device (no memory for weights) with the matching Auto class."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageClassification
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageClassification, AutoModel):
+        if type(config) in auto._model_mapping:
+            with torch.device("meta"):
+                return auto.from_config(config)
+    raise UsageError(f"model type '{config.model_type}' has no transformers model class to count")
+
+
+def config_value(config, *names, default=0):
+    """The first of `names` the config sets (families spell sizes differently), else `default`."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def spec_from_config(config, name: str | None = None) -> ModelSpec:
+    """Count a config's parameters exactly by building the model on the meta device."""
+    import torch
+
+    model = meta_model(config)
+    params = list(model.parameters())  # deduplicated: tied weights appear once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    units, seen = [], set()
+    for module in model.modules():
+        if type(module).__name__ in block_classes and not any(id(p) in seen for p in module.parameters()):
+            block = list(module.parameters())
+            seen.update(id(p) for p in block)
+            units.append(sum(p.numel() for p in block))
+    units.append(sum(p.numel() for p in params if id(p) not in seen))
+    linears: dict[tuple[str, int, int], int] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            key = (module_name.rsplit(".", 1)[-1], module.in_features, module.out_features)
+            linears[key] = linears.get(key, 0) + 1
+    tp_layout, tp_note = _tp_layout(model, params)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = config_value(text, "vocab_size")
+    vision = not vocab and bool(config_value(config, "image_size"))
+    return ModelSpec(
+        name=name or getattr(config, "_name_or_path", "") or config.model_type,
+        params_total=sum(p.numel() for p in params),
+        num_layers=config_value(text, "num_hidden_layers", "n_layer", "num_layers"),
+        hidden_size=config_value(text, "hidden_size", "n_embd", "d_model"),
+        num_heads=config_value(text, "num_attention_heads", "n_head"),
+        num_kv_heads=config_value(text, "num_key_value_heads", "num_attention_heads"),
+        intermediate_size=config_value(text, "intermediate_size"),
+        vocab_size=vocab,
+        tied_embeddings=bool(config_value(text, "tie_word_embeddings", default=False)),
+        largest_layer_params=largest,
+        unit_numels=tuple(u for u in units if u),
+        tensor_shapes=tuple((p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for p in params),
+        linear_shapes=tuple((n, i, o, c) for (n, i, o), c in linears.items()),
+        kind="vision" if vision else "text",
+        image_size=config_value(config, "image_size") if vision else 0,
+        patch_size=config_value(config, "patch_size") if vision else 0,
+        extra_tokens=(1 + config_value(config, "num_register_tokens")) if vision else 0,
+        num_labels=config_value(config, "num_labels") if vision else 0,
+        tp_layout=tp_layout or (), tp_plan=tp_layout is not None, tp_note=tp_note,
+    )
+
+
+def _tp_style_dim(style, leaf: str, ndim: int) -> int | None:
+    """The tensor dim a transformers TP style shards a parameter on (-1: kept whole; None: unknown style).
+
+    Mirrors each style's `shard_param` (transformers/distributed/tensor_parallel.py): colwise and
+    packed_colwise Shard(ndim - 2) (a 1-D bias: dim 0); rowwise Shard(-1) with the bias replicated;
+    packed_rowwise Shard(-1), 1-D replicated; embedding_rowwise / embedding_colwise their `shard_dim`;
+    styles that only hook the forward (all_reduce, sequence_parallel, replicate, ...) keep it whole.
+    """
+    from transformers.distributed.tensor_parallel import (ColwiseParallel, EmbeddingParallel, PackedColwiseParallel,
+                                                          PackedRowwiseParallel, RowwiseParallel, TensorParallelLayer)
+
+    if ndim == 0:
+        return -1
+    if isinstance(style, (ColwiseParallel, PackedColwiseParallel)):
+        return max(ndim - 2, 0)
+    if isinstance(style, RowwiseParallel):
+        return -1 if leaf == "bias" else ndim - 1
+    if isinstance(style, PackedRowwiseParallel):
+        return -1 if ndim == 1 else ndim - 1
+    if isinstance(style, EmbeddingParallel):
+        return style.shard_dim % ndim
+    if type(style).shard_param is TensorParallelLayer.shard_param:
+        return -1
+    return None
+
+
+def _tp_layout(model, params) -> tuple[tuple | None, str]:
+    """(shape, TP dim, gradient whole) per parameter, from the plan transformers itself would apply,
+    or (None, why not).
+
+    The plan is `model._resolve_parallel_plans(DistributedConfig(tp_size=2))`, the call
+    `maybe_distribute_model` makes: config.base_model_tp_plan + the class `_tp_plan` (+ `embed_tokens:
+    embedding_rowwise`), expanded to one style per parameter name. The degree does not change which
+    dim a style splits, so 2 stands for any.
+    """
+    try:
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    except ImportError:  # transformers without native tensor parallelism
+        return None, "this transformers has no transformers.distributed"
+    if not getattr(model, "tp_plan", None):
+        return None, f"transformers has no tensor-parallel plan for {type(model).__name__}"
+    try:
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+    except (ValueError, AttributeError) as error:
+        return None, f"transformers cannot resolve a tensor-parallel plan: {str(error).splitlines()[0]}"
+    names = {}
+    for name, param in model.named_parameters():  # tied weights: the first name, as `parameters()` dedups
+        names.setdefault(id(param), name)
+    layout, unknown = [], set()
+    for param in params:
+        name = names[id(param)]
+        style = ALL_PARALLEL_STYLES[plan[name]] if name in plan else None
+        dim = -1 if style is None else _tp_style_dim(style, name.rsplit(".", 1)[-1], param.dim())
+        if dim is None:
+            unknown.add(plan[name])
+            dim = -1
+        # embedding_rowwise runs DTensor's embedding op (vocab-sharded weight, replicated ids): its weight
+        # gradient comes back Replicate, the whole (V, h) on every TP rank (measured: torch 2.13,
+        # transformers 5.23; `plan --dry-run` runs a backward to see it). Under FSDP2 the reduce-scatter
+        # leaves each rank its shard instead.
+        grad_whole = dim == 0 and type(style).__name__ == "EmbeddingParallel"
+        layout.append((tuple(param.shape), dim, grad_whole))
+    note = f"TP styles {', '.join(sorted(unknown))} counted as replicated (not modelled)" if unknown else ""
+    return tuple(layout), note
+
+
+def spec_from_count(params: float, layers: int | None = None, hidden: int | None = None,
+                    vocab: int | None = None, heads: int | None = None) -> ModelSpec:
+    """A Llama-shaped model of `params` parameters; missing sizes are assumed and listed.
+
+    layers default 32; hidden = sqrt(P / (12 * layers)) rounded to 64 (P ~ 12 L h^2);
+    heads = hidden / 128; vocab 32000; MLP width 8h/3; untied embeddings; FSDP units are
+    `layers` equal blocks plus a root of 2 * vocab * hidden.
+    """
+    p = int(params)
+    if p <= 0:
+        raise UsageError(f"--params must be positive, got {params:g}")
+    assumed = []
+    if not layers:
+        layers, _ = 32, assumed.append("layers=32")
+    if not hidden:
+        hidden = max(64, int(round(math.sqrt(p / (12 * layers)) / 64)) * 64)
+        assumed.append(f"hidden={hidden}")
+    if not heads:
+        heads = max(1, hidden // 128)
+        assumed.append(f"heads={heads}")
+    if vocab is None:
+        vocab = 32000
+        assumed.append("vocab=32000")
+    inter = int(8 * hidden / 3)
+    root = min(2 * vocab * hidden, p // 2)
+    block = (p - root) // layers
+    linears = [(n, hidden, hidden, layers) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [("gate_proj", hidden, inter, layers), ("up_proj", hidden, inter, layers),
+                ("down_proj", inter, hidden, layers)]
+    return ModelSpec(
+        name=f"{p:.3g} parameters", params_total=p, num_layers=layers, hidden_size=hidden,
+        num_heads=heads, num_kv_heads=heads, intermediate_size=inter, vocab_size=vocab,
+        largest_layer_params=max(min(vocab * hidden, root), hidden * inter) if root else block,
+        unit_numels=(block,) * layers + (p - block * layers,), linear_shapes=tuple(linears),
+        exact=False, assumed=tuple(assumed))
+
+
+def model_spec(model=None, *, params: float | None = None, layers: int | None = None,
+               hidden: int | None = None, vocab: int | None = None, heads: int | None = None) -> ModelSpec:
+    """From a shipped name / local folder / hub id / `PretrainedConfig`, or from a parameter count."""
+    if model is None:
+        if params is None:
+            raise UsageError("give a model (--model NAME|FOLDER|HUB_ID) or a parameter count (--params 7e9)")
+        return spec_from_count(params, layers, hidden, vocab, heads)
+    if isinstance(model, str):
+        return spec_from_config(load_model_config(model), name=model)
+    return spec_from_config(model)

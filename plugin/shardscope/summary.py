@@ -1,0 +1,142 @@
+"""The run summary (`shardscope_summary.json`): its name, schema, atomic writing, safe reading, and the
+reduction of per-rank figures over ranks.
+
+Written by the profiler (rank 0, at the end of training); read by `compare`, `report` and
+`plan --compare`. A reader never sees a half-written file: the writer renames a complete temporary
+file into place. A missing, truncated or foreign file is one `UsageError` naming the file and key.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .errors import UsageError
+
+SUMMARY_FILE = "shardscope_summary.json"
+SCHEMA_VERSION = 1
+COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+MAX_BYTES = 64 * 2 ** 20  # a summary is a few KB per rank; anything larger is not one
+
+# Top-level keys (the profiler's docstring documents the per-rank keys and logged metrics).
+FIELDS = {
+    "schema_version": "version of this layout (absent before version 1: read as 1)",
+    "shardscope_version": "the package version that wrote it",
+    "strategy": "the planner's strategy name (ddp, zero3, fsdp_full_shard, tp, ...) or 'single'",
+    "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...)",
+    "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
+    "preflight_plan": "on a GPU: the planner's row for this run, checked before training",
+    "world_size": "ranks in the run",
+    "num_nodes": "nodes in the run",
+    "model": "{name_or_path, params_total, trainable_params}",
+    "device": "cpu, or the CUDA device name",
+    "precision": "fp32, bf16 or fp16, as the Trainer was configured",
+    "global_step": "optimizer steps taken",
+    "state_locations": "devices each state category was found on",
+    "memory_details_rank0": "rank 0's memory readings at the end",
+    "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, ...",
+}
+REQUIRED = ("world_size", "strategy", "ranks")
+
+
+def write_summary(path: str | Path, summary: dict) -> Path:
+    """Write `summary` (plus `schema_version`) as JSON atomically: a temporary file renamed into place."""
+    path = Path(path)
+    text = json.dumps({"schema_version": SCHEMA_VERSION, **summary}, indent=2, allow_nan=False)
+    write_text_atomic(path, text)
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # ordinary permissions, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_summary(path: str | Path) -> dict:
+    """Load a summary; one-line `UsageError` naming the file and key when it is missing, truncated,
+    not a regular file, too large, from a newer schema, or without the keys the tools need."""
+    path = Path(path)
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"summary '{path}' is not a regular file")
+        if info.st_size > MAX_BYTES:
+            raise UsageError(f"summary '{path}' is {info.st_size:,} bytes, too large to be a shardscope summary")
+        summary = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+    except OSError as error:
+        raise UsageError(f"summary '{path}' cannot be read: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"summary '{path}' is not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"summary '{path}' is not valid JSON: {error.msg} at line {error.lineno} "
+                         f"column {error.colno}") from None
+    except (ValueError, RecursionError) as error:
+        raise UsageError(f"summary '{path}' is not valid JSON: {error}") from None
+    if not isinstance(summary, dict):
+        raise UsageError(f"summary '{path}' is not a JSON object")
+    version = summary.get("schema_version", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise UsageError(f"summary '{path}': key 'schema_version' ({version!r}) is newer than this shardscope "
+                         f"reads ({SCHEMA_VERSION}); upgrade shardscope")
+    for key in REQUIRED:
+        if key not in summary:
+            raise UsageError(f"summary '{path}' has no key '{key}'")
+    if not isinstance(summary["world_size"], int) or summary["world_size"] < 1:
+        raise UsageError(f"summary '{path}': key 'world_size' must be a positive integer")
+    if not isinstance(summary["ranks"], list) or not summary["ranks"]:
+        raise UsageError(f"summary '{path}': key 'ranks' must be a non-empty list")
+    for i, rank in enumerate(summary["ranks"]):
+        for key in COMPONENTS:
+            value = rank.get(key) if isinstance(rank, dict) else None
+            if not _is_count(value):
+                raise UsageError(f"summary '{path}': key 'ranks[{i}].{key}' is missing or not a byte count")
+    return summary
+
+
+def _is_count(value) -> bool:
+    """A finite, non-negative number of a plausible size (under 2**63: what a tensor can hold)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value < 2 ** 63)
+
+
+def numbers(values) -> list:
+    """The finite numbers among `values` (None, NaN and non-numbers left out)."""
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def spread(values) -> dict:
+    values = numbers(values)
+    return {"min": min(values), "max": max(values)} if values else {"min": None, "max": None}
+
+
+def reduce_ranks(ranks: list[dict], keys, tp: int = 1) -> dict:
+    """Across ranks: {key: {min, max, mean}} for each of `keys` that some rank has, plus the global
+    `samples_per_s` / `tokens_per_s` (sum over ranks / tp: the tp ranks of a tensor-parallel group
+    share one batch, so each data-parallel replica counts once)."""
+    out = {}
+    for key in keys:
+        values = numbers(r.get(key) for r in ranks)
+        if values:
+            out[key] = {"min": min(values), "max": max(values), "mean": sum(values) / len(values)}
+    for key in ("samples_per_s", "tokens_per_s"):
+        values = numbers(r.get(key) for r in ranks)
+        out[f"global_{key}"] = sum(values) / tp if values else None
+    return out

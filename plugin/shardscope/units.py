@@ -1,0 +1,77 @@
+"""Sizes, counts and GPUs: parsing what users type and printing what the tools report.
+
+Printed GB are 10**9 bytes; GPU capacities in `GPUS` are GiB (2**30), as `nvidia-smi` totals show them.
+"""
+from __future__ import annotations
+
+import re
+
+from .errors import UsageError
+
+# Nominal memory per GPU (datasheet "GB" as GiB, which is what nvidia-smi totals show for A100).
+GPUS = {
+    "A100-40": (40, "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
+    "A100-80": (80, "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
+    "H100": (80, "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (SXM and PCIe: 80 GB)"),
+    "H100-NVL": (94, "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (NVL: 94 GB)"),
+    "H200": (141, "https://www.nvidia.com/en-us/data-center/h200/"),
+    "L4": (24, "https://www.nvidia.com/en-us/data-center/l4/"),
+    "L40S": (48, "https://www.nvidia.com/en-us/data-center/l40s/"),
+    "A10G": (24, "https://aws.amazon.com/ec2/instance-types/g5/"),
+    "A10": (24, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"),
+    "V100-16": (16, "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
+    "V100-32": (32, "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
+    "T4": (16, "https://www.nvidia.com/en-us/data-center/tesla-t4/"),
+    "RTX-4090": (24, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/"),
+    "RTX-A6000": (48, "https://www.nvidia.com/en-us/design-visualization/rtx-a6000/"),
+    "MI300X": (192, "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
+}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gb(n: float | None) -> str:
+    """Bytes as GB (1e9), 3 significant digits below 10 GB."""
+    return "-" if n is None else f"{n / 1e9:.3g}" if n < 1e10 else f"{n / 1e9:.1f}"
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
+          "ti": 2 ** 40}
+
+
+def parse_size(text: str, what: str = "--gpu-memory") -> int:
+    """'80GB' (1e9), '80GiB' (2**30), '8.6e10' (bytes); a bare number below 1e6 is GiB."""
+    if str(text).strip().startswith("-"):
+        raise UsageError(f"{what} must be positive, got '{text}'")
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UsageError(f"{what} '{text}' is not a size (e.g. 80GB, 80GiB, 85899345920)")
+    value, unit = float(match.group(1)), (match.group(2) or "").lower().rstrip("b")
+    if not unit and (match.group(2) or "") == "" and value < 1e6:
+        unit = "gi"
+    if value <= 0:
+        raise UsageError(f"{what} must be positive, got '{text}'")
+    return int(value * _UNITS[unit])
+
+
+def parse_count(text: str, what: str = "--params") -> float:
+    """'7e9', '7B', '350M', '70b'."""
+    match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", str(text), re.IGNORECASE)
+    if not match:
+        raise UsageError(f"{what} '{text}' is not a number (e.g. 7e9 or 7B)")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
+    if value <= 0:
+        raise UsageError(f"{what} must be positive, got '{text}'")
+    return value
+
+
+def gpu_memory(name: str) -> int:
+    """Memory of a GPU in `GPUS`, in bytes (its GiB x 2**30)."""
+    key = {k.lower(): k for k in GPUS}.get(name.lower().replace("_", "-"))
+    if key is None:
+        raise UsageError(f"unknown GPU '{name}' (known: {', '.join(GPUS)}; or give --gpu-memory 80GiB)")
+    return GPUS[key][0] * 2 ** 30
+
