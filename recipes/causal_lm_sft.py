@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
+from shardscope.doctor import preflight
 from shardscope.errors import UsageError
-from shardscope.recipe_utils import (
-    ALPACA_REQUIRED, RecipeParser, RecipeTrainer, RecipeTrainingArguments, check_causal_lm, compact_tp_shards,
-    describe_run, distributed_config, load_config, load_dataset_checked, prepare_sft_dataset, run, save_outputs,
-    tensor_parallel_mesh, tensor_parallel_training_args,
+from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_causal_lm, load_model_config, run
+from shardscope.recipe_data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
+from shardscope.recipe_tp import (
+    compact_tp_shards, distributed_config, tensor_parallel_mesh, tensor_parallel_training_args,
 )
+from shardscope.recipe_training import RecipeTrainer, describe_run, save_outputs
 
 
 @dataclass
@@ -70,7 +72,7 @@ def main():
     # --- Check inputs before any process group starts ---
     if model_args.model_name_or_path is None:
         raise UsageError("model_name_or_path is required (YAML key or --model_name_or_path)")
-    config = load_config(model_args.model_name_or_path)
+    config = load_model_config(model_args.model_name_or_path)
     check_causal_lm(config, model_args.model_name_or_path)
     mesh = tensor_parallel_mesh(config, model_args.model_name_or_path, model_args.tp_size)
     if mesh and model_args.use_lora:
@@ -80,6 +82,9 @@ def main():
                                script_args.dataset_config)
     if script_args.max_train_samples:
         raw = raw.select(range(min(script_args.max_train_samples, len(raw))))
+
+    # --- shardscope doctor's checks (DeepSpeed/FSDP files, layer classes, precision): refuse to start on a finding ---
+    preflight(parser.namespace, model_args.model_name_or_path)
 
     # --- Training arguments (this initialises the process group) ---
     training_args = parser.training_args()

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
-from shardscope.recipe_utils import (
-    RecipeParser, RecipeTrainer, RecipeTrainingArguments, accuracy, check_dinov2, collate_images, describe_run,
-    image_transform, load_config, load_image_dataset, run, save_outputs,
-)
+from shardscope.doctor import preflight
+from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_dinov2, load_model_config, run
+from shardscope.recipe_data import accuracy, collate_images, image_transform, load_image_dataset
+from shardscope.recipe_training import RecipeTrainer, describe_run, save_outputs
 
 
 @dataclass
@@ -52,13 +52,16 @@ def main():
     script_args, model_args = parser.parse()
 
     # --- Check inputs before any process group starts ---
-    check_dinov2(load_config(model_args.model_name_or_path), model_args.model_name_or_path)
+    check_dinov2(load_model_config(model_args.model_name_or_path), model_args.model_name_or_path)
     train_data, eval_data, class_names = load_image_dataset(
         script_args.dataset, script_args.train_split, script_args.eval_split, script_args.eval_fraction, seed=0)
     if script_args.max_train_samples:
         train_data = train_data.shuffle(seed=0).select(range(min(script_args.max_train_samples, len(train_data))))
     if script_args.max_eval_samples:
         eval_data = eval_data.shuffle(seed=0).select(range(min(script_args.max_eval_samples, len(eval_data))))
+
+    # --- shardscope doctor's checks (DeepSpeed/FSDP files, layer classes, precision): refuse to start on a finding ---
+    preflight(parser.namespace, model_args.model_name_or_path)
 
     # --- Training arguments (this initialises the process group) ---
     training_args = parser.training_args()

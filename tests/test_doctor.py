@@ -245,7 +245,7 @@ def test_recipe_args_after_double_dash(capsys):
 
 
 def test_recipe_start_up_check_refuses_a_mismatch(monkeypatch):
-    """What RecipeParser.training_args() runs before TrainingArguments exists (no process group)."""
+    """What the recipes call just before `parser.training_args()` builds TrainingArguments (no process group)."""
     for name in ("WORLD_SIZE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
     script = str(ROOT / "recipes" / "causal_lm_sft.py")

@@ -222,7 +222,7 @@ def test_dinov2_freeze_backbone_trains_only_the_head(runs, image_assets):
 def test_prompt_tokens_are_masked_and_do_not_affect_loss(sft_assets):
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-    from shardscope.recipe_utils import IGNORE_INDEX, format_prompt, pack, tokenize_sft
+    from shardscope.recipe_data import IGNORE_INDEX, format_prompt, pack, tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(sft_assets["model"])
     record = {"instruction": "Repeat the words.", "input": "red cat sun", "output": "red cat sun"}
@@ -255,7 +255,7 @@ def test_prompt_tokens_are_masked_and_do_not_affect_loss(sft_assets):
 
 def test_yaml_config_with_cli_overrides(tmp_path):
     from shardscope.errors import UsageError
-    from shardscope.recipe_utils import RecipeParser, RecipeTrainingArguments
+    from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments
 
     sys.path.insert(0, str(SFT.parent))
     try:
@@ -274,10 +274,58 @@ def test_yaml_config_with_cli_overrides(tmp_path):
                      training_type=RecipeTrainingArguments).parse(["--config", str(tmp_path / "bad.yaml")])
 
 
+@pytest.mark.parametrize("text,message", [
+    (None, "--config {path}: no such file"),
+    ("learning_rate: [1.0e-3\n", "{path}: not valid YAML ("),
+    ("- learning_rate\n", "{path}: expected a mapping of argument names to values"),
+])
+def test_bad_yaml_config_is_one_line_naming_the_file(tmp_path, text, message):
+    from shardscope.errors import UsageError
+    from shardscope.recipe_args import load_yaml_config
+
+    path = tmp_path / "recipe.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UsageError) as error:
+        load_yaml_config(str(path))
+    assert str(error.value).startswith(message.format(path=path)) and "\n" not in str(error.value)
+
+
+def test_recipe_modules_do_not_reach_the_doctor():
+    """doctor imports recipe_args (to parse a recipe's arguments); no recipe module may import doctor back,
+    directly or through another module, lazy imports inside functions included."""
+    import ast
+
+    import shardscope
+
+    package = Path(shardscope.__file__).parent
+    imports = {}
+    for path in package.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardscope."):
+                names.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("shardscope.")}
+        imports[path.stem] = names
+    recipe_modules = [name for name in imports if name.startswith("recipe_")]
+    assert {"recipe_args", "recipe_data"} <= set(recipe_modules) and "recipe_args" in imports["doctor"]
+    for start in recipe_modules:
+        reached, todo = set(), [start]
+        while todo:
+            for name in imports.get(todo.pop(), ()):
+                if name not in reached:
+                    reached.add(name)
+                    todo.append(name)
+        assert "doctor" not in reached, f"{start} imports shardscope.doctor (import cycle)"
+
+
 @pytest.mark.parametrize("name", ["sft", "image"])
 def test_every_shipped_recipe_yaml_parses(name):
     """Every per-model YAML names only real arguments of its recipe (a typo fails here, not on 8 GPUs)."""
-    from shardscope.recipe_utils import RecipeParser, RecipeTrainingArguments
+    from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments
 
     script = SFT if name == "sft" else IMAGE
     sys.path.insert(0, str(script.parent))
@@ -329,16 +377,16 @@ def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets):
 def test_model_checks_in_process(sft_assets, image_assets):
     """The same checks the recipes call first, without paying a subprocess: wrong family, missing config."""
     from shardscope.errors import UsageError
-    from shardscope.recipe_utils import check_causal_lm, check_dinov2, load_config
+    from shardscope.recipe_args import check_causal_lm, check_dinov2, load_model_config
 
-    check_causal_lm(load_config(str(sft_assets["model"])), "x")
-    check_dinov2(load_config(str(image_assets["model"])), "x")
+    check_causal_lm(load_model_config(str(sft_assets["model"])), "x")
+    check_dinov2(load_model_config(str(image_assets["model"])), "x")
     with pytest.raises(UsageError, match="'llm' is a llama model, not a Dinov2 model"):
-        check_dinov2(load_config(str(sft_assets["model"])), "llm")
+        check_dinov2(load_model_config(str(sft_assets["model"])), "llm")
     with pytest.raises(UsageError, match="is a folder without config.json"):
-        load_config(str(image_assets["data"]))
+        load_model_config(str(image_assets["data"]))
     with pytest.raises(UsageError, match="'org/missing' is not a local folder and the hub cannot be reached"):
-        load_config("org/missing")
+        load_model_config("org/missing")
 
 
 def test_bad_input_under_accelerate_launch_fails_before_training(tmp_path, sft_assets):

@@ -180,7 +180,7 @@ def test_bad_mesh_is_one_clear_error(monkeypatch, env, tp_size, message):
     from transformers import MistralConfig
 
     from shardscope.errors import UsageError
-    from shardscope.recipe_utils import MESH_ENV, tensor_parallel_mesh
+    from shardscope.recipe_tp import MESH_ENV, tensor_parallel_mesh
 
     for var in [*MESH_ENV.values(), "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"]:
         monkeypatch.delenv(var, raising=False)

@@ -106,7 +106,7 @@ def parse_trainer_args(argv: list[str]) -> tuple[dict, str]:
     Returns (values by field name, where they came from); nothing is constructed."""
     from transformers import TrainingArguments
 
-    from .recipe_utils import RecipeParser
+    from .recipe_args import RecipeParser
 
     source = "trainer arguments"
     types, training_type = [], TrainingArguments

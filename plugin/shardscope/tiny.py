@@ -67,7 +67,7 @@ def make_sft_assets(root: str | Path, family: str = "llama", n: int = 256, seed:
     Returns the paths: {"data": root/alpaca.json, "model": root/tiny-<family>}; the model folder holds the
     tokenizer too, as a hub checkpoint does.
     """
-    from .recipe_utils import format_prompt
+    from .recipe_data import format_prompt
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

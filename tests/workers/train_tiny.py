@@ -113,7 +113,7 @@ def main():
                       callbacks=[ShardingProfilerCallback(), IndependentCount()])
     trainer.train()
     if worker.logits_out:  # every rank runs the forward (ZeRO-3 and FSDP gather parameters inside it)
-        from shardscope.recipe_utils import save_final_logits
+        from shardscope.recipe_training import save_final_logits
 
         batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask")}
         save_final_logits(trainer, batch, worker.logits_out)

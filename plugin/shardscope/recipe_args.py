@@ -1,0 +1,159 @@
+"""A recipe's arguments and the checks on them, all made before any process group or weight exists.
+
+- `RecipeParser`: `HfArgumentParser` with `--config FILE.yaml` (values become defaults, the command
+  line overrides them, unknown YAML keys are an error) and one-line errors instead of a page of usage.
+  It builds the script's own dataclasses first and `TrainingArguments` last, because constructing
+  `TrainingArguments` initialises the process group: input checks (and `shardscope.doctor.preflight`,
+  which the recipe calls itself) run in between.
+- `RecipeTrainingArguments`: `TrainingArguments` that runs the same command on a CPU-only machine.
+- `load_model_config`, `check_causal_lm`, `check_dinov2`: the model is one the recipe can train.
+- `run(main)`: a `UsageError` anywhere becomes one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from transformers import TrainingArguments
+
+from .errors import UsageError
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class RecipeParser:
+    """Parse `--config recipe.yaml` plus command-line overrides into the recipe's dataclasses."""
+
+    def __init__(self, *script_types, training_type):
+        from transformers import HfArgumentParser
+
+        self.script_types, self.training_type = script_types, training_type
+        self.parser = HfArgumentParser((*script_types, training_type))
+        self.parser.add_argument("--config", help="YAML file of argument values; command-line flags override it")
+        self.parser.error = self._error
+        self.namespace = None
+
+    def _error(self, message):  # argparse prints ~400 lines of usage for TrainingArguments; one line is enough
+        raise UsageError(f"{message} (see --help)")
+
+    def parse(self, argv: list[str] | None = None):
+        """Return the script dataclasses (no process group yet); `training_args()` builds the last one."""
+        argv = sys.argv[1:] if argv is None else argv
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        known, _ = pre.parse_known_args(argv)
+        if known.config:
+            defaults = load_yaml_config(known.config)
+            actions = {action.dest: action for action in self.parser._actions}
+            unknown = sorted(set(defaults) - set(actions))
+            if unknown:
+                raise UsageError(f"{known.config}: unknown key(s) {', '.join(unknown)}")
+            for key in defaults:
+                actions[key].required = False
+            self.parser.set_defaults(**defaults)
+        self.namespace = vars(self.parser.parse_args(argv))
+        self.namespace.pop("config", None)
+        return tuple(self._build(dtype) for dtype in self.script_types)
+
+    def training_args(self):
+        """Construct the `TrainingArguments` subclass; this initialises `PartialState` (the process group).
+
+        Recipes call `shardscope.doctor.preflight(parser.namespace, model)` just before this."""
+        return self._build(self.training_type)
+
+    def _build(self, dtype):
+        keys = {f.name for f in dataclasses.fields(dtype) if f.init}
+        try:
+            return dtype(**{k: v for k, v in self.namespace.items() if k in keys})
+        except (ValueError, TypeError) as error:
+            if isinstance(error, UsageError):
+                raise
+            raise UsageError(f"invalid {dtype.__name__}: {str(error).splitlines()[0]}") from error
+
+
+def load_yaml_config(path: str) -> dict:
+    if not Path(path).is_file():
+        raise UsageError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UsageError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of argument names to values")
+    return data
+
+
+def run(main) -> None:
+    """Call `main()`; a `UsageError` becomes one line on stderr and exit code 2.
+
+    Then collect `main()`'s garbage (its datasets and Trainer) while pyarrow is still alive: Arrow
+    threads that survive into Python's final teardown abort the process ("terminate called without an
+    active exception", huggingface/datasets#7566, apache/arrow#45214) after everything was saved.
+    """
+    try:
+        main()
+    except UsageError as error:
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    gc.collect()
+
+
+@dataclass
+class RecipeTrainingArguments(TrainingArguments):
+    """`TrainingArguments` whose `use_cpu` defaults to True on a machine without CUDA (same command on CPU/GPU)."""
+
+    # A plain default, not default_factory: HfArgumentParser ignores default_factory on bool fields.
+    use_cpu: bool = field(default=not _cuda_available(),
+                          metadata={"help": "Train on CPU (gloo). Defaults to True when no CUDA device is visible."})
+
+    def __post_init__(self):
+        if self.use_cpu and self.deepspeed and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            # `deepspeed --deepspeed ds.json` on CPU: accelerate's CPU state opens a plain gloo group but leaves
+            # DeepSpeed's own comm uninitialised, so zero.Init/DeepSpeedConfig see world size 1 and assert on
+            # train_batch_size. Initialise DeepSpeed's comm (gloo) first; accelerate then reuses that group.
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        super().__post_init__()
+
+
+# --- Model checks ------------------------------------------------------------------------------------
+
+
+def load_model_config(name_or_path: str, what: str = "model"):
+    """`AutoConfig.from_pretrained` with one-line errors for a missing folder or an unreachable hub."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise UsageError(f"{what} '{name_or_path}' is a folder without config.json")
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        if not os.path.exists(name_or_path) and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+            raise UsageError(f"{what} '{name_or_path}' is not a local folder and the hub cannot be reached "
+                             "(HF_HUB_OFFLINE is set)") from error
+        raise UsageError(f"{what} '{name_or_path}': {str(error).splitlines()[0]}") from error
+
+
+def check_causal_lm(config, name_or_path: str) -> None:
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UsageError(f"model '{name_or_path}' is a {config.model_type} model ({type(config).__name__}), "
+                         "not a causal LM (AutoModelForCausalLM cannot load it)")
+
+
+def check_dinov2(config, name_or_path: str) -> None:
+    if config.model_type != "dinov2":
+        raise UsageError(f"model '{name_or_path}' is a {config.model_type} model, not a Dinov2 model "
+                         "(expected e.g. facebook/dinov2-base)")
