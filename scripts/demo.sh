@@ -49,7 +49,7 @@ if os.path.exists(summary):
     print(f"what each rank held under {profile['strategy']} (counted by ShardingProfilerCallback, MB):")
     for r in profile["ranks"]:
         print(f"  rank {r['rank']}: params {r['params_bytes'] / 1e6:.2f}  grads {r['grads_bytes'] / 1e6:.2f}  "
-              f"optimizer {r['optimizer_bytes'] / 1e6:.2f}  peak RSS {r['peak_memory_bytes'] / 1e6:.0f}  "
+              f"optimizer {r['optimizer_bytes'] / 1e6:.2f}  peak tensors {(r['peak_memory_bytes'] or 0) / 1e6:.1f}  "
               f"tokens/s {r['throughput']['tokens_per_s'] or 0:.0f}")
     print(f"per-rank profile summary: {summary}")
 print(f"trainer state / loss log:  {os.path.join(out, 'trainer_state.json')}")

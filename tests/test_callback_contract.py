@@ -172,3 +172,30 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     assert row["mesh"] == mesh and mesh not in [r["mesh"] for r in default]  # only the mesh gives this row
     assert callback.preflight["plan"]["strategy"] == "fsdp_tp"
     assert callback.preflight["plan"]["total_bytes"] == row["total_bytes"]
+
+
+def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_path):
+    """One warm step is instrumented (MemTracker): its peak is split by category, the model states in it
+    agree with the callback's own counts (an independent walk), and the step is left out of throughput."""
+    rows = token_rows(seq=256)  # long enough that activations, not the tiny weights, make the peak
+    trainer, summary = train(llama, rows, tmp_path / "plain", memory_step=2)
+    rank = summary["ranks"][0]
+    parts = rank["peak_breakdown"]
+    assert sum(parts.values()) == rank["peak_tensor_bytes"] == rank["peak_memory_bytes"]
+    assert rank["memory_kind"] == "tensor_peak" and rank["cpu_peak_rss_bytes"] > rank["peak_tensor_bytes"]
+    buffers = sum(b.numel() * b.element_size() for b in llama.buffers())  # MemTracker books buffers with parameters
+    assert parts["parameters"] == rank["params_bytes"] + buffers and parts["optimizer"] == rank["optimizer_bytes"]
+    # The peak falls in backward, while activations are still live and not every gradient exists yet.
+    assert rank["peak_phase"] == "backward" and parts["gradients"] < rank["params_bytes"] and parts["activations"] > 0
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ShardingProfilerCallback))
+    assert callback._run.totals().samples == 2 * 3  # 4 steps of 2 samples, the instrumented one left out
+
+    llama.gradient_checkpointing_enable()
+    _, ckpt = train(llama, rows, tmp_path / "ckpt", memory_step=2)
+    assert ckpt["ranks"][0]["peak_breakdown"]["activations"] < parts["activations"]
+
+
+def test_memory_step_is_validated_at_construction():
+    for bad in (0, "2", 1.5):
+        with pytest.raises(ValueError, match="memory_step"):
+            ShardingProfilerCallback(memory_step=bad)

@@ -20,6 +20,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from . import __version__
 from .memory import read_memory, reset_peak
+from .peak import BREAKDOWN, PHASES, StepPeak
 from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
 from .strategy import detect_strategy, num_nodes
 from .summary import SUMMARY_FILE, reduce_ranks, write_summary
@@ -32,8 +33,9 @@ PREFIX = "shardscope/"
 # Per-rank figures exchanged with one all_gather per measurement (NaN = not measured on that rank).
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
-               "samples", "tokens", "flops", "seconds")
-REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_memory_bytes",
+               "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", "peak_tensor_bytes",
+               *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase")
+REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_memory_bytes", "peak_tensor_bytes",
            "tokens_per_s", "tflops_per_device", "mfu")
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
 
@@ -53,7 +55,13 @@ class ShardingProfilerCallback(TrainerCallback):
     | shardscope/params_bytes_{min,max,mean} | parameter storage this rank holds (local shards, padding included) |
     | shardscope/grads_bytes_{min,max,mean} | gradient storage at the optimizer step (incl. ZeRO partition buffers) |
     | shardscope/optimizer_bytes_{min,max,mean} | optimizer state incl. fp32 master copies (DeepSpeed) |
-    | shardscope/peak_memory_bytes_{min,max,mean} | CUDA max allocated in the interval, or CPU peak RSS of the process |
+    | shardscope/peak_memory_bytes_{min,max,mean} | CUDA max allocated in the interval; on CPU the tensor peak below |
+    | shardscope/peak_tensor_bytes_{min,max,mean} | peak of live tensors during the instrumented step (MemTracker) |
+
+    Summary only, per rank: `peak_tensor_bytes`, `peak_breakdown` = {parameters, gradients, optimizer,
+    activations, temporaries} at that peak, `peak_phase` (forward, backward, optimizer step), all from
+    one instrumented warm step (`memory_step`, excluded from throughput; see `peak.py`), and
+    `cpu_peak_rss_bytes`, the process's peak RSS: libraries included, never called peak memory.
     | shardscope/samples_per_s | samples per second over the interval, all data-parallel replicas (global) |
     | shardscope/tokens_per_s | non-padding tokens per second, all replicas (global); absent when inputs carry no tokens |
     | shardscope/tokens_per_s_per_device_{min,max,mean} | tokens per second of the replica each rank works on |
@@ -73,10 +81,14 @@ class ShardingProfilerCallback(TrainerCallback):
         every_n_steps: measure every N optimizer steps (None: the Trainer's logging interval).
         peak_tflops: dense peak TFLOP/s of one device, overriding the built-in table (for MFU).
         summary_file: file name written into `args.output_dir` (None to skip).
+        memory_step: the optimizer step whose peak tensor memory is measured by category (None: none).
     """
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
-                 summary_file: str | None = SUMMARY_FILE):
+                 summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 2):
+        if memory_step is not None and (not isinstance(memory_step, int) or memory_step < 1):
+            raise ValueError(f"memory_step must be a positive integer or None, got {memory_step!r}")
+        self.memory_step = memory_step
         self.every_n_steps = every_n_steps
         self.peak_tflops = peak_tflops
         self.summary_file = summary_file
@@ -116,9 +128,19 @@ class ShardingProfilerCallback(TrainerCallback):
         self._windows_call("step_begin")
         next_step = state.global_step + 1
         self._capture_grads = self._is_measure_step(next_step, state) or next_step == state.max_steps
+        if self.memory_step is not None and next_step == min(self.memory_step, state.max_steps or next_step):
+            with self._guard("peak tensor memory"):
+                self._step_peak = StepPeak(_unwrap(kwargs.get("model")), kwargs.get("optimizer")).__enter__()
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save)
+        instrumented = self._step_peak is not None
+        if instrumented:
+            with self._guard("peak tensor memory"):
+                self._step_peak.__exit__(None, None, None)
+                self.step_peak = self._step_peak.result()
+            self._step_peak = None
+        self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save,
+                           count=not instrumented)
         if not self._is_measure_step(state.global_step, state):
             return
         ranks = self._measure_all_ranks(model, optimizer, self._interval)
@@ -155,7 +177,15 @@ class ShardingProfilerCallback(TrainerCallback):
             self.locations = {c: sorted(counted.by_device[c]) for c in ("params", "grads", "optimizer")}
         with self._guard("peak memory"):
             self.memory = read_memory(self._device)
-            mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
+            mine["cpu_peak_rss_bytes"] = self.memory.get("cpu_peak_rss_bytes", math.nan)
+            if self._device.type == "cuda":
+                mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
+        if self.step_peak:
+            mine["peak_tensor_bytes"] = self.step_peak["peak_tensor_bytes"]
+            mine.update({f"peak_{k}_bytes": v for k, v in self.step_peak["peak_breakdown"].items()})
+            mine["peak_phase"] = PHASES.index(self.step_peak["peak_phase"])
+            if self._device.type != "cuda":
+                mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
         with self._guard("throughput"):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
@@ -166,7 +196,12 @@ class ShardingProfilerCallback(TrainerCallback):
 
     def _complete(self, rank: dict) -> dict:
         """Turn one rank's raw counts into reported figures."""
-        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS if k.endswith("_bytes")}
+        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith("peak_")}
+        out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
+        out["peak_tensor_bytes"] = _int_or_none(rank["peak_tensor_bytes"])
+        out["peak_breakdown"] = ({k: _int_or_none(rank[f"peak_{k}_bytes"]) for k in BREAKDOWN}
+                                 if out["peak_tensor_bytes"] is not None else None)
+        out["peak_phase"] = None if math.isnan(rank["peak_phase"]) else PHASES[int(rank["peak_phase"])]
         totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "flops_convention": FLOPS_CONVENTION}
@@ -194,7 +229,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._hooks = []
 
     def _count_batch(self, module, args, kwargs):
-        if not module.training:
+        if not module.training or self._step_peak is not None:  # the instrumented step is not throughput
             return
         with self._guard("batch counting"):
             patch_size = getattr(getattr(module, "config", None), "patch_size", None)
@@ -212,6 +247,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._flops_model = getattr(self, "_flops_model", None)
         self._device, self._peak = torch.device("cpu"), None
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
+        self._step_peak, self.step_peak = None, {}
 
     def _windows_call(self, method, *args, **kwargs):
         if method == "step_end" and self._device.type == "cuda":
@@ -287,8 +323,14 @@ class ShardingProfilerCallback(TrainerCallback):
             "global_step": state.global_step,
             "state_locations": self.locations,
             "memory_details_rank0": self.memory,
-            "ranks": [{"rank": i, **r, "memory_kind": self.memory.get("memory_kind")} for i, r in enumerate(ranks)],
+            "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r)} for i, r in enumerate(ranks)],
         }
+
+    def _memory_kind(self, rank: dict) -> str | None:
+        """What `peak_memory_bytes` is: CUDA's allocator peak, or on CPU the instrumented step's tensor peak."""
+        if self._device.type == "cuda":
+            return self.memory.get("memory_kind")
+        return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None
 
     def _run_before_reporters(self):
         """Move this callback ahead of the reporting callbacks, so the logs they send include our keys.

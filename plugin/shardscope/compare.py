@@ -13,7 +13,8 @@ Report (OUTPUT/report.md, report.json, memory.png, throughput.png): per run the 
 model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
 throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
-measured row (`planner.compare`). Runs on CPU are labelled CPU figures (peak = process RSS).
+measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
+tensor peak, MemTracker).
 
 Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (`load_run`, `collect`)
 -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
@@ -266,8 +267,8 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
     cpu = _is_cpu(runs)
     lines = [f"# Strategy comparison ({caption(runs)})", ""]
     if cpu:
-        lines += ["**CPU figures** (gloo ranks on CPU): peak memory is each process's peak RSS (libraries "
-                  "included), not GPU memory; MFU is omitted (no CPU peak FLOP/s). Use them to compare "
+        lines += ["**CPU figures** (gloo ranks on CPU): peak memory is the peak of live tensors in one instrumented "
+                  "step (torch's MemTracker), not GPU memory and not the process RSS; MFU is omitted (no CPU peak FLOP/s). Use them to compare "
                   "strategies' bytes per rank, not as GPU throughput.", ""]
     lines += ["Bytes are per rank (min–max across ranks, 1 kB = 1000 B); optimizer includes fp32 master copies. "
               "tokens/s and samples/s are summed over ranks (whole run); TFLOP/s and MFU are per rank (mean). "
@@ -315,7 +316,7 @@ def plot_memory(runs: list[dict], path: Path):
     states.set(title="model states per rank (MB)", ylabel="MB (1e6 B)")
     states.set_ylim(0, states.get_ylim()[1] * 1.25)  # room for the legend above the bars
     states.legend(fontsize=8, loc="upper center", ncol=4)
-    kind = "process peak RSS" if _is_cpu(runs) else "peak allocated"
+    kind = "tensor peak of one step" if _is_cpu(runs) else "peak allocated"
     peak.set(title=f"peak memory per rank, {kind} (MB)\nbar: max over ranks, white tick: min")
     for ax in (states, peak):
         _bar_labels(ax, runs)

@@ -132,15 +132,18 @@ def master_weights(optimizer) -> list:
     return copies
 
 
+def zero_grad_buffers(optimizer) -> list:
+    """DeepSpeed ZeRO's gradient partition buffers (empty for other optimizers)."""
+    zero = zero_optimizer(optimizer)
+    return [t for name in ZERO_GRAD_BUFFERS for t in _tensors(getattr(zero, name, None))] if zero is not None else []
+
+
 def held_gradients(model, optimizer=None) -> list:
     """Storage entries of every gradient this rank holds right now (call it as the step begins).
 
     Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    grads = [p.grad for p in [*model_parameters(model), *master_weights(optimizer)]]
-    zero = zero_optimizer(optimizer)
-    if zero is not None:
-        grads += [t for name in ZERO_GRAD_BUFFERS for t in _tensors(getattr(zero, name, None))]
+    grads = [p.grad for p in [*model_parameters(model), *master_weights(optimizer)]] + zero_grad_buffers(optimizer)
     return [storage_entry(g) for g in grads if g is not None]
 
 

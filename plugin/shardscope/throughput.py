@@ -99,10 +99,11 @@ class ThroughputWindow:
         if flops is not None:
             self.flops, self.has_flops = self.flops + flops, True
 
-    def step_end(self, pause_after: bool = False):
-        """Close one optimizer step; `pause_after` excludes the gap to the next step (eval, save)."""
+    def step_end(self, pause_after: bool = False, count: bool = True):
+        """Close one optimizer step; `pause_after` excludes the gap to the next step (eval, save);
+        `count=False` leaves this step's time out (its batches must not have been added)."""
         now = self.clock()
-        if self.anchor is not None:
+        if self.anchor is not None and count:
             self.seconds += now - self.anchor
         self.anchor = None if pause_after else now
 

@@ -1,0 +1,86 @@
+"""Peak tensor memory of one training step, by category, on any device (CPU included).
+
+torch's `MemTracker` (torch.distributed._tools.mem_tracker) follows every tensor allocated while it is
+active and categorises it: parameters and buffers, gradients, activations (saved in forward and in
+recomputation), temporaries (what backward and the loss allocate and free), optimizer state. The
+model and optimizer are registered before the step, so what they already hold counts too; a
+strategy's own long-lived buffers allocated at set-up and not reachable from the model or optimizer
+(DDP's reducer buckets, DeepSpeed's reduce buckets) are not seen.
+
+`StepPeak` reports:
+- `peak_tensor_bytes`: the largest total of live tensors during the step;
+- `peak_breakdown`: {parameters (buffers included), gradients, optimizer, activations, temporaries} at that moment
+  (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
+- `peak_phase`: forward, backward or optimizer step: where the peak was first reached.
+Instrumenting costs several times a plain step: use it for one warm step.
+"""
+from __future__ import annotations
+
+import torch
+
+from .state_bytes import master_weights, optimizer_layers, zero_grad_buffers
+
+BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer step")
+# MemTracker's categories -> ours. "Other" holds what `track_external` registered beside the model and
+# the optimizer's state dict: master copies and ZeRO's flat partitions, all owned by the optimizer.
+CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Activation": "activations",
+            "Temp": "temporaries", "Optstate": "optimizer", "Other": "optimizer"}
+
+
+class StepPeak:
+    """Context manager around one optimizer step: `with StepPeak(model, optimizer) as peak: <step>`, then
+    `peak.result()`. Phase boundaries come from hooks on the model's forward and the optimizer's step."""
+
+    def __init__(self, model, optimizer=None):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.tracker = MemTracker()
+        self.model, self.optimizer = model, optimizer
+        self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
+        self._handles = []
+
+    def __enter__(self) -> "StepPeak":
+        optimizers = [o for o in optimizer_layers(self.optimizer) if isinstance(o, torch.optim.Optimizer)]
+        extra = [t for t in (*master_weights(self.optimizer), *zero_grad_buffers(self.optimizer))
+                 if isinstance(t, torch.Tensor)]
+        self.tracker.track_external(self.model, *optimizers, *extra)
+        self._handles = [self.model.register_forward_pre_hook(lambda *_: self._mark("forward")),
+                         self.model.register_forward_hook(lambda *_: self._mark("backward"))]
+        for opt in optimizers[-1:]:  # the innermost torch optimizer steps last: its hooks bracket the update
+            self._handles += [opt.register_step_pre_hook(lambda *_: self._mark("optimizer step")),
+                              opt.register_step_post_hook(lambda *_: self._mark("after step"))]
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _peak_total(self) -> int:
+        return sum(snap.get("Total", 0) for snap in self.tracker.get_tracker_snapshot("peak").values())
+
+    def _mark(self, starting: str) -> None:
+        self.marks.append((starting, self._peak_total()))
+
+    def result(self) -> dict:
+        snapshot = self.tracker.get_tracker_snapshot("peak")
+        breakdown = dict.fromkeys(BREAKDOWN, 0)
+        for per_device in snapshot.values():
+            for category, nbytes in per_device.items():
+                if category in CATEGORY:
+                    breakdown[CATEGORY[category]] += nbytes
+        return {"peak_tensor_bytes": sum(breakdown.values()), "peak_breakdown": breakdown,
+                "peak_phase": self._phase(self._peak_total())}
+
+    def _phase(self, total: int) -> str:
+        """The phase in which the peak total was first reached: each mark holds the phase starting then
+        and the peak so far, so the peak fell in the phase before the first mark that has seen it."""
+        current = "forward"
+        for starting, peak in self.marks:
+            if peak >= total:
+                break
+            current = starting
+        return "optimizer step" if current == "after step" else current
