@@ -155,9 +155,12 @@ def zero_state_dict(folder: Path, tag: str | None, trust_pickle: bool = False) -
                              f"{', '.join(map(str, missing)) or '0'} (every rank writes one)")
     for file in files["model"] + files["optim"]:
         _check_archive(file)
-        if not trust_pickle:
+        if not trust_pickle:  # name the file and type here; the weights_only loads below are what enforce it
             with _weights_only_loads():
-                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+                try:
+                    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+                except Exception:  # opcodes the static scan does not follow (protocol 4 frames), odd archives
+                    unsafe = []
             if unsafe:
                 raise UsageError(f"checkpoint file '{file}' pickles {', '.join(sorted(unsafe)[:3])}, which is not "
                                  f"a DeepSpeed checkpoint type: loading it could run code on your machine; "
@@ -168,8 +171,9 @@ def zero_state_dict(folder: Path, tag: str | None, trust_pickle: bool = False) -
         with contextlib.nullcontext() if trust_pickle else _weights_only_loads():
             return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
     except pickle.UnpicklingError as error:  # weights_only refused something the scan above did not see
-        raise UsageError(f"checkpoint '{step}' holds pickled objects that are not DeepSpeed checkpoint types "
-                         f"({_first_line(error)}): loading them could run code on your machine; {TRUST_HINT}") from error
+        reason = str(error).partition("WeightsUnpickler error:")[2].strip().split("\n")[0] or _first_line(error)
+        raise UsageError(f"checkpoint '{step}' holds pickled data that is not a DeepSpeed checkpoint's "
+                         f"({reason}): loading it could run code on your machine; {TRUST_HINT}") from error
     except Exception as error:  # ValueError for a missing rank, RuntimeError/pickle errors for corrupt files
         raise UsageError(f"checkpoint '{step}' cannot be consolidated: {type(error).__name__}: "
                          f"{_first_line(error)}") from error
@@ -177,8 +181,7 @@ def zero_state_dict(folder: Path, tag: str | None, trust_pickle: bool = False) -
 
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
-    return next((line.strip() for line in text.splitlines() if line.strip() and "Weights only load" not in line),
-                text.splitlines()[0] if text else "")
+    return text.splitlines()[0] if text else ""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
