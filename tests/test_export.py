@@ -1,7 +1,9 @@
-"""`shardscope export` on real sharded checkpoints: three 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
-ZeRO-3 LoRA, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder must
-reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
-wrapped model after training). Fault cases: truncated file, missing shard, existing output folder."""
+"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
+ZeRO-3 LoRA, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder
+must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
+wrapped model after training). These exports all take the safe (weights_only) path; --trust-pickle must give
+the same weights. Fault cases: truncated file, missing shard, existing output folder (hostile files:
+test_hostile_input.py)."""
 from __future__ import annotations
 
 import shutil
@@ -20,6 +22,7 @@ WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
     "zero3": ("zero3.yaml", {}, 0),
     "zero3_lora": ("zero3.yaml", {}, 4),
+    "zero2": ("zero2.yaml", {}, 0),  # one mp_rank_00_model_states.pt; optimizer states hold fragment_address
     "fsdp_sharded": ("fsdp_full_shard.yaml", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
 }
 
@@ -69,14 +72,19 @@ def assert_nothing_left(parent: Path, before: set):
     assert {p.name for p in parent.iterdir()} == before, "export left files behind"
 
 
-def test_zero3_full_fine_tune(trained, strategy_model, tmp_path):
+@pytest.mark.parametrize("name", ["zero3", "zero2"])
+def test_zero_full_fine_tune_and_trust_pickle(trained, strategy_model, tmp_path, name):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    checkpoint, logits = trained("zero3")
+    checkpoint, logits = trained(name)
     out = export(checkpoint, tmp_path / "model")
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert not list(out.glob("*.bin")) and not list(tmp_path.glob(".*partial*"))
     assert_reproduces(AutoModelForCausalLM.from_pretrained(out), logits, strategy_model("shard_llama"))
+    trusted = load_file(export(checkpoint, tmp_path / "trusted", trust_pickle=True) / "model.safetensors")
+    safe = load_file(out / "model.safetensors")
+    assert trusted.keys() == safe.keys() and all(torch.equal(trusted[k], safe[k]) for k in safe)
 
 
 def test_zero3_lora_adapter(trained, strategy_model, tmp_path):

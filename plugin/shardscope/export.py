@@ -10,17 +10,28 @@ The weights are then loaded into the model built from its config on the meta dev
 Accepted checkpoints: a Trainer `checkpoint-N` folder, a Trainer output folder (its newest `checkpoint-N`),
 a ZeRO `global_stepN` folder, or a DCP folder. Everything is written to a temporary folder beside OUT_DIR
 and renamed into place at the end: an error leaves nothing behind, and an existing OUT_DIR is refused.
+
+Checkpoints are pickles, and unpickling can run code. By default nothing runs: ZeRO files are loaded with
+`torch.load(weights_only=True)` (forced for DeepSpeed's own loader through torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD)
+allowing only the DeepSpeed types below; a DCP `.metadata` is unpickled allowing only DCP's metadata classes,
+and only tensor entries are read (DCP unpickles non-tensor entries with `weights_only=False`; a model needs
+none). `--trust-pickle` restores plain unpickling. Paths named inside the checkpoint (`latest`, DCP shard
+files) must stay inside its folder.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickle
 import re
+import secrets
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
 from .errors import UsageError
+from .safe_io import ordinary_permissions, read_bytes, read_text
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -58,6 +69,33 @@ def find_checkpoint(path: Path) -> tuple[str, Path, str | None]:
 
 # ----------------------------------------------------------------------------- consolidate
 
+TRUST_HINT = "if you trust where it came from, re-run with --trust-pickle"
+# What DeepSpeed's ZeRO-1/2/3 `*_states.pt` files pickle besides tensors and containers (seen in fp32 and bf16
+# runs of deepspeed 0.19; fp16 runs save their DynamicLossScaler).
+ZERO_GLOBALS = [("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+                ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                ("deepspeed.utils.tensor_fragment", "fragment_address")]
+# What a DCP `.metadata` pickles (torch.distributed.checkpoint.FileSystemWriter).
+DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # and the dtypes (torch.float32, ...), checked by type
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _inside(folder: Path, name: str, what: str) -> Path:
+    """`folder / name`, refused unless it resolves inside `folder` (names read from checkpoint files)."""
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise UsageError(f"checkpoint '{folder}': {what} names '{name}', which is outside the checkpoint folder")
+    return path
+
 
 def _check_archive(file: Path) -> None:
     """torch.save writes a zip archive whose directory is at the end: a cut-off file has none."""
@@ -65,8 +103,30 @@ def _check_archive(file: Path) -> None:
         raise UsageError(f"checkpoint file '{file}' is truncated or corrupt (not a complete torch.save archive)")
 
 
-def zero_state_dict(folder: Path, tag: str | None) -> dict:
+@contextlib.contextmanager
+def _weights_only_loads():
+    """Every torch.load inside (DeepSpeed's included) runs with weights_only=True and the ZeRO types allowed."""
+    import importlib
+
+    import torch
+
+    allowed = [getattr(importlib.import_module(module), name) for module, name in ZERO_GLOBALS]
+    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+def zero_state_dict(folder: Path, tag: str | None, trust_pickle: bool = False) -> dict:
     """DeepSpeed's own ZeRO consolidation (fp32 master weights), after checking every rank's files are there."""
+    import torch
+
     if tag is None:
         latest = folder / "latest"
         if not latest.is_file():
@@ -75,42 +135,101 @@ def zero_state_dict(folder: Path, tag: str | None) -> dict:
                 raise UsageError(f"checkpoint '{folder}' has no 'latest' file and {len(tags)} global_step folders")
             tag = tags[0]
         else:
-            tag = latest.read_text().strip()
-    step = folder / tag
+            tag = read_text(latest, "checkpoint file", max_bytes=4096).strip()
+    step = _inside(folder, tag, "'latest'")
     if not step.is_dir():
         raise UsageError(f"checkpoint '{folder}': 'latest' names {tag}, which is missing")
-    ranks = {}
-    for kind in ("model", "optim"):
-        files = sorted(step.glob(f"*zero_pp_rank_*_mp_rank_*_{kind}_states.pt"))
-        ranks[kind] = {int(re.search(r"zero_pp_rank_(\d+)_", f.name).group(1)) for f in files}
-        for file in files:
-            _check_archive(file)
-    expected = set(range(max(ranks["model"] | ranks["optim"], default=-1) + 1))
+    files = {kind: sorted(step.glob(f"*zero_pp_rank_*_mp_rank_*_{kind}_states.pt")) for kind in ("model", "optim")}
+    ranks = {kind: {int(re.search(r"zero_pp_rank_(\d+)_", f.name).group(1)) for f in found}
+             for kind, found in files.items()}
+    if not files["model"]:  # ZeRO-1/2: one mp_rank_00_model_states.pt, optimizer states per rank
+        files["model"] = sorted(step.glob("mp_rank_*_model_states.pt"))
+        ranks.pop("model")
+        if not files["model"]:
+            raise UsageError(f"checkpoint '{step}' is missing a shard: no *_model_states.pt")
+    expected = set(range(max(set().union(*ranks.values()), default=-1) + 1))
     for kind, found in ranks.items():
         if found != expected:
             missing = sorted(expected - found)
             raise UsageError(f"checkpoint '{step}' is missing a shard: no {kind} states for rank(s) "
                              f"{', '.join(map(str, missing)) or '0'} (every rank writes one)")
+    for file in files["model"] + files["optim"]:
+        _check_archive(file)
+        if not trust_pickle:  # name the file and type here; the weights_only loads below are what enforce it
+            with _weights_only_loads():
+                try:
+                    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+                except Exception:  # opcodes the static scan does not follow (protocol 4 frames), odd archives
+                    unsafe = []
+            if unsafe:
+                raise UsageError(f"checkpoint file '{file}' pickles {', '.join(sorted(unsafe)[:3])}, which is not "
+                                 f"a DeepSpeed checkpoint type: loading it could run code on your machine; "
+                                 f"{TRUST_HINT}")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
-        return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
+        with contextlib.nullcontext() if trust_pickle else _weights_only_loads():
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
+    except pickle.UnpicklingError as error:  # weights_only refused something the scan above did not see
+        reason = str(error).partition("WeightsUnpickler error:")[2].strip().split("\n")[0] or _first_line(error)
+        raise UsageError(f"checkpoint '{step}' holds pickled data that is not a DeepSpeed checkpoint's "
+                         f"({reason}): loading it could run code on your machine; {TRUST_HINT}") from error
     except Exception as error:  # ValueError for a missing rank, RuntimeError/pickle errors for corrupt files
         raise UsageError(f"checkpoint '{step}' cannot be consolidated: {type(error).__name__}: "
-                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
+                         f"{_first_line(error)}") from error
 
 
-def dcp_state_dict(folder: Path, scratch: Path) -> dict:
-    """torch's own DCP -> torch.save conversion, after checking every file the metadata names is whole."""
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` allowing only DCP_GLOBALS (the Python docs' "restricting globals")."""
+
+    def find_class(self, module, name):
+        import torch
+
+        value = super().find_class(module, name) if name in DCP_GLOBALS.get(module, ()) or module == "torch" else None
+        if value is None or (module == "torch" and name != "Size" and not isinstance(value, torch.dtype)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+        return value
+
+
+def read_dcp_metadata(folder: Path, trust_pickle: bool = False):
+    """The checkpoint's `.metadata`, unpickled safely unless `trust_pickle`; its shard paths checked."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    file = folder / ".metadata"
+    data = read_bytes(file, "checkpoint file", max_bytes=1 << 30)
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata = pickle.loads(data) if trust_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as error:
+        if "is not a DCP metadata type" not in str(error):
+            raise UsageError(f"checkpoint file '{file}' is unreadable (truncated or corrupt): {error}") from None
+        raise UsageError(f"checkpoint file '{file}' pickles {str(error).split(' is not')[0]}, which is not a DCP "
+                         f"metadata type: loading it could run code on your machine; {TRUST_HINT}") from None
     except Exception as error:
-        raise UsageError(f"checkpoint '{folder}/.metadata' is unreadable (truncated or corrupt): "
-                         f"{type(error).__name__}") from error
+        raise UsageError(f"checkpoint file '{file}' is unreadable (truncated or corrupt): "
+                         f"{type(error).__name__}") from None
+    if not isinstance(metadata, Metadata):
+        raise UsageError(f"checkpoint file '{file}' is not DCP metadata (it holds a {type(metadata).__name__})")
+    metadata.storage_meta = metadata.storage_meta or StorageMeta()
+    for info in metadata.storage_data.values():
+        if not (isinstance(info.relative_path, str) and isinstance(info.offset, int) and isinstance(info.length, int)):
+            raise UsageError(f"checkpoint file '{file}' is corrupt: a storage entry is not (path, offset, length)")
+        _inside(folder, info.relative_path, ".metadata")
+    return metadata
+
+
+def dcp_state_dict(folder: Path, trust_pickle: bool = False) -> dict:
+    """The tensors of a DCP checkpoint, read by torch's own FileSystemReader (tensors load weights_only) after
+    checking every file the metadata names is whole. Non-tensor entries are never read."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(folder, trust_pickle)
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -121,17 +240,25 @@ def dcp_state_dict(folder: Path, scratch: Path) -> dict:
         if file.stat().st_size < size:
             raise UsageError(f"checkpoint file '{file}' is truncated: {file.stat().st_size} bytes, "
                              f".metadata needs {size}")
-    target = scratch / "consolidated.pt"
+
+    class Reader(dcp.FileSystemReader):  # the metadata read above, not a second plain unpickling
+        def read_metadata(self, *args, **kwargs):
+            return metadata
+
+    # accelerate saves {"model": model_state_dict}: the planner data maps each flat key back to that nesting
+    paths = {k: tuple(v) for k, v in (metadata.planner_data or {}).items() if isinstance(v, (tuple, list))}
+    nested = any(path[:1] == ("model",) for path in paths.values())
+    names = {key: ".".join(map(str, paths[key][1:])) if nested else key
+             for key, md in metadata.state_dict_metadata.items()
+             if isinstance(md, TensorStorageMetadata) and (not nested or paths.get(key, ())[:1] == ("model",))}
     try:
-        dcp_to_torch_save(str(folder), str(target))
-        state = torch.load(target, weights_only=True, map_location="cpu")
+        state = {key: torch.empty(metadata.state_dict_metadata[key].size,
+                                  dtype=metadata.state_dict_metadata[key].properties.dtype) for key in names}
+        dcp.load(state, storage_reader=Reader(str(folder)), no_dist=True)
     except Exception as error:
         raise UsageError(f"checkpoint '{folder}' cannot be consolidated: {type(error).__name__}: "
-                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
-    finally:
-        target.unlink(missing_ok=True)
-    state = state.get("model", state)  # accelerate saves {"model": model_state_dict}
-    return {_strip_wrappers(k): v for k, v in state.items() if hasattr(v, "shape")}
+                         f"{_first_line(error)}") from error
+    return {_strip_wrappers(names[key]): value for key, value in state.items()}
 
 
 def _strip_wrappers(key: str) -> str:
@@ -223,20 +350,24 @@ def write_model(state: dict, checkpoint: Path, out: Path, base: str | None) -> s
     return what
 
 
-def export(checkpoint, out_dir, base: str | None = None) -> Path:
-    """Consolidate `checkpoint` and write a `from_pretrained`-loadable folder at `out_dir` (atomically)."""
+def export(checkpoint, out_dir, base: str | None = None, trust_pickle: bool = False) -> Path:
+    """Consolidate `checkpoint` and write a `from_pretrained`-loadable folder at `out_dir` (atomically).
+    `trust_pickle`: unpickle the checkpoint's files without restriction (they may run code)."""
     checkpoint, out = Path(checkpoint), Path(out_dir)
-    if out.exists():
-        raise UsageError(f"output folder '{out}' already exists; export never overwrites, choose a new one")
+    if out.exists() or out.is_symlink():
+        raise UsageError(f"output folder '{out}' already exists{' (a symlink)' if out.is_symlink() else ''}; "
+                         "export never overwrites, choose a new one")
     if not out.parent.is_dir():
         raise UsageError(f"the parent of output folder '{out}' does not exist")
     kind, folder, tag = find_checkpoint(checkpoint)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
+    staging.mkdir()
     try:
-        state = zero_state_dict(folder, tag) if kind == "zero" else dcp_state_dict(folder, staging)
+        state = zero_state_dict(folder, tag, trust_pickle) if kind == "zero" else dcp_state_dict(folder, trust_pickle)
         what = write_model(state, folder if kind == "dcp" else (folder / tag if tag else folder), staging, base)
         if out.exists():
             raise UsageError(f"output folder '{out}' appeared while exporting; left it alone")
+        ordinary_permissions(staging)  # safetensors writes 0600 files
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -257,4 +388,8 @@ def register(subparsers) -> None:
     parser.add_argument("out_dir", type=Path, help="new folder to create (refused if it exists)")
     parser.add_argument("--model", help="base model (folder or hub id) when the checkpoint has no config.json, "
                                         "or to override the LoRA adapter's base")
-    parser.set_defaults(func=lambda args: export(args.checkpoint, args.out_dir, args.model) and 0)
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="unpickle the checkpoint's files without restriction. A crafted checkpoint can then run "
+                             "any code on your machine: use only for files you made or whose source you trust. "
+                             "Without it, only tensors and the known DeepSpeed/DCP types are loaded.")
+    parser.set_defaults(func=lambda args: export(args.checkpoint, args.out_dir, args.model, args.trust_pickle) and 0)
