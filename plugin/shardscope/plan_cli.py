@@ -13,6 +13,13 @@ from .planner import convention_table, estimate, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from .units import GPUS, gb, gpu_memory, parse_count, parse_size
 
+CONVENTIONS = ("rule-of-thumb-12",)
+OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
+
+
+def convention_name(value: str) -> str:
+    """`--convention`'s value, with the old spelling mapped to its new name."""
+    return OLD_CONVENTIONS.get(value, value)
 
 
 def format_table(result: dict) -> str:
@@ -54,7 +61,7 @@ def format_table(result: dict) -> str:
 def format_convention(table: dict) -> str:
     lines = [f"{table['params']:.3g} params on {table['gpus']} GPUs, model states per GPU (GB)",
              f"{'basis':<24}{'none':>8}{'ZeRO-1':>8}{'ZeRO-2':>8}{'ZeRO-3':>8}"]
-    for key in ("seed-12", "planner-16"):
+    for key in ("rule-of-thumb-12", "planner-16"):
         r = table[key]
         lines.append(f"{key + ' (' + r['bytes_per_param'] + ')':<24}" +
                      "".join(f"{r[k] / 1e9:>8.4g}" for k in ("none", "zero1", "zero2", "zero3")))
@@ -135,12 +142,16 @@ def build_parser(subparsers):
     tr.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
-    tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp")
+    tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp",
+                    help="which goes first when both of a pair of equally fast strategies fit (fsdp_shard_grad_op "
+                         "or zero2, fsdp_full_shard or zero3); default fsdp")
     tr.add_argument("--tp", type=int, help="tensor-parallel degree of the tp/fsdp_tp/hsdp_tp rows (default: the "
                                            "largest that divides --gpus, num_attention_heads and num_key_value_heads)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable, bytes per GPU")
-    out.add_argument("--convention", choices=("seed-12",), help="print the 12 vs 16 B/param seed table")
+    out.add_argument("--convention", type=convention_name, choices=CONVENTIONS,
+                     help="print the 12 B/param rule of thumb (2 + 2 + 8, no fp32 master copy) beside the "
+                          "planner's 16 B/param, per ZeRO stage")
     out.add_argument("--compare", metavar="SUMMARY_JSON", help="planned vs measured, from the callback's summary")
     p.set_defaults(func=plan_command)
     return p

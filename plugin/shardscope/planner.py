@@ -136,9 +136,9 @@ def convention_table(params: float = 7e9, gpus: int = 4) -> dict:
         return {"none": (p + g + k) * params, "zero1": (p + g) * params + k * params / gpus,
                 "zero2": p * params + (g + k) * params / gpus, "zero3": (p + g + k) * params / gpus}
     return {"params": params, "gpus": gpus,
-            "seed-12": {"bytes_per_param": "2+2+8", **row(2, 2, 8)},
+            "rule-of-thumb-12": {"bytes_per_param": "2+2+8", **row(2, 2, 8)},
             "planner-16": {"bytes_per_param": "2+2+12", **row(2, 2, 12)},
-            "explanation": ("the seed's 12 B/param leaves out the 4 B fp32 master copy of the weights that "
+            "explanation": ("the 12 B/param rule of thumb leaves out the 4 B fp32 master copy of the weights that "
                             "mixed-precision Adam updates (bf16 alone cannot hold small updates); the ZeRO "
                             "paper's K=12 is 4 master + 4 momentum + 4 variance, so 2+2+12 = 16 B/param, "
                             "18 with fp32 gradients. Sharded terms differ by 4 B x P/N.")}
