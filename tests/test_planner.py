@@ -332,7 +332,7 @@ def test_bad_summary_names_file_and_key(tmp_path, capsys, content, message):
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_json_contract(capsys):
-    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100", "--json"]) == 0
+    assert cli.main(["plan", "--params", "7e9", "--heads", "32", "--gpus", "4", "--gpu", "H100", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     # one node, tp = its 4 GPUs: fsdp_tp and hsdp_tp would repeat tp's mesh, so they are left out
     assert [r["strategy"] for r in result["rows"]] == [s for s in STRATEGIES if s not in ("fsdp_tp", "hsdp_tp")]

@@ -1,4 +1,4 @@
-"""`shardscope` command line: each subcommand lives in its own module and registers itself here."""
+"""`shardscope` command line; each subcommand module registers itself (SUBCOMMAND_MODULES)."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,25 @@ from .errors import UsageError
 # Modules that define `register(subparsers)`; each registered parser sets `func(args) -> int`.
 SUBCOMMAND_MODULES = ["configs", "plan_cli", "compare", "doctor", "export"]
 
+DESCRIPTION = """\
+Pick, check and measure a distributed-training strategy (DDP, FSDP, DeepSpeed ZeRO, tensor parallel)
+for the Hugging Face Trainer and `accelerate launch`: how much memory each strategy needs per GPU
+before you launch, which config mistakes will stop a run, and what each rank really held afterwards.
+
+examples:
+  shardscope configs                                    # list the shipped accelerate/DeepSpeed/FSDP configs
+  shardscope plan --model mistral-7b --gpus 4 --gpu A100-80      # memory per GPU of every strategy
+  shardscope doctor --accelerate-config $(shardscope configs path zero3) --model mistral-7b --gpus 4  # mistakes
+  shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp zero3 -- --config my.yaml
+  shardscope report runs/ddp runs/zero3                 # tables and plots from finished runs
+  shardscope export output/checkpoint-100 model_out     # sharded checkpoint -> from_pretrained folder
+
+`shardscope COMMAND --help` gives each command's options."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardscope", description=__doc__)
+    parser = argparse.ArgumentParser(prog="shardscope", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"shardscope {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     import importlib

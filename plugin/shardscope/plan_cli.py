@@ -124,6 +124,7 @@ def build_parser(subparsers):
     src.add_argument("--layers", type=int)
     src.add_argument("--hidden", type=int)
     src.add_argument("--vocab", type=int)
+    src.add_argument("--heads", type=int, help="attention heads, with --params (default: hidden / 128)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     hw.add_argument("--nodes", type=int, default=1)
@@ -176,23 +177,26 @@ def setup_from_args(args) -> Setup:
 
 def plan_command(args) -> int:
     setup = setup_from_args(args)  # validate cheap inputs before any model is loaded
-    for key in ("layers", "hidden", "vocab"):
+    for key in ("layers", "hidden", "vocab", "heads"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
             raise UsageError(f"--{key} must be positive, got {getattr(args, key)}")
     params = parse_count(args.params) if args.params is not None else None
     if args.model and params is not None:
         raise UsageError("give --model or --params, not both")
+    if args.heads is not None and params is None:
+        raise UsageError("--heads goes with --params (a model's config gives its own heads)")
     if args.convention:
         table = convention_table(params or 7e9, args.gpus * args.nodes)
         print(json.dumps(table, indent=1) if args.json else format_convention(table))
         return 0
     if args.compare:
         spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden,
-                          vocab=args.vocab) if (args.model or params) else None
+                          vocab=args.vocab, heads=args.heads) if (args.model or params) else None
         result = plan_vs_run(args.compare, spec, setup)
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
-    spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+    spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden, vocab=args.vocab,
+                      heads=args.heads)
     result = estimate(spec, setup)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0

@@ -95,8 +95,10 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
             notes.append("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
                          "their mesh is the one of the row above them")
         kv = spec.num_kv_heads or spec.num_heads
+        assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
         tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
-                   f"default: gcd(GPUs per node {setup.gpus_per_node}, heads {spec.num_heads}, KV heads {kv})",
+                   f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
+                   f"KV heads {kv}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
                    "activations": act_tp, "approximate": not c.tensors}
         if not c.tensors:
             notes.append("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)")
