@@ -340,7 +340,7 @@ def test_cli_json_contract(capsys):
             "total_bytes", "fits"}
     for row in result["rows"]:
         assert keys <= set(row) and row["total_bytes"] == sum(row[k] for k in keys if k.endswith("_bytes") and k != "total_bytes")
-    assert set(result["recommendation"]) == {"strategy", "reason"}
+    assert set(result["recommendation"]) == {"strategy", "reason", "not_chosen"}
     assert result["recommendation"]["strategy"] in STRATEGIES
 
 

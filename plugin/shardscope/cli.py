@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from . import __version__
@@ -38,7 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_library_notices() -> None:
+    """Keep the tool's output its own: DeepSpeed announces on stdout, at import, that it fell back to the
+    CPU accelerator; the commands only read its configs (training runs launched by `compare` keep it)."""
+    logging.getLogger("DeepSpeed").addFilter(
+        lambda record: "Setting accelerator to CPU" not in record.getMessage())
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_notices()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0

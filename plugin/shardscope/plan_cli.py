@@ -11,7 +11,7 @@ from .mesh import Setup
 from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models
 from .planner import convention_table, estimate, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
-from .units import GPUS, gb, gpu_memory, parse_count, parse_size
+from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
 
 CONVENTIONS = ("rule-of-thumb-12",)
 OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
@@ -24,7 +24,7 @@ def convention_name(value: str) -> str:
 
 def format_table(result: dict) -> str:
     m, s = result["model"], result["setup"]
-    gpu = f"{gb(s['gpu_memory_bytes'])} GB" if s["gpu_memory_bytes"] else "no GPU memory given"
+    gpu = gpu_size(s["gpu_memory_bytes"]) if s["gpu_memory_bytes"] else "no GPU memory given"
     lines = [
         f"model {m['name']}: {m['params_total']:,} params ({'exact, meta device' if m['exact'] else 'from --params'}"
         + (f"; assumed {', '.join(m['assumed'])}" if m["assumed"] else "") + f"), trainable {m['trainable_params']:,}",
@@ -49,6 +49,7 @@ def format_table(result: dict) -> str:
                      f"{gb(r['comm_bytes_per_step']):>10}")
     rec = result["recommendation"]
     lines += ["", f"recommendation: {rec['strategy'] or 'none'}: {rec['reason']}",
+              *(f"  not {name}: {why}" for name, why in rec.get("not_chosen", {}).items()),
               "* activations are an estimate; params/grads/optimizer are exact counts "
               "(optimizer includes fp32 master weights). Formulas: docs/planner.md",
               "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]

@@ -16,7 +16,7 @@ from .mesh import Setup, setup_for_mesh, tp_degree
 from .model_spec import ModelSpec, model_spec, resolve_model, spec_from_count
 from .strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, family, strategy_from_summary
 from .summary import COMPONENTS, read_summary
-from .units import gb
+from .units import gb, gpu_size
 
 __all__ = ["Setup", "model_spec", "strategy_row", "estimate", "recommend", "plan_vs_run", "convention_table"]
 
@@ -65,18 +65,36 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
             row = by_name[name]
             if row.fits:
                 why = (f"{name} needs {gb(row.total_bytes)} GB per GPU of {gb(usable)} GB usable "
-                       f"({gb(setup.gpu_memory_bytes)} GB less {setup.headroom:.0%} headroom)")
+                       f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
                 if name in TP_STRATEGIES:
                     mesh = row.mesh
                     why += (f", tensor parallel {mesh['tp']} x FSDP {mesh['dp_shard']}"
                             + (f" x replicas {mesh['dp_replicate']}" if mesh["dp_replicate"] > 1 else ""))
                 if tried:
                     why += "; faster options do not fit: " + ", ".join(tried)
-                return {"strategy": name, "reason": why}
+                return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier, rows, setup)}
             tried.append(f"{name} {gb(row.total_bytes)} GB")
     hint = "" if setup.activation_checkpointing else ", activation checkpointing"
     return {"strategy": None, "reason": f"nothing fits in {gb(usable)} GB usable per GPU; try more GPUs, "
                                          f"a smaller micro-batch{hint} or LoRA"}
+
+
+def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
+    """One line each on why a fitting alternative lost: the other strategy of the pick's tier, and the
+    TP rows (degree > 1) that fit."""
+    out = {}
+    for row in rows:
+        if row.strategy == pick or not row.fits:
+            continue
+        if row.strategy in tier:
+            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB), same tier of the decision tree; "
+                                 f"--prefer {setup.prefer}{' (the default)' * (setup.prefer == 'fsdp')} "
+                                 f"puts {pick} first")
+        elif row.strategy in TP_STRATEGIES and row.mesh["tp"] > 1:
+            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB) but ranks after sharding: FSDP over the "
+                                 f"same GPUs divides model states as well, and TP all-reduces activations in "
+                                 f"every layer; pick it when activations or gathered layers do not fit")
+    return out
 
 
 def estimate(spec: ModelSpec, setup: Setup) -> dict:
