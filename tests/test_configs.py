@@ -172,11 +172,21 @@ def test_check_command_one_line_per_problem_exit_2():
 # ----------------------------------------------------------------------------- CLI
 
 
-def test_configs_lists_every_shipped_config():
-    proc = shardscope("configs")
+def test_configs_lists_every_shipped_config_wrapped_not_cut():
+    proc = shardscope("configs", env={"COLUMNS": "80"})
     assert proc.returncode == 0, proc.stderr
-    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()}
+    entries = []  # one per config: its first line and the indented lines that continue it
+    for line in proc.stdout.splitlines():
+        assert len(line) <= 80, line
+        if line.startswith(" "):
+            entries[-1] += " " + line.strip()
+        else:
+            entries.append(line)
+    rows = {e.split()[0]: e.split()[1] for e in entries}
     assert rows == {c.name: c.kind for c in shipped_configs()}
+    tp = next(e for e in entries if e.split()[0] == "tp")
+    # the whole first sentence of tp.yaml's comment, which spans four comment lines
+    assert tp.endswith("and 1/8 of most activations."), tp
 
 
 @pytest.mark.parametrize("name, file", [("zero3", "accelerate_configs/zero3.yaml"),

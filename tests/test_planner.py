@@ -1,5 +1,5 @@
-"""`shardscope plan`: exact formulas on hand-computable cases, the seed figures, DeepSpeed's own
-estimators, the shipped 7B/70B configs, the CLI contract and bad input."""
+"""`shardscope plan`: exact formulas on hand-computable cases, the 12 B/param rule of thumb vs 16 B/param,
+DeepSpeed's own estimators, the shipped 7B/70B configs, the CLI contract and bad input."""
 import json
 import os
 import subprocess
@@ -171,10 +171,10 @@ def test_vision_tokens_from_image_and_patch():
     assert formulas.activation_bytes(spec, Setup(image_size=518))["tokens_per_sample"] == 37 ** 2 + 1
 
 
-# ----------------------------------------------------------------------------- seed figures, ordering
-def test_seed_figures_12_and_16_bytes_per_param():
+# ----------------------------------------------------------------------- 12 vs 16 B/param, ordering
+def test_rule_of_thumb_12_and_planner_16_bytes_per_param():
     table = planner.convention_table(7e9, 4)
-    assert [table["seed-12"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [84, 42, 31.5, 21]
+    assert [table["rule-of-thumb-12"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [84, 42, 31.5, 21]
     assert [table["planner-16"][k] / GB for k in ("none", "zero1", "zero2", "zero3")] == [112, 49, 38.5, 28]
 
 
@@ -183,7 +183,7 @@ def test_planner_rows_for_7b_on_4_gpus():
     r = rows(result)
     states = {s: r[s]["model_states_bytes"] / GB for s in r}  # within the `step` counters' bytes
     assert states["ddp"] == pytest.approx(112, abs=1e-5)  # 16 B/param, unsharded
-    # The 16 B/param sharded figures of the seed table: ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
+    # The 16 B/param sharded figures of the convention table: ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
     assert states["zero2"] == pytest.approx(38.5, abs=1e-5)
     assert states["zero3"] == pytest.approx(28, abs=1e-5)
     assert states["fsdp_full_shard"] == pytest.approx(28, abs=1e-5)
@@ -332,7 +332,7 @@ def test_bad_summary_names_file_and_key(tmp_path, capsys, content, message):
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_json_contract(capsys):
-    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100", "--json"]) == 0
+    assert cli.main(["plan", "--params", "7e9", "--heads", "32", "--gpus", "4", "--gpu", "H100", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     # one node, tp = its 4 GPUs: fsdp_tp and hsdp_tp would repeat tp's mesh, so they are left out
     assert [r["strategy"] for r in result["rows"]] == [s for s in STRATEGIES if s not in ("fsdp_tp", "hsdp_tp")]
@@ -340,15 +340,15 @@ def test_cli_json_contract(capsys):
             "total_bytes", "fits"}
     for row in result["rows"]:
         assert keys <= set(row) and row["total_bytes"] == sum(row[k] for k in keys if k.endswith("_bytes") and k != "total_bytes")
-    assert set(result["recommendation"]) == {"strategy", "reason"}
+    assert set(result["recommendation"]) == {"strategy", "reason", "not_chosen"}
     assert result["recommendation"]["strategy"] in STRATEGIES
 
 
-def test_cli_table_and_seed_convention(capsys):
+def test_cli_table_and_rule_of_thumb_convention(capsys):
     assert cli.main(["plan", "--model", "mistral-7b", "--gpu", "A100-80"]) == 0
     out = capsys.readouterr().out
     assert "fsdp_full_shard" in out and "recommendation:" in out and "estimate" in out
-    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "seed-12"]) == 0
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "rule-of-thumb-12"]) == 0
     out = capsys.readouterr().out
     assert "84" in out and "31.5" in out and "112" in out and "38.5" in out and "master" in out
 

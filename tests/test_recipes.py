@@ -138,7 +138,7 @@ def test_sft_saved_model_reproduces_trained_model(runs, name, sft_assets):
 
 
 def test_sft_strategies_agree(runs):
-    """Same data, seed and global batch: DDP, FSDP and ZeRO give the same loss curve (fp32, float tolerance)."""
+    """Same data, random seed and global batch: DDP, FSDP and ZeRO give the same loss curve (fp32, float tolerance)."""
     reference = losses(runs("sft", "ddp").output_dir)
     for name in ("fsdp", "zero2", "zero3", "ds_zero3"):
         curve = losses(runs("sft", name).output_dir)

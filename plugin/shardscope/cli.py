@@ -1,7 +1,8 @@
-"""`shardscope` command line: each subcommand lives in its own module and registers itself here."""
+"""`shardscope` command line; each subcommand module registers itself (SUBCOMMAND_MODULES)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from . import __version__
@@ -10,9 +11,25 @@ from .errors import UsageError
 # Modules that define `register(subparsers)`; each registered parser sets `func(args) -> int`.
 SUBCOMMAND_MODULES = ["configs", "plan_cli", "compare", "doctor", "export"]
 
+DESCRIPTION = """\
+Pick, check and measure a distributed-training strategy (DDP, FSDP, DeepSpeed ZeRO, tensor parallel)
+for the Hugging Face Trainer and `accelerate launch`: how much memory each strategy needs per GPU
+before you launch, which config mistakes will stop a run, and what each rank really held afterwards.
+
+examples:
+  shardscope configs                                    # list the shipped accelerate/DeepSpeed/FSDP configs
+  shardscope plan --model mistral-7b --gpus 4 --gpu A100-80      # memory per GPU of every strategy
+  shardscope doctor --accelerate-config $(shardscope configs path zero3) --model mistral-7b --gpus 4  # mistakes
+  shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp zero3 -- --config my.yaml
+  shardscope report runs/ddp runs/zero3                 # tables and plots from finished runs
+  shardscope export output/checkpoint-100 model_out     # sharded checkpoint -> from_pretrained folder
+
+`shardscope COMMAND --help` gives each command's options."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardscope", description=__doc__)
+    parser = argparse.ArgumentParser(prog="shardscope", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"shardscope {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     import importlib
@@ -22,7 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_library_notices() -> None:
+    """Keep the tool's output its own: DeepSpeed announces on stdout, at import, that it fell back to the
+    CPU accelerator; the commands only read its configs (training runs launched by `compare` keep it)."""
+    logging.getLogger("DeepSpeed").addFilter(
+        lambda record: "Setting accelerator to CPU" not in record.getMessage())
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_notices()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0

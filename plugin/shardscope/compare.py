@@ -22,6 +22,7 @@ Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import socket
@@ -82,6 +83,39 @@ def launch_command(launcher: str, recipe: str, config: Path, recipe_args: list[s
     if not any(a.split("=")[0] == port for a in launcher_args):
         cmd += [port, str(_free_port())]
     return cmd + launcher_args + [str(recipe), *recipe_args] + tail
+
+
+CPU_LAUNCHER_ARGS = "--num_processes 2 --mixed_precision no"
+
+
+def cpu_launch_problem(configs: list[Path], launcher: str, num_processes: int | None, launcher_args: list[str],
+                       gpus: int) -> str | None:
+    """On a machine with no GPU, why the launch would fail and which launcher arguments to pass, or None.
+
+    The shipped configs start one process per GPU (num_processes 8, bf16); without a GPU and without a
+    process count the launcher would start them all on this machine's cores."""
+    import yaml
+
+    given = num_processes or any(a.split("=")[0] in ("--num_processes", "--num_gpus") for a in launcher_args)
+    if gpus or given:
+        return None
+    cores = os.cpu_count() or 1
+    if launcher == "accelerate":
+        asked = {}
+        for config in configs:
+            try:
+                asked[config.name] = int((yaml.safe_load(config.read_text()) or {}).get("num_processes") or 1)
+            except (yaml.YAMLError, ValueError, TypeError, AttributeError):
+                continue  # the launcher names the bad file itself
+        too_many = {name: n for name, n in asked.items() if n > cores}
+        if not too_many:
+            return None
+        what = ", ".join(f"{name}: num_processes {n}" for name, n in too_many.items())
+    else:
+        what = "the deepspeed launcher starts one process per GPU"
+    return (f"no GPU on this machine and no process count given ({what}; {cores} CPU cores). On CPU pass "
+            f"--launcher-args \"{CPU_LAUNCHER_ARGS}\" (2 processes over gloo, fp32); FSDP configs then train as "
+            f"plain DDP, see docs/compare.md")
 
 
 def launch(cmd: list[str], run_dir: Path) -> tuple[int, float]:
@@ -297,13 +331,14 @@ def plot_memory(runs: list[dict], path: Path):
     import matplotlib.pyplot as plt
 
     fig, (states, peak) = plt.subplots(1, 2, figsize=(10, 4))
+    first = next((i for i, r in enumerate(runs) if "ranks" in r), None)  # labels the legend once
     for i, r in enumerate(runs):
         if "ranks" not in r:
             continue
         worst = max(r["ranks"], key=lambda rank: sum(rank[k] for k in COMPONENTS))
         bottom = 0
         for k, colour in zip(COMPONENTS, ("tab:blue", "tab:orange", "tab:green")):
-            states.bar(i, worst[k] / 1e6, bottom=bottom / 1e6, color=colour, label=k.split("_")[0] if i == 0 else None)
+            states.bar(i, worst[k] / 1e6, bottom=bottom / 1e6, color=colour, label=k.split("_")[0] if i == first else None)
             bottom += worst[k]
         planned = r.get("planned") or {}
         if all(k in planned for k in COMPONENTS):
@@ -315,7 +350,8 @@ def plot_memory(runs: list[dict], path: Path):
             peak.plot(i, spread["min"] / 1e6, "w_", markersize=20, mew=2)
     states.set(title="model states per rank (MB)", ylabel="MB (1e6 B)")
     states.set_ylim(0, states.get_ylim()[1] * 1.25)  # room for the legend above the bars
-    states.legend(fontsize=8, loc="upper center", ncol=4)
+    if first is not None:  # every run failed: nothing to label
+        states.legend(fontsize=8, loc="upper center", ncol=4)
     kind = "tensor peak of one step" if _is_cpu(runs) else "peak allocated"
     peak.set(title=f"peak memory per rank, {kind} (MB)\nbar: max over ranks, white tick: min")
     for ax in (states, peak):
@@ -364,7 +400,7 @@ def register(subparsers) -> None:
         "compare", help="run a recipe once per strategy config, then report memory and throughput side by side",
         description="Run RECIPE once per config (sequentially, OUTPUT_DIR/<config>/, log in launch.log), then "
                     "write the report. Arguments after -- go to the recipe. On a CPU machine pass the CPU "
-                    "overrides to the launcher: --launcher-args '--num_processes 2 --mixed_precision no'.",
+                    f"overrides to the launcher: --launcher-args '{CPU_LAUNCHER_ARGS}'.",
         epilog="Exit status: 0 when at least one run succeeded (failed runs are rows of the report), 1 when "
                "all failed, 2 for a usage error.")
     cmp.add_argument("--recipe", required=True, type=Path, help="training script, e.g. recipes/causal_lm_sft.py")
@@ -392,6 +428,11 @@ def compare_command(args) -> int:
         raise UsageError(f"--configs names a run twice: {' '.join(args.configs)}")
     configs = [resolve_config(c, args.launcher) for c in args.configs]  # all resolved before the first launch
     extra = shlex.split(args.launcher_args)
+    import torch
+
+    problem = cpu_launch_problem(configs, args.launcher, args.num_processes, extra, torch.cuda.device_count())
+    if problem:
+        raise UsageError(problem)
     run_dirs, ok = [], 0
     for i, (name, config) in enumerate(zip(names, configs), 1):
         run_dir = args.output_dir / name

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ def _describe(path: Path, kind: str, name: str) -> ShippedConfig:
     else:
         comments = [line.lstrip("#").strip() for line in text.splitlines()
                     if line.startswith("#") and not line.startswith(("#!", "#SBATCH"))]
-        description = comments[0] if comments else ""
+        first = next((i for i, line in enumerate(comments) if line.endswith(".")), len(comments) - 1)
+        # the first sentence, over as many lines as it takes
+        description = re.split(r"(?<=\.)\s", " ".join(comments[:first + 1]), maxsplit=1)[0]
         multinode = kind == "slurm" or _num_machines(text) > 1
     return ShippedConfig(name, kind, path, description, multinode)
 
@@ -475,10 +478,16 @@ def register(subparsers) -> None:
 
 
 def _list(args) -> int:
+    import shutil
+    import textwrap
+
     configs = shipped_configs()
     width = max(len(c.name) for c in configs)
+    indent = " " * (width + 14)
+    columns = max(shutil.get_terminal_size().columns, len(indent) + 40)
     for c in configs:
-        print(f"{c.name:<{width}}  {c.kind:<10}  {c.description}{'  [multi-node]' if c.multinode else ''}")
+        line = f"{c.name:<{width}}  {c.kind:<10}  {c.description}{'  [multi-node]' if c.multinode else ''}"
+        print(textwrap.fill(line, columns, subsequent_indent=indent, break_on_hyphens=False))
     return 0
 
 

@@ -79,14 +79,15 @@ def tp_degree(spec: ModelSpec, setup: Setup) -> int:
     (each rank keeps whole heads) and the GPUs per node (checked by `Setup.validate`). Default: the
     GPUs per node capped to the largest degree that divides both head counts, i.e.
     gcd(GPUs per node, num_attention_heads, num_key_value_heads): 8 for Llama-2-70B (64 / 8 heads) on
-    8 GPUs, 1 on one GPU (then the TP rows equal ddp / fsdp and are not recommended). With head
-    counts assumed from `--params`, the GPUs per node and nothing is checked against the heads.
+    8 GPUs, 1 on one GPU (then the TP rows equal ddp / fsdp and are not recommended). The same rule
+    holds for head counts assumed from `--params` (hidden / 128); an explicit `--tp` is not checked
+    against assumed heads.
     """
     heads = spec.num_heads or 1
     kv = spec.num_kv_heads or heads
-    assumed = any(a.startswith("heads=") for a in spec.assumed)  # --params without --heads: not checked
+    assumed = any(a.startswith("heads=") for a in spec.assumed)  # --params without --heads
     if setup.tp_size is None:
-        return setup.gpus_per_node if assumed else math.gcd(setup.gpus_per_node, heads, kv)
+        return math.gcd(setup.gpus_per_node, heads, kv)
     t = setup.tp_size
     if not spec.tp_plan:
         raise UsageError(f"--tp {t}: {spec.name} cannot be tensor-parallel here ({spec.tp_note})")

@@ -11,13 +11,20 @@ from .mesh import Setup
 from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models
 from .planner import convention_table, estimate, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
-from .units import GPUS, gb, gpu_memory, parse_count, parse_size
+from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
 
+CONVENTIONS = ("rule-of-thumb-12",)
+OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
+
+
+def convention_name(value: str) -> str:
+    """`--convention`'s value, with the old spelling mapped to its new name."""
+    return OLD_CONVENTIONS.get(value, value)
 
 
 def format_table(result: dict) -> str:
     m, s = result["model"], result["setup"]
-    gpu = f"{gb(s['gpu_memory_bytes'])} GB" if s["gpu_memory_bytes"] else "no GPU memory given"
+    gpu = gpu_size(s["gpu_memory_bytes"]) if s["gpu_memory_bytes"] else "no GPU memory given"
     lines = [
         f"model {m['name']}: {m['params_total']:,} params ({'exact, meta device' if m['exact'] else 'from --params'}"
         + (f"; assumed {', '.join(m['assumed'])}" if m["assumed"] else "") + f"), trainable {m['trainable_params']:,}",
@@ -42,6 +49,7 @@ def format_table(result: dict) -> str:
                      f"{gb(r['comm_bytes_per_step']):>10}")
     rec = result["recommendation"]
     lines += ["", f"recommendation: {rec['strategy'] or 'none'}: {rec['reason']}",
+              *(f"  not {name}: {why}" for name, why in rec.get("not_chosen", {}).items()),
               "* activations are an estimate; params/grads/optimizer are exact counts "
               "(optimizer includes fp32 master weights). Formulas: docs/planner.md",
               "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]
@@ -54,7 +62,7 @@ def format_table(result: dict) -> str:
 def format_convention(table: dict) -> str:
     lines = [f"{table['params']:.3g} params on {table['gpus']} GPUs, model states per GPU (GB)",
              f"{'basis':<24}{'none':>8}{'ZeRO-1':>8}{'ZeRO-2':>8}{'ZeRO-3':>8}"]
-    for key in ("seed-12", "planner-16"):
+    for key in ("rule-of-thumb-12", "planner-16"):
         r = table[key]
         lines.append(f"{key + ' (' + r['bytes_per_param'] + ')':<24}" +
                      "".join(f"{r[k] / 1e9:>8.4g}" for k in ("none", "zero1", "zero2", "zero3")))
@@ -117,6 +125,7 @@ def build_parser(subparsers):
     src.add_argument("--layers", type=int)
     src.add_argument("--hidden", type=int)
     src.add_argument("--vocab", type=int)
+    src.add_argument("--heads", type=int, help="attention heads, with --params (default: hidden / 128)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     hw.add_argument("--nodes", type=int, default=1)
@@ -135,12 +144,16 @@ def build_parser(subparsers):
     tr.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
-    tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp")
+    tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp",
+                    help="which goes first when both of a pair of equally fast strategies fit (fsdp_shard_grad_op "
+                         "or zero2, fsdp_full_shard or zero3); default fsdp")
     tr.add_argument("--tp", type=int, help="tensor-parallel degree of the tp/fsdp_tp/hsdp_tp rows (default: the "
                                            "largest that divides --gpus, num_attention_heads and num_key_value_heads)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable, bytes per GPU")
-    out.add_argument("--convention", choices=("seed-12",), help="print the 12 vs 16 B/param seed table")
+    out.add_argument("--convention", type=convention_name, choices=CONVENTIONS,
+                     help="print the 12 B/param rule of thumb (2 + 2 + 8, no fp32 master copy) beside the "
+                          "planner's 16 B/param, per ZeRO stage")
     out.add_argument("--compare", metavar="SUMMARY_JSON", help="planned vs measured, from the callback's summary")
     p.set_defaults(func=plan_command)
     return p
@@ -165,23 +178,26 @@ def setup_from_args(args) -> Setup:
 
 def plan_command(args) -> int:
     setup = setup_from_args(args)  # validate cheap inputs before any model is loaded
-    for key in ("layers", "hidden", "vocab"):
+    for key in ("layers", "hidden", "vocab", "heads"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
             raise UsageError(f"--{key} must be positive, got {getattr(args, key)}")
     params = parse_count(args.params) if args.params is not None else None
     if args.model and params is not None:
         raise UsageError("give --model or --params, not both")
+    if args.heads is not None and params is None:
+        raise UsageError("--heads goes with --params (a model's config gives its own heads)")
     if args.convention:
         table = convention_table(params or 7e9, args.gpus * args.nodes)
         print(json.dumps(table, indent=1) if args.json else format_convention(table))
         return 0
     if args.compare:
         spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden,
-                          vocab=args.vocab) if (args.model or params) else None
+                          vocab=args.vocab, heads=args.heads) if (args.model or params) else None
         result = plan_vs_run(args.compare, spec, setup)
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
-    spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+    spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden, vocab=args.vocab,
+                      heads=args.heads)
     result = estimate(spec, setup)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0

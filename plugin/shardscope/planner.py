@@ -16,7 +16,7 @@ from .mesh import Setup, setup_for_mesh, tp_degree
 from .model_spec import ModelSpec, model_spec, resolve_model, spec_from_count
 from .strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, family, strategy_from_summary
 from .summary import COMPONENTS, read_summary
-from .units import gb
+from .units import gb, gpu_size
 
 __all__ = ["Setup", "model_spec", "strategy_row", "estimate", "recommend", "plan_vs_run", "convention_table"]
 
@@ -65,18 +65,36 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
             row = by_name[name]
             if row.fits:
                 why = (f"{name} needs {gb(row.total_bytes)} GB per GPU of {gb(usable)} GB usable "
-                       f"({gb(setup.gpu_memory_bytes)} GB less {setup.headroom:.0%} headroom)")
+                       f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
                 if name in TP_STRATEGIES:
                     mesh = row.mesh
                     why += (f", tensor parallel {mesh['tp']} x FSDP {mesh['dp_shard']}"
                             + (f" x replicas {mesh['dp_replicate']}" if mesh["dp_replicate"] > 1 else ""))
                 if tried:
                     why += "; faster options do not fit: " + ", ".join(tried)
-                return {"strategy": name, "reason": why}
+                return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier, rows, setup)}
             tried.append(f"{name} {gb(row.total_bytes)} GB")
     hint = "" if setup.activation_checkpointing else ", activation checkpointing"
     return {"strategy": None, "reason": f"nothing fits in {gb(usable)} GB usable per GPU; try more GPUs, "
                                          f"a smaller micro-batch{hint} or LoRA"}
+
+
+def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
+    """One line each on why a fitting alternative lost: the other strategy of the pick's tier, and the
+    TP rows (degree > 1) that fit."""
+    out = {}
+    for row in rows:
+        if row.strategy == pick or not row.fits:
+            continue
+        if row.strategy in tier:
+            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB), same tier of the decision tree; "
+                                 f"--prefer {setup.prefer}{' (the default)' * (setup.prefer == 'fsdp')} "
+                                 f"puts {pick} first")
+        elif row.strategy in TP_STRATEGIES and row.mesh["tp"] > 1:
+            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB) but ranks after sharding: FSDP over the "
+                                 f"same GPUs divides model states as well, and TP all-reduces activations in "
+                                 f"every layer; pick it when activations or gathered layers do not fit")
+    return out
 
 
 def estimate(spec: ModelSpec, setup: Setup) -> dict:
@@ -95,8 +113,10 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
             notes.append("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
                          "their mesh is the one of the row above them")
         kv = spec.num_kv_heads or spec.num_heads
+        assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
         tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
-                   f"default: gcd(GPUs per node {setup.gpus_per_node}, heads {spec.num_heads}, KV heads {kv})",
+                   f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
+                   f"KV heads {kv}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
                    "activations": act_tp, "approximate": not c.tensors}
         if not c.tensors:
             notes.append("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)")
@@ -136,9 +156,9 @@ def convention_table(params: float = 7e9, gpus: int = 4) -> dict:
         return {"none": (p + g + k) * params, "zero1": (p + g) * params + k * params / gpus,
                 "zero2": p * params + (g + k) * params / gpus, "zero3": (p + g + k) * params / gpus}
     return {"params": params, "gpus": gpus,
-            "seed-12": {"bytes_per_param": "2+2+8", **row(2, 2, 8)},
+            "rule-of-thumb-12": {"bytes_per_param": "2+2+8", **row(2, 2, 8)},
             "planner-16": {"bytes_per_param": "2+2+12", **row(2, 2, 12)},
-            "explanation": ("the seed's 12 B/param leaves out the 4 B fp32 master copy of the weights that "
+            "explanation": ("the 12 B/param rule of thumb leaves out the 4 B fp32 master copy of the weights that "
                             "mixed-precision Adam updates (bf16 alone cannot hold small updates); the ZeRO "
                             "paper's K=12 is 4 master + 4 momentum + 4 variance, so 2+2+12 = 16 B/param, "
                             "18 with fp32 gradients. Sharded terms differ by 4 B x P/N.")}

@@ -37,6 +37,12 @@ def gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.3g}" if n < 1e10 else f"{n / 1e9:.1f}"
 
 
+def gpu_size(n: int) -> str:
+    """GPU memory as the card is sold: '80 GiB (85.9 GB)' for a whole number of GiB, else 'GB'."""
+    gib = n / 2 ** 30
+    return f"{gib:g} GiB ({gb(n)} GB)" if gib == int(gib) else f"{gb(n)} GB"
+
+
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
           "ti": 2 ** 40}
