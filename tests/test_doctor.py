@@ -137,8 +137,9 @@ def test_strategy_that_does_not_fit_the_gpus():
     f = only(run("--bf16", accelerate_config=SHIPPED["ddp.yaml"], **fit), "no-fit", "strategy")
     assert "ddp needs" in f.problem and "DDP/NO_SHARD" in f.problem and f.fix.startswith("use ")
     assert run("--bf16", "--gradient_checkpointing", accelerate_config=SHIPPED["zero3.yaml"], **fit) == []  # fits
-    f = only(run("--bf16", accelerate_config=SHIPPED["zero3.yaml"], model="llama-2-70b", gpus=2,
-                 gpu_memory_bytes=gpu_memory("A100-40")), "no-fit", "strategy")
+    findings = run("--bf16", accelerate_config=SHIPPED["zero3.yaml"], model="llama-2-70b", gpus=2,
+                   gpu_memory_bytes=gpu_memory("A100-40"))  # the yaml's 8 processes vs 2 GPUs: its own finding
+    f = only([f for f in findings if f.code != "processes"], "no-fit", "strategy")
     assert "zero3 needs" in f.problem
     # a TP yaml is planned on its own mesh (fsdp_tp.yaml: 2 shards x tp 4), whatever --gpus says
     f = only(run("--bf16", accelerate_config=SHIPPED["fsdp_tp.yaml"], model="llama-2-70b", gpus=8,

@@ -9,7 +9,7 @@ from . import __version__
 from .errors import UsageError
 
 # Modules that define `register(subparsers)`; each registered parser sets `func(args) -> int`.
-SUBCOMMAND_MODULES = ["configs", "plan_cli", "compare", "doctor", "export"]
+SUBCOMMAND_MODULES = ["configs_cli", "plan_cli", "compare", "doctor", "export"]
 
 DESCRIPTION = """\
 Pick, check and measure a distributed-training strategy (DDP, FSDP, DeepSpeed ZeRO, tensor parallel)

@@ -1,4 +1,4 @@
-"""The shipped config collection: catalogue, look-up, validation, and the `shardscope configs` command.
+"""The shipped config collection: catalogue, look-up and validation (the command is `configs_cli`).
 
 Each config is validated by the library that consumes it (accelerate's config classes and launcher,
 DeepSpeed's config parser after the Trainer's "auto" filling, `TrainingArguments`), plus the checks those
@@ -116,7 +116,7 @@ def validate_config(path, kind: str | None = None, world_size: int = 8):
     path = Path(path)
     if not path.is_file():
         raise ConfigProblems([f"{path}: no such file"])
-    kind = kind or _guess_kind(path)
+    kind = kind or guess_kind(path)
     if kind not in KINDS:
         raise UsageError(f"{path}: unknown config kind '{kind}' (one of {', '.join(KINDS)})")
     check = {"accelerate": _check_accelerate, "deepspeed": _check_deepspeed_file,
@@ -128,7 +128,8 @@ def validate_config(path, kind: str | None = None, world_size: int = 8):
     return loaded
 
 
-def _guess_kind(path: Path) -> str:
+def guess_kind(path: Path) -> str:
+    """A config file's kind from its suffix, folder or keys."""
     if path.suffix in (".sbatch", ".sh"):
         return "slurm"
     if path.suffix in (".yaml", ".yml"):
@@ -330,9 +331,6 @@ def _check_accelerate(path: Path, problems: list[str], world_size: int):
                 problems.append(f"{section}.{key}: not a launcher argument, accelerate would ignore it{hint}")
             else:
                 problems += _check_value(section, key, arg, value, raw)
-    if raw.get("distributed_type") == "DEEPSPEED" and raw.get("mixed_precision") not in (None, "no"):
-        problems.append("mixed_precision: the Trainer owns precision under DeepSpeed (pass --bf16); a yaml value "
-                        "makes it stop with 'DeepSpeed config values that mismatch' unless the flags agree")
     if not problems:
         _check_launch(path, loaded, problems)
     return loaded
@@ -458,54 +456,3 @@ def _check_slurm(path: Path, problems: list[str], world_size: int):
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     problems += [line for line in result.stderr.splitlines() if line.strip()]
     return path.read_text()
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("configs", help="list, locate and check distributed-training configs",
-                                   description="List the shipped configs, print one's installed path, or check files.")
-    parser.set_defaults(func=_list)
-    actions = parser.add_subparsers(dest="action")
-    path = actions.add_parser("path", help="print the installed path of a shipped config")
-    path.add_argument("name", help="e.g. zero3 (accelerate yaml), ds/zero3, fsdp/llama_full_shard, zero3.json")
-    path.set_defaults(func=_path)
-    check = actions.add_parser("check", help="validate config files with the libraries that consume them")
-    check.add_argument("files", nargs="+", type=Path)
-    check.add_argument("--kind", choices=KINDS, help="the file kind, if not clear from its name and folder")
-    check.set_defaults(func=_check)
-
-
-def _list(args) -> int:
-    import shutil
-    import textwrap
-
-    configs = shipped_configs()
-    width = max(len(c.name) for c in configs)
-    indent = " " * (width + 14)
-    columns = max(shutil.get_terminal_size().columns, len(indent) + 40)
-    for c in configs:
-        line = f"{c.name:<{width}}  {c.kind:<10}  {c.description}{'  [multi-node]' if c.multinode else ''}"
-        print(textwrap.fill(line, columns, subsequent_indent=indent, break_on_hyphens=False))
-    return 0
-
-
-def _path(args) -> int:
-    print(find_config(args.name).path)
-    return 0
-
-
-def _check(args) -> int:
-    import sys
-
-    failed = []
-    for file in args.files:
-        try:
-            validate_config(file, args.kind)
-            print(f"ok  {file}")
-        except ConfigProblems as error:
-            failed += error.problems
-    for line in failed:
-        print(f"shardscope: error: {line}", file=sys.stderr)
-    return 2 if failed else 0

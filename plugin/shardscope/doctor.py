@@ -3,23 +3,11 @@
     shardscope doctor [--accelerate-config F] [--deepspeed F] [--fsdp-config F] [--model M]
                       [--gpus N --gpu NAME | --gpu-memory SIZE] [-- recipe.py --config r.yaml ... | -- TRAINER ARGS]
 
-Every finding names the file, the key and the fix. Exit 0: clean; 1: findings; 2: unusable input.
-Each file is first validated by `configs.validate_config` (the libraries' own loaders); the checks here
-are the cross-file ones those loaders cannot make (see docs/doctor.md for the table):
-
-| code            | finding                                                                              |
-| ds-mismatch     | DeepSpeed value differs from the Trainer argument (batch, accumulation, lr, precision) |
-| ds-string       | a DeepSpeed number/boolean written as a string                                       |
-| ds-ignored      | a Trainer argument DeepSpeed silently ignores (its own optimizer/scheduler, no clipping) |
-| zero3-save      | ZeRO-3 without stage3_gather_16bit_weights_on_model_save: save_model writes no weights |
-| fsdp-key        | an FSDP key from another accelerate/transformers version, or FSDP1-only under FSDP2  |
-| wrap-class      | a layer class to wrap that the model does not have                                   |
-| default-config  | accelerate's default config would silently change a launch without --config_file     |
-| no-fit          | the chosen strategy does not fit the GPUs (planner); DDP/NO_SHARD when nothing replicated fits |
-| precision       | accelerate's mixed_precision differs from the Trainer's --bf16/--fp16                |
-| offload         | offload asked for without what it needs                                              |
-| tp-degree       | a tensor-parallel degree the model cannot take (heads, no TP plan, LoRA)             |
-| config          | anything the library loaders reject (from `configs.validate_config`)                 |
+Every finding names the file, the key, its level and the fix. Exit 0: clean or notices only; 1: errors or
+warnings; 2: unusable input. Each file is first validated by `configs.validate_config` (the libraries' own
+loaders); the rules live by library in `doctor_deepspeed`, `doctor_fsdp` and `doctor_launch`, their codes
+and levels in `doctor_rules.RULES`, and docs/doctor.md says where each comes from. `shardscope configs
+check` runs `check_files` here: one set of rules, one verdict.
 
 Trainer arguments are only parsed (HfArgumentParser over `TrainingArguments`, or over a recipe's own
 dataclasses), never constructed: constructing `TrainingArguments` starts the process group.
@@ -29,59 +17,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
-from .configs import ConfigProblems, strings_that_should_be_values, validate_config
+from .configs import ConfigProblems, find_config, validate_config
+from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
+                               check_deepspeed_precision)
+from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
+from .doctor_launch import check_default_config, check_multinode, check_precision, check_processes
+from .doctor_rules import Finding, as_int, failing, read_raw
 from .errors import UsageError
 from .mesh import tp_heads_problem, valid_tp_degrees
 from .strategy import fsdp_settings, strategy_of_config, tp_mesh_of_config
 
-
-@dataclass(frozen=True)
-class Finding:
-    code: str
-    file: str
-    key: str
-    problem: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.key}: {self.problem}\n    fix: {self.fix}"
-
-
-# FSDP keys by where they are read: old name -> (current name or None if removed, why / how to convert).
-ACCELERATE_RENAMED = {
-    "fsdp_backward_prefetch_policy": ("fsdp_backward_prefetch", "renamed in accelerate 0.21"),
-    "backward_prefetch_policy": ("fsdp_backward_prefetch", "renamed in accelerate 0.21"),
-    "sharding_strategy": ("fsdp_sharding_strategy", "accelerate reads fsdp_config keys with the fsdp_ prefix"),
-    "offload_params": ("fsdp_offload_params", "accelerate reads fsdp_config keys with the fsdp_ prefix"),
-    "min_num_params": ("fsdp_min_num_params", "accelerate reads fsdp_config keys with the fsdp_ prefix"),
-    "transformer_layer_cls_to_wrap": ("fsdp_transformer_layer_cls_to_wrap",
-                                      "accelerate reads fsdp_config keys with the fsdp_ prefix"),
-}
-FSDP1_ONLY = {  # accelerate yaml name (Trainer fsdp_config drops the fsdp_ prefix) -> FSDP2 replacement
-    "fsdp_sharding_strategy": ("fsdp_reshard_after_forward",
-                               "FSDP2 has no sharding strategy: FULL_SHARD -> true, SHARD_GRAD_OP -> false, "
-                               "HYBRID_SHARD -> parallelism_config dp_replicate_size"),
-    "fsdp_backward_prefetch": (None, "FSDP2 always prefetches; accelerate drops it"),
-    "fsdp_forward_prefetch": (None, "not implemented in FSDP2; accelerate raises"),
-    "fsdp_use_orig_params": (None, "FSDP2 always uses the original parameters"),
-    "fsdp_sync_module_states": ("fsdp_cpu_ram_efficient_loading", "FSDP2 loads on rank 0 and broadcasts with it"),
-    "fsdp_limit_all_gathers": (None, "FSDP1 only"),
-}
-TRAINER_RENAMED = {
-    "fsdp_min_num_params": ("min_num_params", "transformers' fsdp_config keys have no fsdp_ prefix"),
-    "fsdp_transformer_layer_cls_to_wrap": ("transformer_layer_cls_to_wrap",
-                                           "transformers' fsdp_config keys have no fsdp_ prefix"),
-    "fsdp_version": ("version", "transformers' fsdp_config calls it version"),
-    "sharding_strategy": ("reshard_after_forward", "transformers 5 passes the strategy as reshard_after_forward"),
-}
-PRECISION_FLAGS = ("bf16", "fp16")
+__all__ = ["Finding", "Inputs", "check_files", "diagnose", "parse_trainer_args", "preflight"]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -133,17 +83,9 @@ def parse_trainer_args(argv: list[str]) -> tuple[dict, str]:
 # ----------------------------------------------------------------------------- checks
 
 
-def _raw(path: Path) -> dict:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
-    except Exception:
-        return {}  # validate_config reports malformed files
-    return data if isinstance(data, dict) else {}
-
-
 def _validated(path: Path, kind: str, findings: list[Finding], world_size: int) -> None:
+    """The library loaders' problems as findings: "ignored-key" where the library loads the file and
+    ignores the key, "config" where it refuses the file."""
     try:
         validate_config(path, kind, world_size=world_size)
     except ConfigProblems as error:
@@ -152,201 +94,17 @@ def _validated(path: Path, kind: str, findings: list[Finding], world_size: int) 
             if rest.startswith("ds ") and " vs hf " in rest:
                 continue  # compared with default TrainingArguments; check_deepspeed compares with the real ones
             key, _, problem = rest.partition(": ")
-            if " " in key or not problem:
+            if rest.startswith(f"{path}:"):  # FILE:LINE:COL: malformed ...
+                where, _, problem = rest.removeprefix(f"{path}:").partition(": ")
+                key = f"line {where}"
+            elif " " in key or not problem:
                 key, problem = "-", rest
-            findings.append(Finding("config", str(path), key, problem, "see the message; the library rejects it"))
-
-
-def check_deepspeed(path: Path, trainer: dict | None, world_size: int | None, source: str) -> list[Finding]:
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
-
-    raw, found, file = _raw(path), [], str(path)
-    strings = set()
-    for line in strings_that_should_be_values(raw):
-        key, _, _ = line.partition(":")
-        strings.add(key)
-        value = _get(raw, key)
-        found.append(Finding("ds-string", file, key, f"{value!r} is a string; DeepSpeed and the Trainer compare it as "
-                             "text, so it never equals the Trainer's number",
-                             f"write {value} without quotes, or \"auto\" to take the Trainer's value"))
-    zero = raw.get("zero_optimization") or {}
-    if _int(zero.get("stage")) == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
-        found.append(Finding("zero3-save", file, "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                             "unset under ZeRO-3: trainer.save_model() writes no real weights (only the sharded "
-                             "checkpoint)", "set it to true, or export checkpoints with `shardscope export`"))
-    found += _check_offload_ds(file, zero, "zero_optimization.offload_optimizer.device",
-                               (zero.get("offload_optimizer") or {}).get("device"))
-    if trainer is None:
-        return found
-    view = SimpleNamespace(**trainer, world_size=world_size or 1)
-    filled = HfTrainerDeepSpeedConfig(json.loads(json.dumps(raw)))
-    try:
-        filled.trainer_config_process(view)
-    finally:
-        unset_hf_deepspeed_config()
-    for line in filled.mismatches:  # "- ds KEY=VALUE vs hf FLAG=VALUE"
-        ds, _, hf = line.removeprefix("- ds ").partition(" vs hf ")
-        key, _, ds_value = ds.partition("=")
-        flag, _, hf_value = hf.partition("=")
-        if key in strings or (key == "train_batch_size" and world_size is None):
-            continue
-        flag = flag.split("|")[0].replace(" (calculated)", "")
-        found.append(Finding("ds-mismatch", file, key, f"DeepSpeed has {ds_value} but {source} give "
-                             f"{flag}={hf_value}; the Trainer stops with 'DeepSpeed config values that mismatch'",
-                             f"set \"{key}\": \"auto\" (the Trainer fills it), or pass --{flag} {ds_value}"))
-    defaults = {f.name: f.default for f in dataclasses.fields(_training_arguments())}
-    for section, flag in (("optimizer", "optim"), ("scheduler", "lr_scheduler_type")):
-        if section in raw and str(trainer.get(flag)) != str(defaults[flag]):
-            found.append(Finding("ds-ignored", file, section, f"DeepSpeed's {section} section wins: --{flag} "
-                                 f"{trainer.get(flag)} is silently ignored",
-                                 f"remove the {section} section, or drop --{flag}"))
-    if "gradient_clipping" not in raw and (trainer.get("max_grad_norm") or 0) > 0:
-        found.append(Finding("ds-ignored", file, "gradient_clipping", f"absent: DeepSpeed does not clip, and "
-                             f"--max_grad_norm {trainer.get('max_grad_norm')} is silently ignored",
-                             "add \"gradient_clipping\": \"auto\""))
-    return found
-
-
-def _training_arguments():
-    from transformers import TrainingArguments
-
-    return TrainingArguments
-
-
-def _get(config: dict, dotted: str):
-    for part in dotted.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
-    return config
-
-
-def _int(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _check_offload_ds(file: str, zero: dict, key: str, device) -> list[Finding]:
-    """ZeRO optimizer offload runs DeepSpeedCPUAdam: prebuilt, already JIT-built, or a compiler + ninja to build it."""
-    if str(device).lower() not in ("cpu", "nvme"):
-        return []
-    if importlib.util.find_spec("deepspeed") is None:
-        return [Finding("offload", file, key, "ZeRO offload needs DeepSpeed, which is not installed",
-                        "pip install deepspeed")]
-    missing = cpu_adam_missing()
-    if missing:
-        return [Finding("offload", file, key, f"ZeRO optimizer offload runs DeepSpeedCPUAdam, which cannot be built "
-                        f"here: {missing}", "install a C++ compiler and ninja, or prebuild it: "
-                        "DS_BUILD_CPU_ADAM=1 pip install deepspeed")]
-    return []
-
-
-def cpu_adam_missing() -> str | None:
-    """Why DeepSpeedCPUAdam cannot be loaded or JIT-built here, or None."""
-    from deepspeed.git_version_info import installed_ops
-
-    if installed_ops.get("cpu_adam"):
-        return None
-    from torch.utils.cpp_extension import _get_build_directory
-
-    if list(Path(_get_build_directory("cpu_adam", verbose=False)).glob("cpu_adam*.so")):
-        return None  # JIT-built earlier on this machine
-    compiler = os.environ.get("CXX", "c++")
-    problems = [] if shutil.which(compiler) else [f"no C++ compiler ({compiler} is not on PATH)"]
-    if not shutil.which("ninja") and importlib.util.find_spec("ninja") is None:
-        problems.append("ninja is not installed")
-    return ", ".join(problems) or None
-
-
-def check_fsdp_keys(path: Path, kind: str) -> list[Finding]:
-    raw, found, file = _raw(path), [], str(path)
-    section = dict(raw.get("fsdp_config") or {}) if kind == "accelerate" else raw
-    prefix = "fsdp_config." if kind == "accelerate" else ""
-    version = str(section.get("fsdp_version", section.get("version", 1 if kind == "accelerate" else 2)))
-    renamed = ACCELERATE_RENAMED if kind == "accelerate" else TRAINER_RENAMED
-    for key in section:
-        if key in renamed:
-            new, why = renamed[key]
-            found.append(Finding("fsdp-key", file, prefix + key, f"old name ({why}); this version ignores it",
-                                 f"rename it to {new}"))
-            continue
-        yaml_name = key if kind == "accelerate" else f"fsdp_{key}"
-        if version == "2" and yaml_name in FSDP1_ONLY:
-            new, why = FSDP1_ONLY[yaml_name]
-            new = new if kind == "accelerate" or new is None else new.removeprefix("fsdp_")
-            found.append(Finding("fsdp-key", file, prefix + key, f"an FSDP1 key under FSDP2 ({why})",
-                                 f"use {new}" if new else "remove it"))
-    return found
-
-
-def wrap_classes(settings: dict) -> list[str]:
-    value = settings.get("fsdp_transformer_layer_cls_to_wrap")
-    if not value:
-        return []
-    return [c.strip() for c in (value.split(",") if isinstance(value, str) else value) if c.strip()]
-
-
-def check_wrap_class(file: str, key: str, classes: list[str], auto_wrap: str | None, model) -> list[Finding]:
-    """Every class to wrap must exist in the model (built on the meta device from its config)."""
-    present = {type(m).__name__ for m in model.modules()}
-    blocks = list(getattr(model, "_no_split_modules", None) or [])
-    if not classes and str(auto_wrap or "").upper() == "TRANSFORMER_BASED_WRAP" and not blocks:
-        return [Finding("wrap-class", file, key, f"{type(model).__name__} declares no _no_split_modules, so "
-                        "TRANSFORMER_BASED_WRAP has nothing to wrap ('Could not find the transformer layer class')",
-                        f"set {key} to one of: {', '.join(sorted(present))}")]
-    wrong = [c for c in classes if c not in present]
-    if not wrong:
-        return []
-    suggestion = ", ".join(c for c in blocks if c in present) or ", ".join(sorted(present))
-    return [Finding("wrap-class", file, key, f"{type(model).__name__} has no {', '.join(wrong)} "
-                    f"('Could not find the transformer layer class to wrap'); its classes: {', '.join(sorted(present))}",
-                    f"wrap {suggestion}")]
-
-
-def default_config_file() -> Path:
-    """accelerate's default config location, from HF_HOME / XDG_CACHE_HOME as they are now."""
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
-
-
-def check_default_config() -> list[Finding]:
-    """`accelerate launch` without --config_file reads this file: a strategy in it applies silently."""
-    path = default_config_file()
-    if not path.is_file():
-        return []
-    raw = _raw(path)
-    changes = [f"{k}: {raw[k]}" for k in ("distributed_type", "mixed_precision", "num_processes", "use_cpu")
-               if k in raw and str(raw[k]).upper() not in ("NO", "FALSE", "1")]
-    if not changes:
-        return []
-    return [Finding("default-config", str(path), changes[0].split(":")[0],
-                    f"accelerate launch without --config_file applies it silently ({'; '.join(changes)})",
-                    f"always pass --config_file, or delete {path}")]
-
-
-def check_precision(file: str, raw: dict, trainer: dict, source: str) -> list[Finding]:
-    if raw.get("distributed_type") == "DEEPSPEED":
-        return []  # validate_config reports a yaml mixed_precision under DeepSpeed
-    yaml_value = str(raw.get("mixed_precision") or "no").lower()
-    args_value = next((f for f in PRECISION_FLAGS if trainer.get(f)), "no")
-    if yaml_value == args_value:
-        return []
-    return [Finding("precision", file, "mixed_precision", f"{yaml_value} here but {args_value} in {source} "
-                    f"(the Trainer's flag overrides the launcher's value at start-up)",
-                    f"set mixed_precision: {args_value}, or pass --{yaml_value} to the script"
-                    if yaml_value != "no" else f"set mixed_precision: {args_value}")]
-
-
-def check_fsdp_offload(file: str, settings: dict, prefix: str) -> list[Finding]:
-    if str(settings.get("fsdp_offload_params", settings.get("fsdp_cpu_offload", False))).lower() != "true":
-        return []
-    version = str(settings.get("fsdp_version", 1))
-    if version == "1" and str(settings.get("fsdp_use_orig_params", False)).lower() != "true":
-        name = "fsdp_use_orig_params" if prefix else "use_orig_params"
-        return [Finding("offload", file, prefix + name, "FSDP1 CPU offload with use_orig_params false: the "
-                        "optimizer gets flat parameters, gradient clipping and frozen (LoRA) parameters break",
-                        f"set {name}: true, or use fsdp_version 2")]
-    return []
+            if "ignore" in problem:
+                findings.append(Finding("ignored-key", str(path), key, problem,
+                                        "remove it, or use the key this version reads"))
+            else:
+                findings.append(Finding("config", str(path), key, problem, "the library refuses the file: "
+                                        "correct this value"))
 
 
 # --- strategy and planner
@@ -373,7 +131,9 @@ def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Fi
 
 
 def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None = None) -> list[Finding]:
-    """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes."""
+    """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes.
+    The fix is the cheapest change that makes this strategy fit (--bf16, then --gradient_checkpointing),
+    else the planner's recommendation."""
     from .mesh import Setup, setup_for_mesh
     from .planner import estimate
     from .units import gb
@@ -397,8 +157,21 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
     row, best = rows[strategy], result["recommendation"]
     if row["fits"]:
         return []
-    usable = gb(inputs.gpu_memory_bytes * (1 - setup.headroom))
     fix = f"use {best['strategy']} ({best['reason']})" if best["strategy"] else best["reason"]
+    flags = []
+    for flag, change in (("--bf16", {"precision": "bf16-mixed"}), ("--gradient_checkpointing",
+                                                                   {"activation_checkpointing": True})):
+        key, value = next(iter(change.items()))
+        if getattr(setup, key) == value or (flag == "--bf16" and precision != "fp32"):
+            continue
+        setup = dataclasses.replace(setup, **change)
+        flags.append(flag)
+        cheaper = {r["strategy"]: r for r in estimate(spec, setup)["rows"]}[strategy]
+        if cheaper["fits"]:
+            fix = f"pass {' '.join(flags)}: {strategy} then needs {gb(cheaper['total_bytes'])} GB per GPU " \
+                  f"(cheaper than changing strategy); else {fix}"
+            break
+    usable = gb(inputs.gpu_memory_bytes * (1 - setup.headroom))
     what = f"{strategy} needs {gb(row['total_bytes'])} GB per GPU of {usable} GB usable"
     if strategy == "ddp":
         what += f" (DDP/NO_SHARD keeps all {gb(row['model_states_bytes'])} GB of model states on every GPU)"
@@ -409,10 +182,31 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
 # ----------------------------------------------------------------------------- the doctor
 
 
-def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list[str]]:
-    """All findings for `inputs`, and notes (checks skipped and why). `validate=False` skips the library
-    loaders (they construct TrainingArguments, which inside a launched process starts the process group)."""
-    findings, notes = [], []
+def resolve_config(value, kind: str) -> Path | None:
+    """A path, or a shipped config name (`zero3`, `ds/zero3`, `fsdp/llama_full_shard`) of that kind."""
+    if value is None or Path(value).is_file():
+        return None if value is None else Path(value)
+    wanted = str(value)
+    if kind == "deepspeed" and not wanted.startswith(("ds/", "deepspeed/", "ds_configs/")):
+        wanted = "ds/" + wanted
+    if kind == "fsdp" and not wanted.startswith(("fsdp/", "fsdp_configs/")):
+        wanted = "fsdp/" + wanted
+    try:
+        config = find_config(wanted)
+    except UsageError as error:
+        raise UsageError(f"config file '{value}' does not exist and is not a shipped {kind} config "
+                         f"({str(error).partition('; ')[2] or 'shardscope configs lists them'})") from None
+    if config.kind != kind:
+        raise UsageError(f"'{value}' is a shipped {config.kind} config, not a {kind} one")
+    return config.path
+
+
+def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, environment: bool = True) -> tuple[list[Finding], list[str]]:
+    """All findings for `inputs`, and notes (checks skipped and why); `ran` collects the checks made.
+    `validate=False` skips the library loaders (they construct TrainingArguments, which inside a
+    launched process starts the process group); `environment=False` skips this machine's accelerate
+    default config."""
+    findings, notes, ran = [], [], ran if ran is not None else []
     trainer, source = inputs.trainer, inputs.trainer_source
     deepspeed, fsdp = inputs.deepspeed, inputs.fsdp_config
     if trainer is not None:  # files named in the Trainer arguments
@@ -423,67 +217,80 @@ def diagnose(inputs: Inputs, validate: bool = True) -> tuple[list[Finding], list
     for path in (inputs.accelerate_config, deepspeed, fsdp):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"config file '{path}' does not exist")
-    acc = _raw(inputs.accelerate_config) if inputs.accelerate_config else None
+    acc = read_raw(inputs.accelerate_config) if inputs.accelerate_config else None
     acc_mesh = tp_mesh_of_config(acc) if acc is not None else None
     world = None
     if inputs.gpus:
         world = inputs.gpus * inputs.nodes
     elif acc and acc.get("num_processes"):
-        world = _int(acc["num_processes"])
+        world = as_int(acc["num_processes"])
     if acc and deepspeed is None and (acc.get("deepspeed_config") or {}).get("deepspeed_config_file"):
         deepspeed = Path(acc["deepspeed_config"]["deepspeed_config_file"])
+    ran += [f"{kind} file" for kind, path in (("accelerate", inputs.accelerate_config), ("DeepSpeed", deepspeed),
+                                               ("fsdp_config", fsdp)) if path is not None]
+    if trainer is not None:
+        ran.append(f"Trainer arguments ({source})")
 
-    if inputs.accelerate_config is None:
+    if inputs.accelerate_config is None and environment:
         findings += check_default_config()
     if acc is not None:
         file = str(inputs.accelerate_config)
         if validate:
             _validated(inputs.accelerate_config, "accelerate", findings, world or 8)
+        findings += check_processes(file, acc, inputs.gpus, inputs.nodes) + check_multinode(file, acc)
         if acc.get("distributed_type") == "FSDP":
             findings += check_fsdp_keys(inputs.accelerate_config, "accelerate")
             findings += check_fsdp_offload(file, acc.get("fsdp_config") or {}, "fsdp_config.")
-        ds = acc.get("deepspeed_config") or {}
         if acc.get("distributed_type") == "DEEPSPEED":
-            findings += _check_offload_ds(file, {}, "deepspeed_config.offload_optimizer_device",
-                                          ds.get("offload_optimizer_device"))
-            if _int(ds.get("zero_stage")) == 3 and str(ds.get("zero3_save_16bit_model", "")).lower() != "true" \
-                    and not ds.get("deepspeed_config_file"):
-                findings.append(Finding("zero3-save", file, "deepspeed_config.zero3_save_16bit_model",
-                                        "unset under ZeRO-3: trainer.save_model() writes no real weights",
-                                        "set it to true, or export checkpoints with `shardscope export`"))
+            findings += check_accelerate_deepspeed(file, acc, trainer, world, source)
+            findings += check_deepspeed_precision(file, acc, read_raw(deepspeed) if deepspeed else {}, trainer)
         if trainer is not None:
             findings += check_precision(file, acc, trainer, source)
     if deepspeed is not None:
         if validate:
             _validated(deepspeed, "deepspeed", findings, world or 8)
-        findings += check_deepspeed(deepspeed, trainer, world, source)
+        findings += check_deepspeed(deepspeed, trainer, world, source, asked_for_offload(inputs.accelerate_config))
     if fsdp is not None:
         if validate:
             _validated(fsdp, "fsdp", findings, world or 8)
         findings += check_fsdp_keys(fsdp, "fsdp")
-        findings += check_fsdp_offload(str(fsdp), fsdp_settings("fsdp", _raw(fsdp)), "")
+        findings += check_fsdp_offload(str(fsdp), fsdp_settings("fsdp", read_raw(fsdp)), "")
 
     model = _model(inputs, notes)
+    fit_inputs = inputs.gpus and inputs.gpu_memory_bytes
     if model is not None:
+        ran.append(f"model ({inputs.model}: layer classes to wrap, tensor-parallel degree)")
         if acc_mesh:
             findings += check_tp_degree(str(inputs.accelerate_config), acc_mesh["tp"], model[1].config, trainer)
         for path, kind in ((inputs.accelerate_config, "accelerate"), (fsdp, "fsdp")):
-            raw = _raw(path) if path else {}
+            raw = read_raw(path) if path else {}
             if not raw or (kind == "accelerate" and raw.get("distributed_type") != "FSDP"):
                 continue
             settings = fsdp_settings(kind, raw)
             key = "fsdp_config.fsdp_transformer_layer_cls_to_wrap" if kind == "accelerate" else "transformer_layer_cls_to_wrap"
             findings += check_wrap_class(str(path), key, wrap_classes(settings),
                                          settings.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"), model[1])
-        if inputs.gpus and inputs.gpu_memory_bytes:
-            chosen = [(str(p), strategy_of_config(k, _raw(p), read=lambda f: _raw(Path(f)))) for p, k in
+        if fit_inputs:
+            ran.append(f"fit ({inputs.gpus} GPUs x {inputs.nodes} node(s))")
+            chosen = [(str(p), strategy_of_config(k, read_raw(p), read=read_raw)) for p, k in
                       ((deepspeed, "deepspeed"), (fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
             file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
             mesh = acc_mesh if file == str(inputs.accelerate_config) else None
             findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh)
-    elif inputs.gpus and inputs.gpu_memory_bytes:
-        notes.append("fit check skipped: no model (--model)")
+        else:
+            notes.append("fit check skipped: needs --gpus and --gpu or --gpu-memory")
+    else:
+        if inputs.model is None:
+            notes.append("model checks skipped: no --model (and no model_name_or_path in the arguments)")
+        notes.append("fit check skipped: needs --model, --gpus and --gpu or --gpu-memory")
     return _dedupe(findings), notes
+
+
+def check_files(path: Path, kind: str) -> list[Finding]:
+    """The rules that need only this file (what `shardscope configs check` runs): doctor's, no
+    Trainer arguments, model or GPUs."""
+    field = {"accelerate": "accelerate_config", "deepspeed": "deepspeed", "fsdp": "fsdp_config"}[kind]
+    return diagnose(Inputs(**{field: Path(path)}), environment=False)[0]
 
 
 def _model(inputs: Inputs, notes: list[str]):
@@ -527,7 +334,7 @@ def preflight(namespace: dict, model: str | None = None) -> None:
     inputs = Inputs(model=model, model_from_args=True, trainer=namespace, trainer_source="the recipe arguments",
                     deepspeed=Path(env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]) if not namespace.get("deepspeed")
                     and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") else None)
-    world = _int(env.get("WORLD_SIZE"))
+    world = as_int(env.get("WORLD_SIZE"))
     inputs.gpus = world  # batch-size arithmetic only: no memory given, so no fit check
     findings, _ = diagnose(inputs, validate=False)
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" and model:
@@ -539,6 +346,7 @@ def preflight(namespace: dict, model: str | None = None) -> None:
     mixed = env.get("ACCELERATE_MIXED_PRECISION")
     if mixed and env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
         findings += check_precision("accelerate config", {"mixed_precision": mixed}, namespace, "the recipe arguments")
+    findings = failing(findings)  # notices never stop a run
     if findings:
         raise UsageError("shardscope doctor found problems, refusing to start: "
                          + " | ".join(str(f).replace("\n    ", " ") for f in findings))
@@ -550,10 +358,14 @@ def preflight(namespace: dict, model: str | None = None) -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="find config mistakes before launch",
                               description="Check accelerate/DeepSpeed/FSDP configs against each other, the model, "
-                                          "the GPUs and the Trainer/recipe arguments given after --.")
-    p.add_argument("--accelerate-config", type=Path, help="accelerate launch --config_file yaml")
-    p.add_argument("--deepspeed", type=Path, help="DeepSpeed JSON (TrainingArguments(deepspeed=...))")
-    p.add_argument("--fsdp-config", type=Path, help="fsdp_config JSON (TrainingArguments(fsdp_config=...))")
+                                          "the GPUs and the Trainer/recipe arguments given after --. Exit 0: no "
+                                          "errors or warnings (notices may be printed); 1: errors or warnings; "
+                                          "2: unusable input.")
+    shipped = "a path or a shipped name"
+    p.add_argument("--accelerate-config", help=f"accelerate launch --config_file yaml: {shipped} (zero3)")
+    p.add_argument("--deepspeed", help=f"DeepSpeed JSON (TrainingArguments(deepspeed=...)): {shipped} (ds/zero3)")
+    p.add_argument("--fsdp-config", help=f"fsdp_config JSON (TrainingArguments(fsdp_config=...)): {shipped} "
+                                         "(fsdp/llama_full_shard)")
     p.add_argument("--model", help="shipped name, local folder or hub id (default: the recipe's model_name_or_path)")
     p.add_argument("--gpus", type=int, help="GPUs per node, for the fit check")
     p.add_argument("--nodes", type=int, default=1)
@@ -567,18 +379,25 @@ def doctor_command(args) -> int:
     from .units import gpu_memory, parse_size
 
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-    inputs = Inputs(accelerate_config=args.accelerate_config, deepspeed=args.deepspeed, fsdp_config=args.fsdp_config,
-                    model=args.model, gpus=args.gpus, nodes=args.nodes)
+    inputs = Inputs(accelerate_config=resolve_config(args.accelerate_config, "accelerate"),
+                    deepspeed=resolve_config(args.deepspeed, "deepspeed"),
+                    fsdp_config=resolve_config(args.fsdp_config, "fsdp"), model=args.model, gpus=args.gpus,
+                    nodes=args.nodes)
     if args.gpu_memory or args.gpu:
         inputs.gpu_memory_bytes = parse_size(args.gpu_memory) if args.gpu_memory else gpu_memory(args.gpu)
     if rest:
         inputs.trainer, inputs.trainer_source = parse_trainer_args(rest)
         if inputs.model is None and inputs.trainer.get("model_name_or_path"):
             inputs.model, inputs.model_from_args = inputs.trainer["model_name_or_path"], True
-    findings, notes = diagnose(inputs)
+    ran: list[str] = []
+    findings, notes = diagnose(inputs, ran=ran)
     for note in notes:
         print(f"note: {note}")
     for finding in findings:
-        print(f"[{finding.code}] {finding}")
-    print(f"{len(findings)} problem(s) found" if findings else "no problems found")
-    return 1 if findings else 0
+        print(f"{finding.level} [{finding.code}] {finding}")
+    bad = failing(findings)
+    counts = ", ".join(f"{sum(f.level == level for f in findings)} {level}(s)" for level in ("error", "warning", "notice")
+                       if any(f.level == level for f in findings))
+    checked = "; ".join(ran) or "the accelerate default config only"
+    print(f"{counts} found (checked: {checked})" if findings else f"no problems found (checked: {checked})")
+    return 1 if bad else 0
