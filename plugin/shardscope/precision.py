@@ -197,3 +197,44 @@ def loaded_dtype(model) -> str | None:
     if isinstance(value, str):
         value = getattr(torch, value, None)
     return dtype_name(value) if isinstance(value, torch.dtype) else None
+
+
+class PrecisionWatch:
+    """One rank's precision facts for a Trainer run: installed at train begin, read at train end."""
+
+    def __init__(self, model, optimizer, args, strategy: str | None):
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        self.configured = configured_precision(args.bf16, args.fp16)
+        self.autocast = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        self.loaded = loaded_dtype(model)
+        self.probe = ForwardProbe(getattr(model, "module", model))
+
+    def report(self) -> dict:
+        """`{dtypes, master_params_bytes, compute_dtype, precision_verdict}` for this rank, now."""
+        facts = classify(self.model, self.optimizer, self.autocast)
+        facts["compute_dtype"] = self.probe.seen or facts["compute_dtype"]
+        return {**facts, "precision_verdict": verdict(self.configured, facts, self.strategy, self.loaded)}
+
+    def remove(self):
+        self.probe.remove()
+
+
+def gather_reports(watch: PrecisionWatch | None) -> list[dict]:
+    """Every rank's `watch.report()` (one all_gather_object, reached on every rank even where the local
+    report failed: that rank gives {"error": ...}); just ours when not distributed."""
+    try:
+        mine = watch.report() if watch is not None else {"error": "not installed"}
+    except Exception as error:  # reported, never raised: the collective below must run on every rank
+        mine = {"error": f"{type(error).__name__}: {error}"}
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def run_verdict(reports: list[dict]) -> dict | None:
+    """The run's verdict: the first rank's that is not ok, else rank 0's."""
+    verdicts = [r["precision_verdict"] for r in reports if "precision_verdict" in r]
+    return next((v for v in verdicts if not v["ok"]), verdicts[0] if verdicts else None)
