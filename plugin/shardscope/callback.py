@@ -21,6 +21,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from . import __version__
 from .memory import read_memory, reset_peak
 from .peak import BREAKDOWN, PHASES, StepPeak
+from .precision import PrecisionWatch, gather_reports, run_verdict
 from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
 from .strategy import detect_strategy, num_nodes
 from .summary import SUMMARY_FILE, reduce_ranks, write_summary
@@ -67,6 +68,9 @@ class ShardingProfilerCallback(TrainerCallback):
     | shardscope/tokens_per_s_per_device_{min,max,mean} | tokens per second of the replica each rank works on |
     | shardscope/tflops_per_device_{min,max,mean} | model TFLOP/s per rank, convention in `throughput.FLOPS_CONVENTION` |
     | shardscope/mfu_{min,max,mean} | TFLOP/s over the device's dense peak; absent when the peak is unknown (CPU) |
+
+    Summary only (per rank, from `precision.py`): `dtypes` {params, grads, optimizer, master_params},
+    `master_params_bytes`, `compute_dtype`; top level: `precision_verdict` {configured, effective, ok, reason}.
 
     Under tensor parallelism the `tp` ranks of a group all see the same batch and each does 1/tp of
     its FLOPs: a rank's tokens/s is its replica's (the honest unit: a TP group is one data-parallel
@@ -116,6 +120,11 @@ class ShardingProfilerCallback(TrainerCallback):
                                 "trainable_params": self._flops_model.trainable_total}
         with self._guard("throughput hooks"):
             self._install_hooks(model, optimizer)
+        with self._guard("precision"):
+            self._precision = PrecisionWatch(model, optimizer, args, self.preflight.get("strategy"))
+            self._hooks.append(self._precision)
+            if state.is_world_process_zero:
+                logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
         with self._guard("device peak FLOP/s"):
             self._peak = self._peak_flops(args)
         if self._device.type == "cuda":
@@ -158,6 +167,8 @@ class ShardingProfilerCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         ranks = self._measure_all_ranks(model, optimizer, self._run)
+        with self._guard("precision"):  # one collective, reached on every rank
+            self._precision_ranks = gather_reports(self._precision)
         self._remove_hooks()
         if state.is_world_process_zero and self.summary_file:
             with self._guard("summary file"):
@@ -246,6 +257,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._pending, self._grads, self._capture_grads = {}, None, False
         self._flops_model = getattr(self, "_flops_model", None)
         self._device, self._peak = torch.device("cpu"), None
+        self._precision, self._precision_ranks = None, []
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self._step_peak, self.step_peak = None, {}
 
@@ -320,10 +332,13 @@ class ShardingProfilerCallback(TrainerCallback):
             "model": self.model_facts,
             "device": device,
             "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "precision_verdict": run_verdict(self._precision_ranks),
             "global_step": state.global_step,
             "state_locations": self.locations,
             "memory_details_rank0": self.memory,
-            "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r)} for i, r in enumerate(ranks)],
+            "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r),
+                       **{k: v for k, v in p.items() if k != "precision_verdict"}}
+                      for i, (r, p) in enumerate(zip(ranks, self._precision_ranks or [{}] * len(ranks)))],
         }
 
     def _memory_kind(self, rank: dict) -> str | None:

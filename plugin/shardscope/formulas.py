@@ -37,14 +37,15 @@ def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads
     |           |                               | `single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`: clones) |
     | *-mixed   | 4, 4, 0 (autocast; accelerate | 2, 2 (4 with fp32_grads), +4 master  |
     |           | upcasts FSDP flat params)     |                                      |
-    | bf16-pure | 2, 2, 0                       | 2, 2, +4 master (ZeRO always keeps fp32) |
+    | bf16-pure | 2, 2, 0                       | no such mode: planned as bf16-mixed (ZeRO always |
+    |           |                               | keeps an fp32 master; `estimate` notes it) |
     Moments: adamw 2 x state dtype (fp32 for DeepSpeed; param dtype for torch); adamw-8bit 2 x
     (1 + 4/256) (bitsandbytes blockwise, fp32 absmax per 256); sgd 0 (Trainer's SGD has no
     momentum); sgd-momentum 1 x state dtype. The 16-bit compute dtype is used for gathered layers
     and activations under mixed/pure 16-bit, fp32 otherwise.
     """
     half = precision != "fp32"
-    if fam == "deepspeed":
+    if fam == "deepspeed":  # bf16-pure is planned as bf16-mixed: what DeepSpeed runs with bf16 on
         param = 2 if half else 4
         grad = 4 if (fp32_grads or not half) else 2
         master = 4  # ZeRO keeps its own fp32 partition (a clone even when training in fp32)
@@ -54,6 +55,36 @@ def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads
         master, state = 0, param
     moments = {"adamw": 2 * state, "adamw-8bit": 2 * (1 + 4 / 256), "sgd": 0, "sgd-momentum": state}[optimizer]
     return ElementBytes(param, grad, master, moments, 2 if half else 4)
+
+
+def per_param(eb: ElementBytes) -> dict:
+    """Bytes per trainable parameter by state: the B/param convention (16 for mixed-precision AdamW,
+    18 with DeepSpeed's fp32 gradient copy in the step, 8 for bf16-pure torch AdamW)."""
+    out = {"weights": eb.param, "grads": eb.grad, "master": eb.master, "moments": eb.moments}
+    return {**out, "total": sum(out.values())}
+
+
+def zero2_grad_partition(c: Counts, n: int) -> int:
+    """Gradient elements the heaviest ZeRO-2 rank keeps in its contiguous buffer (`grads_in_partition`).
+
+    DeepSpeed flattens each param group (the Trainer's two: weights with decay, then 1-D biases/norms)
+    padded to a multiple of 2N, cuts it into N equal partitions, and gives a rank every tensor that
+    starts inside its partition plus the one straddling its start, each *whole*
+    (stage_1_and_2.get_partition_info; copy_grads_in_partition sizes the buffer by their numel). Without
+    a tensor list: the plain partition.
+    """
+    if not c.tensors:
+        return ceil_div(c.trainable, 2 * n) * 2
+    groups = [[d * r for d, r, train in c.tensors if train and r > 1],
+              [d * r for d, r, train in c.tensors if train and r == 1]]
+    per_rank = [0] * n
+    for sizes in (g for g in groups if g):
+        size = ceil_div(sum(sizes), 2 * n) * 2
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for rank in range(n):
+            lo, hi = rank * size, (rank + 1) * size
+            per_rank[rank] += sum(k for k, at in zip(sizes, starts) if lo <= at < hi or at < lo < at + k)
+    return max(per_rank)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -195,6 +226,7 @@ class Row:
     buffers_detail: dict = field(default_factory=dict)
     shard_degree: int = 1
     mesh: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp"}
+    per_param: dict = field(default_factory=dict)  # B per trainable param: weights, grads, master, moments
     comm_bytes_per_step: int = 0              # computed: bytes each rank sends per optimizer step
     comm: dict = field(default_factory=dict)  # its terms
     approximate: bool = False                 # TP rows from --params: totals / (t x s)
@@ -213,7 +245,8 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
 
     ddp:              params P*p, grads T*g, optim T*(m+o) + steps, buffers T*g (DDP's reducer
                       buckets are a second copy of the grads unless gradient_as_bucket_view)
-    zero1, zero2:     params P*p, grads s(T)*g, optim s(T)*(m+o), buffers 2*B*g + copy32; zero1
+    zero1, zero2:     params P*p, grads s(T)*g (zero2: whole tensors straddling a partition edge too,
+                      `zero2_grad_partition`), optim s(T)*(m+o), buffers 2*B*g + copy32; zero1
                       with gradient accumulation > 1 also holds the full T*g between micro-steps
                       (at an accumulation boundary DeepSpeed reduces and frees grads bucket by
                       bucket in stage 1 too)
@@ -280,7 +313,7 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
               "fsdp": _fsdp_states, "tp": _tp_states}[fam]
     row, cpu, detail, n = states(strategy, spec, setup, c, eb, mesh)
     comm = {k: int(v) for k, v in comm_terms(strategy, spec, setup, c, eb, mesh, n).items()}
-    return Row(strategy=strategy, activations_bytes=act, buffers_bytes=int(sum(detail.values())),
+    return Row(strategy=strategy, activations_bytes=act, per_param=per_param(eb), buffers_bytes=int(sum(detail.values())),
                cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n, mesh=mesh,
                comm_bytes_per_step=sum(comm.values()), comm=comm, approximate=fam == "tp" and not c.tensors, **row)
 
@@ -315,7 +348,8 @@ def _zero12_states(strategy, spec, setup, c, eb, mesh):
     detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
     if strategy == "zero1" and setup.grad_accum_steps > 1:
         detail["accumulated_full_grads"] = c.trainable * g
-    return dict(params_bytes=c.total * eb.param, grads_bytes=shard * g, optimizer_bytes=optim), 0, detail, n
+    grads = zero2_grad_partition(c, n) if strategy == "zero2" else shard
+    return dict(params_bytes=c.total * eb.param, grads_bytes=grads * g, optimizer_bytes=optim), 0, detail, n
 
 
 def _zero3_states(strategy, spec, setup, c, eb, mesh):

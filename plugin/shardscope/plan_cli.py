@@ -47,6 +47,15 @@ def format_table(result: dict) -> str:
                      f"{gb(r['buffers_bytes']):>8} {gb(r['total_bytes']):>7}  | "
                      f"{gb(r['cpu_bytes']) if r['cpu_bytes'] else '':>8}  {fits:<4}  "
                      f"{gb(r['comm_bytes_per_step']):>10}")
+    lines += ["", "bytes per trainable parameter (weights + grads + master + moments = total):"]
+    by_states = {}
+    for r in result["rows"]:
+        if r.get("per_param"):
+            by_states.setdefault(tuple(r["per_param"].items()), []).append(r["strategy"])
+    for states, names in by_states.items():
+        b = dict(states)
+        lines.append(f"  {', '.join(names)}: {b['weights']:g} + {b['grads']:g} + {b['master']:g} + "
+                     f"{b['moments']:g} = {b['total']:g} B")
     rec = result["recommendation"]
     lines += ["", f"recommendation: {rec['strategy'] or 'none'}: {rec['reason']}",
               *(f"  not {name}: {why}" for name, why in rec.get("not_chosen", {}).items()),

@@ -128,6 +128,9 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
         strategies = tuple(s for s in STRATEGIES if s not in TP_STRATEGIES)
         tp_info, act_tp = None, None
         notes.append(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}")
+    if setup.precision == "bf16-pure":
+        notes.append("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
+                     "zero* rows are planned as bf16-mixed")
     rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"]) for s in strategies]
     for row in rows:
         row.fits = fits(row, setup)

@@ -34,10 +34,12 @@ FIELDS = {
     "model": "{name_or_path, params_total, trainable_params}",
     "device": "cpu, or the CUDA device name",
     "precision": "fp32, bf16 or fp16, as the Trainer was configured",
+    "precision_verdict": "{configured, effective, ok, reason}: the configured mode against what the tensors are",
     "global_step": "optimizer steps taken",
     "state_locations": "devices each state category was found on",
     "memory_details_rank0": "rank 0's memory readings at the end",
-    "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, ...",
+    "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, "
+             "dtypes {params, grads, optimizer, master_params}, master_params_bytes, compute_dtype, ...",
 }
 REQUIRED = ("world_size", "strategy", "ranks")
 

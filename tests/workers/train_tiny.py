@@ -23,6 +23,7 @@ class WorkerArgs:
     samples: int = 32
     seq_len: int = 16
     lora_r: int = 0
+    dtype: str = ""  # optional: load the model in this torch dtype ("bfloat16"); default: transformers' own
     logits_out: str = ""  # optional: the trained model's logits on the first 4 samples, saved by rank 0 (torch.save)
 
 
@@ -103,7 +104,8 @@ def main():
         model = AutoModelForImageClassification.from_pretrained(worker.model)
         data = RandomImages(worker.samples, config.image_size, config.num_labels)
     else:
-        model = AutoModelForCausalLM.from_pretrained(worker.model)
+        model = AutoModelForCausalLM.from_pretrained(worker.model, **({"dtype": getattr(torch, worker.dtype)}
+                                                                      if worker.dtype else {}))
         data = RandomTokens(worker.samples, worker.seq_len, config.vocab_size)
     if worker.lora_r:
         from peft import LoraConfig, get_peft_model
@@ -112,6 +114,8 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[ShardingProfilerCallback(), IndependentCount()])
     trainer.train()
+    if trainer.is_world_process_zero():  # the losses the Trainer logged, for loss-equality checks
+        Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
     if worker.logits_out:  # every rank runs the forward (ZeRO-3 and FSDP gather parameters inside it)
         from shardscope.recipe_training import save_final_logits
 
