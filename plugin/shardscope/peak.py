@@ -12,7 +12,9 @@ strategy's own long-lived buffers allocated at set-up and not reachable from the
 - `peak_breakdown`: {parameters (buffers included), gradients, optimizer, activations, temporaries} at that moment
   (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
 - `peak_phase`: forward, backward or optimizer step: where the peak was first reached.
-Instrumenting costs several times a plain step: use it for one warm step.
+Instrumenting costs several times a plain step: use it for one warm step. Models with frozen
+parameters (LoRA) are refused: MemTracker hooks every parameter's gradient and torch refuses a hook
+on a frozen one.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ class StepPeak:
 
     def __init__(self, model, optimizer=None):
         from torch.distributed._tools.mem_tracker import MemTracker
+
+        if any(not p.requires_grad for p in model.parameters()):
+            # MemTracker hooks the gradient of every parameter it meets in forward, and torch refuses a hook
+            # on a frozen one: the forward would fail. Refuse here, where the caller's guard catches it.
+            raise ValueError("frozen parameters (LoRA, a frozen backbone) cannot be tracked by MemTracker")
 
         self.tracker = MemTracker()
         self.model, self.optimizer = model, optimizer
