@@ -6,6 +6,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# Fixtures that start multi-process training: every test using one is a `launch` test, so that
+# `pytest -m "not launch"` (the fast subset) never waits on a launch.
+LAUNCHING_FIXTURES = {"strategy_runs", "runs", "comparison", "trained"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launch)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):

@@ -10,6 +10,8 @@ import math
 import socket
 import time
 
+import pytest
+
 from launch import ROOT, accelerate_multinode_launch
 
 from shardscope.configs import find_config
@@ -36,6 +38,7 @@ def _train(config, model, out):
     return summary
 
 
+@pytest.mark.launch
 def test_ddp_multinode_replicates_everything(strategy_model, parameter_shapes, tmp_path):
     summary = _train("ddp_multinode", strategy_model("shard_llama"), tmp_path)
     full = sum(math.prod(s) for s in parameter_shapes("shard_llama")) * FP32
@@ -44,6 +47,7 @@ def test_ddp_multinode_replicates_everything(strategy_model, parameter_shapes, t
     assert [r["grads_bytes"] for r in summary["ranks"]] == [full] * 4
 
 
+@pytest.mark.launch
 def test_fsdp_hybrid_shard_shards_within_a_node_replicates_across(strategy_model, parameter_shapes, tmp_path):
     summary = _train("fsdp_hybrid_shard", strategy_model("shard_llama"), tmp_path)
     shapes = parameter_shapes("shard_llama")
@@ -59,6 +63,7 @@ def test_fsdp_hybrid_shard_shards_within_a_node_replicates_across(strategy_model
     assert all(c["rel_diff"] == 0 for r in row["ranks"] for c in r["components"] if c["component"] == "params_bytes")
 
 
+@pytest.mark.launch
 def test_zero3_multinode_shards_over_all_four_ranks(strategy_model, parameter_shapes, tmp_path):
     summary = _train("zero3_multinode", strategy_model("shard_llama"), tmp_path)
     numels = [math.prod(s) for s in parameter_shapes("shard_llama")]
