@@ -26,7 +26,8 @@ from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, ch
                                check_deepspeed_precision)
 from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .doctor_launch import check_default_config, check_multinode, check_precision, check_processes
-from .doctor_rules import Finding, as_int, failing, read_raw
+from .doctor_rules import Finding, failing, read_raw
+from .units import as_int
 from .errors import UsageError
 from .mesh import tp_heads_problem, valid_tp_degrees
 from .strategy import fsdp_settings, strategy_of_config, tp_mesh_of_config

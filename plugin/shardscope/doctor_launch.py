@@ -10,7 +10,8 @@ import re
 import socket
 from pathlib import Path
 
-from .doctor_rules import Finding, as_int, read_raw
+from .doctor_rules import Finding, read_raw
+from .units import as_int
 
 PRECISION_FLAGS = ("bf16", "fp16")
 PLACEHOLDER = re.compile(r"^(x+|[x.]+|.*[<>{}$].*|your.*|ip|ip_address|host(name)?|main_node_ip|changeme)$", re.I)

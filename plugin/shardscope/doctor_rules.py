@@ -75,12 +75,5 @@ def get(config: dict, dotted: str):
     return config
 
 
-def as_int(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def is_true(value) -> bool:
     return str(value).strip().lower() == "true"

@@ -5,6 +5,8 @@ summary's `strategy`, doctor's findings. Nothing here imports torch or transform
 """
 from __future__ import annotations
 
+from .units import as_int
+
 TP_STRATEGIES = ("tp", "fsdp_tp", "hsdp_tp")  # transformers DistributedConfig(tp_size, fsdp_size, dp_replicate_size)
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload",
               "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_offload", *TP_STRATEGIES)
@@ -47,13 +49,6 @@ def strategy_from_summary(summary: dict) -> str | None:
     return None
 
 
-def _int(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def fsdp_settings(kind: str, raw: dict) -> dict:
     """accelerate-yaml names for the FSDP settings of an accelerate yaml or a Trainer fsdp_config."""
     if kind == "accelerate":
@@ -66,7 +61,7 @@ def fsdp_settings(kind: str, raw: dict) -> dict:
 def tp_mesh_of_config(raw: dict) -> dict | None:
     """The `{"dp_replicate", "dp_shard", "tp"}` degrees of an accelerate yaml with tp_size > 1, else None."""
     pc = raw.get("parallelism_config") or {}
-    sizes = {k: _int(pc.get(f"parallelism_config_{k}_size")) or 1 for k in ("dp_replicate", "dp_shard", "tp")}
+    sizes = {k: as_int(pc.get(f"parallelism_config_{k}_size")) or 1 for k in ("dp_replicate", "dp_shard", "tp")}
     return sizes if sizes["tp"] > 1 else None
 
 
@@ -76,7 +71,7 @@ def strategy_of_config(kind: str, raw: dict, read=None) -> str | None:
     if kind == "deepspeed":
         zero = raw.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
-        stage = _int(zero.get("stage")) or 0
+        stage = as_int(zero.get("stage")) or 0
         offload = any(str((zero.get(k) or {}).get("device", "none")).lower() != "none"
                       for k in ("offload_optimizer", "offload_param"))
         return {0: "ddp", 1: "zero1", 2: "zero2_offload" if offload else "zero2",

@@ -28,6 +28,14 @@ GPUS = {
 }
 
 
+def as_int(value) -> int | None:
+    """`int(value)` for a config value that may be a string, or None where it is no integer."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
