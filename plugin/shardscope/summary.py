@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import stat
-import tempfile
 from pathlib import Path
 
 from .errors import UsageError
+from .safe_io import atomic_write_text
 
 SUMMARY_FILE = "shardscope_summary.json"
 SCHEMA_VERSION = 1
@@ -47,25 +46,9 @@ REQUIRED = ("world_size", "strategy", "ranks")
 def write_summary(path: str | Path, summary: dict) -> Path:
     """Write `summary` (plus `schema_version`) as JSON atomically: a temporary file renamed into place."""
     path = Path(path)
-    text = json.dumps({"schema_version": SCHEMA_VERSION, **summary}, indent=2, allow_nan=False)
-    write_text_atomic(path, text)
-    return path
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the whole new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # ordinary permissions, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps({"schema_version": SCHEMA_VERSION, **summary}, indent=2, allow_nan=False)
+    return atomic_write_text(path, text, "summary")
 
 
 def _reject_constant(name: str):
