@@ -173,7 +173,7 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
 
 def resolve_config(value, kind: str) -> Path | None:
     """A path, or a shipped config name (`zero3`, `ds/zero3`, `fsdp/llama_full_shard`) of that kind."""
-    if value is None or Path(value).is_file():
+    if value is None or os.path.lexists(value):  # any existing path: the reader says what is wrong with it
         return None if value is None else Path(value)
     wanted = str(value)
     if kind == "deepspeed" and not wanted.startswith(("ds/", "deepspeed/", "ds_configs/")):
