@@ -88,6 +88,22 @@ def edit_metadata(folder: Path, change: Callable) -> None:
 # ----------------------------------------------------------------------------- the table
 
 
+GOOD_SUMMARY = {"world_size": 1, "strategy": "ddp", "device": "cpu",
+                "ranks": [{"params_bytes": 100, "grads_bytes": 100, "optimizer_bytes": 200, "peak_memory_bytes": 900}]}
+
+
+def _run(tmp: Path, name: str, summary) -> Path:
+    """A run folder whose shardscope_summary.json is `summary` (text or bytes), or a FIFO for "FIFO"."""
+    folder = tmp / name
+    folder.mkdir()
+    path = folder / "shardscope_summary.json"
+    if summary == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(summary if isinstance(summary, bytes) else summary.encode())
+    return folder
+
+
 @dataclass
 class Case:
     name: str
@@ -255,6 +271,16 @@ CASES = [
     Case("doctor: recipe does not exist", _cmd("doctor", "--", "no_such_recipe.py"), 2, "no such file"),
     Case("doctor: recipe code is read, not run", _cmd("doctor", "--", "FILE", "--max_seq_length", "64",
          file=_planted_recipe), 0, "no problems found"),
+    # plan: numbers past what floats and hardware hold
+    Case("plan: --params 1e400", _cmd("plan", "--params", "1e400"), 2, "more parameters than any model has"),
+    Case("plan: --params 1e30", _cmd("plan", "--params", "1e30"), 2, "more parameters than any model has"),
+    Case("plan: --gpu-memory 1e400", _cmd("plan", "--params", "7e9", "--gpu-memory", "1e400"), 2,
+         "more than any accelerator holds"),
+    Case("plan: nothing fits is 1", _cmd("plan", "--params", "70e9", "--gpu", "T4"), 1, "nothing fits"),
+    Case("plan --compare: a FIFO", _cmd("plan", "--compare", "FILE", file=_fifo), 2, "not a regular file"),
+    Case("report: --output is a file", lambda t, m: ["report", str(_run(t, "good", json.dumps(GOOD_SUMMARY))),
+                                                     "--output", str(_file("out.md", "mine")(t, m))], 2,
+         "is a file, not a folder"),
 ]
 
 
@@ -280,8 +306,8 @@ def test_hostile_input(case, tmp_path, capsys, monkeypatch):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     out, err = capsys.readouterr()
-    assert (code, err.count("\n")) == (case.code, int(case.code != 0)), err
-    assert case.fragment in (err if case.code else out) and "Traceback" not in err
+    assert (code, err.count("\n")) == (case.code, int(case.code == 2)), err
+    assert case.fragment in (err if case.code == 2 else out) and "Traceback" not in err
     assert not marker.exists(), "planted code ran"
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "a failed run left files behind"
 
@@ -355,6 +381,72 @@ def test_dcp_non_tensor_entries_are_never_unpickled(genuine_dcp, tmp_path):
     dcp_to_torch_save(checkpoint / "pytorch_model_fsdp_0", tmp_path / "plain.pt")
     assert marker.exists()
     marker.unlink()
+
+
+# ----------------------------------------------------------------------------- report: degrade, don't die
+
+BAD_SUMMARIES = {  # run name -> (summary file content, what its failed row's reason says)
+    "nan": (json.dumps(GOOD_SUMMARY).replace("900", "NaN"), "NaN is not a JSON number"),
+    "inf": (json.dumps(GOOD_SUMMARY).replace("900", "1e999"), "inf is not a usable number"),
+    "huge": (json.dumps(GOOD_SUMMARY).replace("900", "9" * 400), "(400 digits) is too large"),
+    "truncated": (json.dumps(GOOD_SUMMARY)[:40], "malformed JSON"),
+    "binary": (BINARY, "a binary file"),
+    "fifo": ("FIFO", "not a regular file"),
+    "foreign": (json.dumps({"hello": "world"}), "has no key 'world_size'"),
+    "no_components": (json.dumps({**GOOD_SUMMARY, "ranks": [{"peak_memory_bytes": 1}]}), "ranks[0].params_bytes"),
+}
+
+
+def test_report_turns_bad_summaries_into_failed_rows(tmp_path, capsys):
+    """One good run (and one without peak memory) among bad ones: exit 1, every bad run a failed row naming its
+    file and reason, the report written, report.json strict JSON."""
+    runs = [_run(tmp_path, "good", json.dumps(GOOD_SUMMARY))]
+    no_peak = {**GOOD_SUMMARY, "ranks": [{k: v for k, v in GOOD_SUMMARY["ranks"][0].items() if "peak" not in k}]}
+    runs.append(_run(tmp_path, "no_peak", json.dumps(no_peak)))
+    runs += [_run(tmp_path, name, content) for name, (content, _) in BAD_SUMMARIES.items()]
+    previous = signal.signal(signal.SIGALRM, _timed_out)
+    signal.alarm(TIME_LIMIT_S)  # a FIFO read would block forever
+    try:
+        code = main(["report", *map(str, runs), "--output", str(tmp_path / "report")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capsys.readouterr()
+    assert code == 1 and err == "", err
+    assert f"(2/{len(runs)} runs succeeded)" in out
+
+    def strict(name):
+        raise AssertionError(f"report.json holds {name}")
+
+    rows = {r["run"]: r for r in json.loads((tmp_path / "report" / "report.json").read_text(), parse_constant=strict)}
+    assert rows["good"]["status"] == rows["no_peak"]["status"] == "ok"
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    for name, (_, reason) in BAD_SUMMARIES.items():
+        row = rows[name]
+        assert row["status"] == "failed" and reason in row["reason"], row
+        assert str(tmp_path / name / "shardscope_summary.json") in row["reason"] and row["reason"] in markdown
+        assert f"failed: {name}: " in out
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["memory.png", "report.json", "report.md",
+                                                                        "throughput.png"]
+
+
+def test_a_report_that_fails_half_way_leaves_the_old_markdown(tmp_path, monkeypatch):
+    """Every report file is replaced atomically and the Markdown last: a crash while plotting leaves the
+    previous report.md whole and no temporary files."""
+    import shardscope.compare
+
+    run = _run(tmp_path, "good", json.dumps(GOOD_SUMMARY))
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.md").write_text("the previous report")
+
+    def broken(runs, path):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(shardscope.compare, "plot_throughput", broken)
+    assert main(["report", str(run), "--output", str(report)]) == 2
+    assert (report / "report.md").read_text() == "the previous report"
+    assert sorted(p.name for p in report.iterdir()) == ["memory.png", "report.md"]
 
 
 # ----------------------------------------------------------------------------- bounded readers (property tests)

@@ -25,8 +25,9 @@ MAX_NODES = 1_000_000     # values after YAML aliases are expanded
 MAX_INT = 2 ** 64
 
 
-def read_bytes(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES) -> bytes:
-    """The bytes of a regular file of at most `max_bytes`; errors read "WHAT PATH: problem"."""
+def read_bytes(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES, tail: bool = False) -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (`tail`: its last `max_bytes`, for logs);
+    errors read "WHAT PATH: problem"."""
     path, label = Path(path), f"{what} {path}".strip()
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what was opened
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -39,12 +40,14 @@ def read_bytes(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES) -> bytes:
     info = os.fstat(fd)
     problem = ("a folder, not a file" if stat.S_ISDIR(info.st_mode) else
                "not a regular file (a FIFO, device or socket)" if not stat.S_ISREG(info.st_mode) else
-               f"{info.st_size:,} bytes, more than the {max_bytes:,} this reads" if info.st_size > max_bytes else None)
+               f"{info.st_size:,} bytes, more than the {max_bytes:,} this reads" if info.st_size > max_bytes
+               and not tail else None)
     if problem:
         os.close(fd)
         raise UsageError(f"{label}: {problem}")
     with os.fdopen(fd, "rb") as file:
-        data = file.read(max_bytes + 1)
+        file.seek(max(0, info.st_size - max_bytes) if tail else 0)
+        data = file.read(max_bytes if tail else max_bytes + 1)
     if len(data) > max_bytes:
         raise UsageError(f"{label}: more than the {max_bytes:,} bytes this reads")
     return data
