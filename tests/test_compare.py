@@ -24,7 +24,7 @@ CLIP_MISMATCH = "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config
 
 def shardscope(*args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(SHIM))
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "plugin")]))
     return subprocess.run([sys.executable, "-m", "shardscope", *map(str, args)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 

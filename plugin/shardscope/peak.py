@@ -13,8 +13,8 @@ strategy's own long-lived buffers allocated at set-up and not reachable from the
   (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
 - `peak_phase`: forward, backward or optimizer step: where the peak was first reached.
 Instrumenting costs several times a plain step: use it for one warm step. Models with frozen
-parameters (LoRA) are refused: MemTracker hooks every parameter's gradient and torch refuses a hook
-on a frozen one.
+parameters (LoRA) and FSDP1's flat parameters are refused: MemTracker hooks every parameter's gradient and
+torch refuses a hook on a frozen one or on the non-leaf views FSDP1 puts in place during forward.
 """
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class StepPeak:
             # MemTracker hooks the gradient of every parameter it meets in forward, and torch refuses a hook
             # on a frozen one: the forward would fail. Refuse here, where the caller's guard catches it.
             raise ValueError("frozen parameters (LoRA, a frozen backbone) cannot be tracked by MemTracker")
+        if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):  # FSDP1 marks its parameters
+            # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses the same hook there
+            raise ValueError("FSDP1 flat parameters cannot be tracked by MemTracker")
 
         self.tracker = MemTracker()
         self.model, self.optimizer = model, optimizer
