@@ -200,6 +200,29 @@ BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [f"{n}: &{n} [{', '.joi
                                                          for p, n in zip("abcdefgh", "bcdefghi")]) + "\n"
 
 
+def _deep_model(tmp: Path, marker: Path) -> Path:
+    (tmp / "deep_model").mkdir()
+    (tmp / "deep_model" / "config.json").write_text(DEEP_JSON)
+    return tmp / "deep_model"
+
+
+def _dangling(tmp: Path) -> Path:
+    (tmp / "link").symlink_to(tmp / "missing")
+    return tmp / "link"
+
+
+def _remote_code_model(tmp: Path, marker: Path) -> Path:
+    """A model folder whose config names its own Python class (auto_map); importing it creates the marker."""
+    folder = tmp / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "shardscope_custom",
+                                                    "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    (folder / "configuration_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PretrainedConfig\n\n\n"
+        "class CustomConfig(PretrainedConfig):\n    model_type = 'shardscope_custom'\n")
+    return folder
+
+
 def _planted_recipe(tmp, marker):
     """A recipe whose top level and whose field default would create the marker if it ran."""
     path = tmp / "planted_recipe.py"
@@ -278,6 +301,16 @@ CASES = [
          "more than any accelerator holds"),
     Case("plan: nothing fits is 1", _cmd("plan", "--params", "70e9", "--gpu", "T4"), 1, "nothing fits"),
     Case("plan --compare: a FIFO", _cmd("plan", "--compare", "FILE", file=_fifo), 2, "not a regular file"),
+    Case("plan: a model config.json nested 100,000 deep", _cmd("plan", "--model", "FILE", file=_deep_model), 2,
+         "nested too deeply"),
+    Case("plan: a model whose config needs its own code", _cmd("plan", "--model", "FILE", file=_remote_code_model),
+         2, "needs its own Python code"),
+    Case("report: --output is a dangling symlink", lambda t, m: [
+         "report", str(_run(t, "good", json.dumps(GOOD_SUMMARY))), "--output", str(_dangling(t))], 2,
+         "a dangling symlink, not a folder"),
+    Case("compare: --output-dir is a file", lambda t, m: [
+         "compare", "--recipe", str(RECIPE), "--configs", "ddp", "--output-dir", str(_file("out", "mine")(t, m))], 2,
+         "exists and is not a folder"),
     Case("report: --output is a file", lambda t, m: ["report", str(_run(t, "good", json.dumps(GOOD_SUMMARY))),
                                                      "--output", str(_file("out.md", "mine")(t, m))], 2,
          "is a file, not a folder"),
@@ -583,18 +616,12 @@ def test_a_missing_model_fails_fast_online_or_offline(tmp_path):
 
 
 def test_remote_code_never_runs_unless_asked(tmp_path):
-    from shardscope.model_spec import load_model_config as load_config
+    from shardscope.model_spec import load_model_config
 
-    folder = tmp_path / "custom"
-    folder.mkdir()
     marker = tmp_path / "marker"
-    (folder / "config.json").write_text(json.dumps({"model_type": "shardscope_custom",
-                                                    "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
-    (folder / "configuration_custom.py").write_text(
-        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PretrainedConfig\n\n\n"
-        "class CustomConfig(PretrainedConfig):\n    model_type = 'shardscope_custom'\n")
+    folder = _remote_code_model(tmp_path, marker)
     with pytest.raises(UsageError, match="needs its own Python code to load"):
-        load_config(str(folder))
+        load_model_config(str(folder))
     assert not marker.exists()
-    assert load_config(str(folder), trust_remote_code=True).model_type == "shardscope_custom"
+    assert load_model_config(str(folder), trust_remote_code=True).model_type == "shardscope_custom"
     assert marker.exists()  # the opt-in really runs it

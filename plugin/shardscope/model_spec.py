@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
+from .safe_io import load_json
 
 MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for Llama/Mistral
@@ -81,6 +82,7 @@ def load_model_config(model: str, trust_remote_code: bool = False):
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UsageError(f"model '{model}' is a folder without config.json")
+        load_json(os.path.join(path, "config.json"), "model config")  # bounded first: size, UTF-8, nesting, NaN
         try:
             return _auto_config(model, path, trust_remote_code)
         except OSError as error:
