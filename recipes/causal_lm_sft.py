@@ -63,6 +63,8 @@ class ModelArguments:
     tp_size: int | None = field(default=None, metadata={
         "help": "Tensor-parallel degree; default: the launcher config's parallelism_config_tp_size, else 1. "
                 "The other ranks shard the TP pieces with FSDP2 (world = dp_replicate x dp_shard x tp)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Run the model repository's own Python code (auto_map); only for code you trust"})
 
 
 def main():
@@ -73,7 +75,7 @@ def main():
     # --- Check inputs before any process group starts ---
     if model_args.model_name_or_path is None:
         raise UsageError("model_name_or_path is required (YAML key or --model_name_or_path)")
-    config = load_model_config(model_args.model_name_or_path)
+    config = load_model_config(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
     check_causal_lm(config, model_args.model_name_or_path)
     mesh = tensor_parallel_mesh(config, model_args.model_name_or_path, model_args.tp_size)
     if mesh and model_args.use_lora:
@@ -94,7 +96,8 @@ def main():
         tensor_parallel_training_args(training_args, mesh)
 
     # --- Tokenizer and data ---
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path or model_args.model_name_or_path,
+                                              trust_remote_code=model_args.trust_remote_code)
     if tokenizer.pad_token is None:  # Llama/Mistral ship none; padded positions are masked out anyway
         tokenizer.pad_token = tokenizer.eos_token
     with training_args.main_process_first(desc="tokenising"):
@@ -105,6 +108,7 @@ def main():
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype,
                                                  attn_implementation=model_args.attn_implementation,
+                                                 trust_remote_code=model_args.trust_remote_code,
                                                  distributed_config=distributed_config(mesh) if mesh else None)
     if mesh:
         compact_tp_shards(model)

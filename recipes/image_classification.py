@@ -45,6 +45,8 @@ class ModelArguments:
     dtype: str = field(default="float32", metadata={
         "help": "Dtype to load weights in (float32 with --bf16 is mixed precision)",
         "choices": ["float32", "bfloat16", "float16", "auto"]})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Run the model repository's own Python code (auto_map); only for code you trust"})
 
 
 def main():
@@ -53,7 +55,8 @@ def main():
     script_args, model_args = parser.parse()
 
     # --- Check inputs before any process group starts ---
-    check_dinov2(load_model_config(model_args.model_name_or_path), model_args.model_name_or_path)
+    config = load_model_config(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    check_dinov2(config, model_args.model_name_or_path)
     train_data, eval_data, class_names = load_image_dataset(
         script_args.dataset, script_args.train_split, script_args.eval_split, script_args.eval_fraction, seed=0)
     if script_args.max_train_samples:
@@ -71,7 +74,8 @@ def main():
 
     # --- Image processor and transforms ---
     backend = None if importlib.util.find_spec("torchvision") else "pil"  # PIL when torchvision is absent
-    processor = AutoImageProcessor.from_pretrained(model_args.model_name_or_path, backend=backend)
+    processor = AutoImageProcessor.from_pretrained(model_args.model_name_or_path, backend=backend,
+                                                   trust_remote_code=model_args.trust_remote_code)
     train_data.set_transform(image_transform(processor, train=True))
     eval_data.set_transform(image_transform(processor, train=False))
 
@@ -80,7 +84,8 @@ def main():
     model = Dinov2ForImageClassification.from_pretrained(
         model_args.model_name_or_path, dtype=dtype, num_labels=len(class_names),
         id2label=dict(enumerate(class_names)), label2id={n: i for i, n in enumerate(class_names)},
-        ignore_mismatched_sizes=True)  # a new head when the checkpoint's classes differ
+        ignore_mismatched_sizes=True,  # a new head when the checkpoint's classes differ
+        trust_remote_code=model_args.trust_remote_code)
     if model_args.freeze_backbone:
         model.dinov2.requires_grad_(False)
     if training_args.process_index == 0:

@@ -195,7 +195,67 @@ def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_pa
     assert ckpt["ranks"][0]["peak_breakdown"]["activations"] < parts["activations"]
 
 
-def test_memory_step_is_validated_at_construction():
-    for bad in (0, "2", 1.5):
-        with pytest.raises(ValueError, match="memory_step"):
-            ShardingProfilerCallback(memory_step=bad)
+@pytest.mark.parametrize("name, bad", [
+    *[("memory_step", bad) for bad in (0, "2", 1.5, True)],
+    *[("every_n_steps", bad) for bad in (0, -1, "2", 1.5, True)],
+    *[("peak_tflops", bad) for bad in (0, -1.0, "989", float("inf"), float("nan"), True)],
+    *[("summary_file", bad) for bad in (5, "", "  ")],
+])
+def test_arguments_are_validated_at_construction(name, bad):
+    """A wrong type fails when the callback is made, not at step 0 inside the user's training."""
+    with pytest.raises(ValueError, match=name):
+        ShardingProfilerCallback(**{name: bad})
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("simulated failure")
+
+
+# (what to break, where it lives) -> the warning that names it; each piece the callback relies on
+FAULTS = {
+    "count_state": "model-state bytes", "held_gradients": "gradient bytes", "read_memory": "peak memory",
+    "reset_peak": "peak memory", "batch_counts": "batch counting", "rates": "reported figures",
+    "_all_gather": "cross-rank gather", "write_summary": "summary file", "StepPeak": "peak tensor memory",
+    "PrecisionWatch": "precision", "gather_reports": "precision", "detect_strategy": "strategy",
+    "_log_metrics": "metric logging", "_flops_model": "parameter counts",
+    "ThroughputWindow.step_end": "throughput", "ShardingProfilerCallback._run_before_reporters": "callback order",
+}
+
+
+@pytest.mark.parametrize("target", sorted(FAULTS))
+def test_each_piece_failing_warns_once_and_training_finishes(llama, tmp_path, monkeypatch, caplog, target):
+    owner, _, name = target.rpartition(".")
+    monkeypatch.setattr(getattr(callback_module, owner) if owner else callback_module, name, _broken)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+                             use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=llama, args=args, train_dataset=token_rows(), callbacks=[ShardingProfilerCallback()])
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    warnings = [r.getMessage() for r in caplog.records if "simulated failure" in r.getMessage()]
+    assert len(warnings) == 1 and FAULTS[target] in warnings[0], warnings
+    assert (tmp_path / "shardscope_summary.json").is_file() == (name != "write_summary")
+
+
+def test_an_unwritable_summary_path_warns_once_and_training_finishes(llama, tmp_path, caplog):
+    """A real failure, not a patched one (root ignores read-only folders): the summary's path is a folder."""
+    (tmp_path / "shardscope_summary.json").mkdir()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+                             use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=llama, args=args, train_dataset=token_rows(), callbacks=[ShardingProfilerCallback()])
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    warnings = [r.getMessage() for r in caplog.records if "summary file" in r.getMessage()]
+    assert len(warnings) == 1 and "a folder" in warnings[0]
+
+
+def test_an_event_that_fails_outside_every_guard_still_never_raises(llama, tmp_path, monkeypatch, caplog):
+    """The net around each event: a failure no inner guard covers is one warning per event, not a crash."""
+    monkeypatch.setattr(ShardingProfilerCallback, "_is_measure_step", _broken)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        trainer, _ = train(llama, token_rows(), tmp_path)
+    assert trainer.state.global_step == 4
+    warnings = sorted(r.getMessage().split(" failed")[0] for r in caplog.records
+                      if "simulated failure" in r.getMessage())
+    assert warnings == ["shardscope: on_step_begin", "shardscope: on_step_end"]

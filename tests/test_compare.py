@@ -24,7 +24,7 @@ CLIP_MISMATCH = "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config
 
 def shardscope(*args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(SHIM))
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "plugin")]))
     return subprocess.run([sys.executable, "-m", "shardscope", *map(str, args)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -42,7 +42,7 @@ def comparison(tmp_path_factory):
                       "--launcher-args", "--num_processes 2 --mixed_precision no", "--",
                       "--config", "recipes/llama/demo_tiny.yaml", "--model_name_or_path", assets["model"],
                       "--dataset", assets["data"], "--max_steps", "3")
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert done.returncode == 1, done.stdout + done.stderr[-4000:]  # 1: a run failed; the report is written
     return done, out
 
 
@@ -62,6 +62,8 @@ def test_compare_runs_each_config_and_reports_the_failure(comparison):
     assert progress[0].startswith("[1/3] ddp: started") and progress[1].startswith("[1/3] ddp: finished in ")
     assert progress[3].startswith("[2/3] fsdp_full_shard: finished in ")
     assert progress[5].startswith("[3/3] clip_mismatch: failed after ") and "ValueError" in progress[5]
+    assert progress[6] == f"report: {out / 'report.md'} (2/3 runs succeeded)"
+    assert progress[7].startswith("  failed: clip_mismatch: ValueError") and len(progress) == 8
     for name in ("ddp", "fsdp_full_shard", "clip_mismatch"):
         log = (out / name / "launch.log").read_text()
         assert log.startswith("$ ") and f"--output_dir {out / name}" in log.splitlines()[0]
@@ -126,23 +128,28 @@ def test_plots_are_drawn(comparison, name, size, colours):
 def test_report_from_run_dirs_matches_compare(comparison, tmp_path):
     _, out = comparison
     done = shardscope("report", out, "--output", tmp_path)  # a folder of run folders works too
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # clip_mismatch failed
     # same rows (a folder's runs come in name order, compare's in --configs order)
     assert sorted(table_rows((tmp_path / "report.md").read_text())) == sorted(table_rows((out / "report.md").read_text()))
 
 
 def test_report_errors_name_the_file(tmp_path):
+    """No run at all is a usage error (2); a run whose summary is unusable is a failed row naming the file (1),
+    and the report is still written, Markdown last."""
     empty = tmp_path / "empty"
     empty.mkdir()
+    done = shardscope("report", empty, "--output", tmp_path / "report", timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("shardscope: error: ") and str(empty / "shardscope_summary.json") in done.stderr
+    assert not (tmp_path / "report").exists()
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "shardscope_summary.json").write_text('{"world_size": 2, "strategy": ')
-    for run_dir, named in ((empty, empty / "shardscope_summary.json"), (corrupt, corrupt / "shardscope_summary.json")):
-        done = shardscope("report", run_dir, "--output", tmp_path / "report", timeout=120)
-        assert done.returncode == 2
-        assert done.stderr.count("\n") == 1 and done.stderr.startswith("shardscope: error: "), done.stderr
-        assert str(named) in done.stderr
-    assert "is not valid JSON" in done.stderr
+    done = shardscope("report", corrupt, "--output", tmp_path / "report", timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    row = json.loads((tmp_path / "report" / "report.json").read_text())[0]
+    assert row["status"] == "failed" and str(corrupt / "shardscope_summary.json") in row["reason"]
+    assert "malformed JSON" in row["reason"] and row["reason"] in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_launch_commands(tmp_path):

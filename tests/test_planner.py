@@ -322,7 +322,7 @@ def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, message", [
-    ("{not json", "is not valid JSON"),
+    ("{not json", "malformed JSON"),
     ('{"world_size": 2, "strategy": "zero3"}', "has no key 'ranks'"),
     ('{"world_size": 2, "strategy": "zero3", "ranks": [{"rank": 0, "params_bytes": 1}]}', "ranks[0].grads_bytes"),
     ('{"world_size": 2, "strategy": "pipeline", "ranks": [{"params_bytes": 1, "grads_bytes": 1, '

@@ -276,7 +276,7 @@ def test_yaml_config_with_cli_overrides(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     (None, "--config {path}: no such file"),
-    ("learning_rate: [1.0e-3\n", "{path}: not valid YAML ("),
+    ("learning_rate: [1.0e-3\n", "--config {path}:2:1: malformed YAML: expected ',' or ']'"),
     ("- learning_rate\n", "{path}: expected a mapping of argument names to values"),
 ])
 def test_bad_yaml_config_is_one_line_naming_the_file(tmp_path, text, message):

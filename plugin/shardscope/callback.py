@@ -6,6 +6,7 @@ numbers go.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -24,7 +25,7 @@ from .peak import BREAKDOWN, PHASES, StepPeak
 from .precision import PrecisionWatch, gather_reports, run_verdict
 from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
 from .strategy import detect_strategy, num_nodes
-from .summary import SUMMARY_FILE, reduce_ranks, write_summary
+from .summary import COMPONENTS, SUMMARY_FILE, reduce_ranks, write_summary
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
 
@@ -41,6 +42,26 @@ REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_memory_bytes"
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
 
 
+def _never_raises(event):
+    """A Trainer event that cannot stop training: whatever its own guards miss is warned about once."""
+    @functools.wraps(event)
+    def safe(self, *args, **kwargs):
+        try:
+            return event(self, *args, **kwargs)
+        except Exception as error:
+            self._warn_once(event.__name__, f"{event.__name__} failed: {type(error).__name__}: {error}")
+        return None
+
+    return safe
+
+
+def _events_never_raise(cls):
+    for name in ("on_init_end", "on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end"):
+        setattr(cls, name, _never_raises(getattr(cls, name)))
+    return cls
+
+
+@_events_never_raise
 class ShardingProfilerCallback(TrainerCallback):
     """Per-rank model-state bytes, peak memory and throughput, reduced across ranks.
 
@@ -90,8 +111,14 @@ class ShardingProfilerCallback(TrainerCallback):
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
                  summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 2):
-        if memory_step is not None and (not isinstance(memory_step, int) or memory_step < 1):
-            raise ValueError(f"memory_step must be a positive integer or None, got {memory_step!r}")
+        for name, value in (("every_n_steps", every_n_steps), ("memory_step", memory_step)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or isinstance(peak_tflops, bool)
+                                        or not 0 < peak_tflops < math.inf):
+            raise ValueError(f"peak_tflops must be a positive number of TFLOP/s or None, got {peak_tflops!r}")
+        if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
+            raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")
         self.memory_step = memory_step
         self.every_n_steps = every_n_steps
         self.peak_tflops = peak_tflops
@@ -100,16 +127,19 @@ class ShardingProfilerCallback(TrainerCallback):
         self._hooks: list = []
         self._reset()
 
-    # --- Trainer events -------------------------------------------------------------------------
+    # --- Trainer events (each also wrapped by `_never_raises`) --------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
-        self._run_before_reporters()
+        with self._guard("callback order"):
+            self._run_before_reporters()
         with self._guard("parameter counts"):
             self._flops_model = _flops_model(kwargs["model"])
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._reset()
-        self._run_before_reporters()
-        self._device = torch.device(args.device)
+        with self._guard("callback order"):
+            self._run_before_reporters()
+        with self._guard("device"):
+            self._device = torch.device(args.device)
         with self._guard("strategy"):
             self.preflight.update(detect_strategy(_unwrap(model)))
         with self._guard("parameter counts"):
@@ -131,10 +161,12 @@ class ShardingProfilerCallback(TrainerCallback):
             with self._guard("planner preflight"):
                 self._plan_preflight(model, args, state)
         if state.is_world_process_zero:
-            logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
+            with self._guard("preflight log"):
+                logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._windows_call("step_begin")
+        with self._guard("throughput"):
+            self._windows_call("step_begin")
         next_step = state.global_step + 1
         self._capture_grads = self._is_measure_step(next_step, state) or next_step == state.max_steps
         if self.memory_step is not None and next_step == min(self.memory_step, state.max_steps or next_step):
@@ -148,28 +180,33 @@ class ShardingProfilerCallback(TrainerCallback):
                 self._step_peak.__exit__(None, None, None)
                 self.step_peak = self._step_peak.result()
             self._step_peak = None
-        self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save,
-                           count=not instrumented)
+        with self._guard("throughput"):
+            self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save,
+                               count=not instrumented)
         if not self._is_measure_step(state.global_step, state):
             return
-        ranks = self._measure_all_ranks(model, optimizer, self._interval)
-        self._pending = _log_metrics(ranks, self._tp)
-        self._interval.reset()
+        ranks = self._measure_all_ranks(model, optimizer, self._interval)  # guarded inside, collective
+        with self._guard("metric logging"):
+            self._pending = _log_metrics(ranks, self._tp)
+        with self._guard("throughput"):
+            self._interval.reset()
         with self._guard("peak memory"):
             reset_peak(self._device)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._pending and logs is not None:
-            logs.update(self._pending)
-            if state.log_history and state.log_history[-1].get("step") == state.global_step:
-                state.log_history[-1].update(self._pending)
+            with self._guard("metric logging"):
+                logs.update(self._pending)
+                if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                    state.log_history[-1].update(self._pending)
             self._pending = {}
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         ranks = self._measure_all_ranks(model, optimizer, self._run)
         with self._guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
-        self._remove_hooks()
+        with self._guard("hooks"):
+            self._remove_hooks()
         if state.is_world_process_zero and self.summary_file:
             with self._guard("summary file"):
                 path = write_summary(Path(args.output_dir) / self.summary_file, self._summary(args, state, ranks))
@@ -201,9 +238,15 @@ class ShardingProfilerCallback(TrainerCallback):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
                         tokens=_float(totals.tokens), flops=_float(totals.flops))
+        gathered = [mine]
         with self._guard("cross-rank gather"):
-            return [self._complete(r) for r in _all_gather(mine, self._device)]
-        return [self._complete(mine)]
+            gathered = _all_gather(mine, self._device)
+        return [self._complete_or_empty(rank) for rank in gathered]
+
+    def _complete_or_empty(self, rank: dict) -> dict:
+        with self._guard("reported figures"):
+            return self._complete(rank)
+        return {key: None for key in (*COMPONENTS, "peak_memory_bytes")} | {"throughput": {}}
 
     def _complete(self, rank: dict) -> dict:
         """Turn one rank's raw counts into reported figures."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 
 from . import __version__
 from .errors import UsageError
@@ -47,12 +48,18 @@ def quiet_library_notices() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok; 1 findings, failed runs or nothing fits; 2 bad input or usage (one line), or a crash."""
     quiet_library_notices()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
     except UsageError as error:
         print(f"shardscope: error: {error}", file=sys.stderr)
+        return 2
+    except Exception:  # a bug, not a finding: its traceback is for the report, and 2 keeps it apart from 1
+        traceback.print_exc()
+        print(f"shardscope: internal error in '{args.command}' (a bug: please report it with the traceback above)",
+              file=sys.stderr)
         return 2
 
 

@@ -21,6 +21,7 @@ Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -33,9 +34,11 @@ from pathlib import Path
 
 from .configs import find_config
 from .errors import UsageError
+from .safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from .summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
 
 LOG_FILE = "launch.log"
+MAX_LOG_BYTES = 16 * 2 ** 20  # the end of a launch log (its exit-code footer and last errors) is what is read
 _FOOTER = re.compile(r"^\[shardscope compare\] exit code (-?\d+) after ([\d.]+) s$", re.MULTILINE)
 
 
@@ -180,28 +183,39 @@ def _run_dirs(paths: list[Path]) -> list[Path]:
 def _trainer_facts(run_dir: Path) -> dict:
     """train_runtime and the last logged loss from trainer_state.json, when the recipe saved it."""
     path = run_dir / "trainer_state.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         return {}
-    try:
-        history = json.loads(path.read_text()).get("log_history", [])
-    except (json.JSONDecodeError, AttributeError):
-        raise UsageError(f"'{path}' is not a valid trainer state (JSON object with log_history)") from None
-    losses = [e["loss"] for e in history if isinstance(e.get("loss"), (int, float))]
-    runtimes = [e["train_runtime"] for e in history if isinstance(e.get("train_runtime"), (int, float))]
+    state = load_json(path, "trainer state", max_bytes=MAX_LOG_BYTES)
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise UsageError(f"'{path}' is not a valid trainer state (JSON object with log_history)")
+    entries = [e for e in history if isinstance(e, dict)]
+    losses = [e["loss"] for e in entries if isinstance(e.get("loss"), (int, float))]
+    runtimes = [e["train_runtime"] for e in entries if isinstance(e.get("train_runtime"), (int, float))]
     return {"final_loss": losses[-1] if losses else None, "train_runtime_s": runtimes[-1] if runtimes else None}
 
 
 def load_run(run_dir: Path) -> dict:
-    """One run folder -> one report row (raw numbers). A corrupt summary raises a one-line UsageError."""
+    """One run folder -> one report row (raw numbers). A run whose files cannot be used (a corrupt or foreign
+    summary, a FIFO, ...) is a failed row whose reason names the file: the other rows still get reported."""
+    row = {"run": run_dir.name, "dir": str(run_dir), "exit_code": None, "launch_s": None}
+    try:
+        return _load_run(run_dir, row)
+    except UsageError as error:
+        return {**row, "status": "failed", "reason": str(error)}
+
+
+def _load_run(run_dir: Path, row: dict) -> dict:
     from .planner import plan_vs_run
 
     log = run_dir / LOG_FILE
-    log_text = log.read_text(errors="replace") if log.exists() else ""
+    log_text = read_bytes(log, "launch log", MAX_LOG_BYTES, tail=True).decode(errors="replace") \
+        if os.path.lexists(log) else ""
     footer = _FOOTER.findall(log_text)
     exit_code, launch_s = (int(footer[-1][0]), float(footer[-1][1])) if footer else (None, None)
-    row = {"run": run_dir.name, "dir": str(run_dir), "exit_code": exit_code, "launch_s": launch_s}
+    row.update(exit_code=exit_code, launch_s=launch_s)
     summary_path = run_dir / SUMMARY_FILE
-    if not summary_path.exists():
+    if not os.path.lexists(summary_path):
         return {**row, "status": "failed", "reason": _no_summary_reason(exit_code, log_text)}
     summary = read_summary(summary_path)
     ranks = summary["ranks"]
@@ -325,7 +339,7 @@ def _bar_labels(ax, runs: list[dict]):
             ax.text(i, 0, "failed", ha="center", va="bottom", color="tab:red", rotation=90)
 
 
-def plot_memory(runs: list[dict], path: Path):
+def plot_memory(runs: list[dict], path):
     """Left: model states per rank (the rank holding most), stacked by component, planner estimate as a
     marker. Right: peak memory per rank (bar: max, tick: min)."""
     import matplotlib.pyplot as plt
@@ -362,7 +376,7 @@ def plot_memory(runs: list[dict], path: Path):
     plt.close(fig)
 
 
-def plot_throughput(runs: list[dict], path: Path):
+def plot_throughput(runs: list[dict], path):
     """tokens/s (summed over ranks) per strategy, or samples/s where a run counts no tokens."""
     import matplotlib.pyplot as plt
 
@@ -380,18 +394,33 @@ def plot_throughput(runs: list[dict], path: Path):
     plt.close(fig)
 
 
-def write_report(run_dirs: list[Path], output: Path) -> Path:
-    """Collect the runs, then write output/report.md, report.json, memory.png and throughput.png."""
+def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
+    """Collect the runs, then write output/memory.png, throughput.png, report.json and, last, report.md; each
+    file atomically (a reader sees the old file or the new one). Returns the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     runs = collect(run_dirs)
+    if output.exists() and not output.is_dir() or output.is_symlink() and not output.exists():
+        raise UsageError(f"--output '{output}' is {'a file' if output.exists() else 'a dangling symlink'}, "
+                         "not a folder")
     output.mkdir(parents=True, exist_ok=True)
-    plot_memory(runs, output / "memory.png")
-    plot_throughput(runs, output / "throughput.png")
-    (output / "report.json").write_text(json.dumps(runs, indent=2))
-    (output / "report.md").write_text(markdown(runs, images=("memory.png", "throughput.png")))
-    return output / "report.md"
+    for name, plot in (("memory.png", plot_memory), ("throughput.png", plot_throughput)):
+        image = io.BytesIO()
+        plot(runs, image)
+        atomic_write_bytes(output / name, image.getvalue(), "report")
+    atomic_write_text(output / "report.json", json.dumps(runs, indent=2, allow_nan=False), "report")
+    atomic_write_text(output / "report.md", markdown(runs, images=("memory.png", "throughput.png")), "report")
+    return runs
+
+
+def _outcome(runs: list[dict], output: Path) -> int:
+    """Print where the report is and how many runs failed; 1 when any did."""
+    failed = [r for r in runs if r["status"] != "ok"]
+    print(f"report: {output / 'report.md'} ({len(runs) - len(failed)}/{len(runs)} runs succeeded)")
+    for row in failed:
+        print(f"  failed: {row['run']}: {row['reason']}")
+    return 1 if failed else 0
 
 
 # ----------------------------------------------------------------------------- command line
@@ -401,8 +430,8 @@ def register(subparsers) -> None:
         description="Run RECIPE once per config (sequentially, OUTPUT_DIR/<config>/, log in launch.log), then "
                     "write the report. Arguments after -- go to the recipe. On a CPU machine pass the CPU "
                     f"overrides to the launcher: --launcher-args '{CPU_LAUNCHER_ARGS}'.",
-        epilog="Exit status: 0 when at least one run succeeded (failed runs are rows of the report), 1 when "
-               "all failed, 2 for a usage error.")
+        epilog="Exit status: 0 when every run succeeded, 1 when some failed (they are rows of the report, "
+               "which is written all the same), 2 for a usage error.")
     cmp.add_argument("--recipe", required=True, type=Path, help="training script, e.g. recipes/causal_lm_sft.py")
     cmp.add_argument("--configs", required=True, nargs="+",
                      help="shipped config names (ddp, fsdp_full_shard, zero2, ...; `shardscope configs`) or files")
@@ -423,6 +452,8 @@ def register(subparsers) -> None:
 def compare_command(args) -> int:
     if not args.recipe.is_file():
         raise UsageError(f"recipe '{args.recipe}' is not a file")
+    if os.path.lexists(args.output_dir) and not args.output_dir.is_dir():
+        raise UsageError(f"--output-dir '{args.output_dir}' exists and is not a folder")
     names = [Path(c).stem if Path(c).is_file() else c.replace("/", "_") for c in args.configs]
     if len(set(names)) != len(names):
         raise UsageError(f"--configs names a run twice: {' '.join(args.configs)}")
@@ -433,7 +464,7 @@ def compare_command(args) -> int:
     problem = cpu_launch_problem(configs, args.launcher, args.num_processes, extra, torch.cuda.device_count())
     if problem:
         raise UsageError(problem)
-    run_dirs, ok = [], 0
+    run_dirs = []
     for i, (name, config) in enumerate(zip(names, configs), 1):
         run_dir = args.output_dir / name
         (run_dir / SUMMARY_FILE).unlink(missing_ok=True)  # never report a previous run's summary
@@ -441,17 +472,13 @@ def compare_command(args) -> int:
         print(f"[{i}/{len(configs)}] {name}: started (log: {run_dir / LOG_FILE})", flush=True)
         code, seconds = launch(cmd, run_dir)
         if code == 0 and (run_dir / SUMMARY_FILE).exists():
-            ok += 1
             print(f"[{i}/{len(configs)}] {name}: finished in {seconds:.1f} s", flush=True)
         else:
             reason = _no_summary_reason(code, (run_dir / LOG_FILE).read_text(errors="replace"))
             print(f"[{i}/{len(configs)}] {name}: failed after {seconds:.1f} s: {reason}", flush=True)
         run_dirs.append(run_dir)
-    report = write_report(run_dirs, args.output_dir)
-    print(f"report: {report} ({ok}/{len(configs)} runs succeeded)")
-    return 0 if ok else 1
+    return _outcome(write_report(run_dirs, args.output_dir), args.output_dir)
 
 
 def report_command(args) -> int:
-    print(f"report: {write_report(args.run_dirs, args.output)}")
-    return 0
+    return _outcome(write_report(args.run_dirs, args.output), args.output)

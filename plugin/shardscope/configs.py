@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .errors import UsageError
+from .safe_io import parse_json, parse_yaml, read_text
 
 DATA = Path(__file__).resolve().parent / "data"
 # folder -> (kind by file suffix, prefix of the qualified name)
@@ -114,8 +115,7 @@ def validate_config(path, kind: str | None = None, world_size: int = 8):
     (an accelerate yaml gives its own `num_processes`).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigProblems([f"{path}: no such file"])
+    _text(path)  # refuses missing, special, oversized, binary and non-UTF-8 files before any library reads them
     kind = kind or guess_kind(path)
     if kind not in KINDS:
         raise UsageError(f"{path}: unknown config kind '{kind}' (one of {', '.join(KINDS)})")
@@ -174,11 +174,25 @@ class _ReadTracker(dict):
         return sorted(k for k in self if k not in self.read and not str(k).startswith("_"))
 
 
-def _load_json(path: Path) -> dict:
+def _text(path: Path) -> str:
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigProblems([f"{path}:{error.lineno}:{error.colno}: malformed JSON: {error.msg}"]) from None
+        return read_text(path)
+    except UsageError as error:
+        raise ConfigProblems([str(error)]) from None
+
+
+def _parsed(path: Path, parse) -> object:
+    """`parse` (safe_io's bounded JSON/YAML) of the file, its errors as `ConfigProblems` naming FILE:LINE:COL."""
+    try:
+        return parse(_text(path), str(path))
+    except ConfigProblems:
+        raise
+    except UsageError as error:
+        raise ConfigProblems([str(error)]) from None
+
+
+def _load_json(path: Path) -> dict:
+    config = _parsed(path, parse_json)
     if not isinstance(config, dict):
         raise ConfigProblems([f"{path}: the top level must be a JSON object, not {type(config).__name__}"])
     return config
@@ -197,6 +211,24 @@ def strings_that_should_be_values(config, prefix="") -> list[str]:
     return found
 
 
+def not_mappings(config: dict, sections) -> list[str]:
+    """Dotted `sections` that are present but not mappings (libraries call .get on them and crash)."""
+    found = []
+    for dotted in sections:
+        parent, _, key = dotted.rpartition(".")
+        holder = _dig(config, parent) if parent else config
+        value = holder.get(key) if isinstance(holder, dict) else None
+        if value is not None and not isinstance(value, dict):
+            found.append(f"{dotted}: expected a mapping of keys to values, got {value!r}")
+    return found
+
+
+def _dig(config, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -207,6 +239,10 @@ def _is_number(text: str) -> bool:
 
 # --- DeepSpeed JSON
 
+# sections the Trainer and DeepSpeed read keys from (a number there crashes them instead of being reported)
+DEEPSPEED_SECTIONS = ("zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+                      "optimizer", "optimizer.params", "scheduler", "scheduler.params", "bf16", "fp16")
+
 
 def _check_deepspeed_file(path: Path, problems: list[str], world_size: int):
     return _check_deepspeed(_load_json(path), problems, world_size)
@@ -214,6 +250,9 @@ def _check_deepspeed_file(path: Path, problems: list[str], world_size: int):
 
 def _check_deepspeed(config: dict, problems: list[str], world_size: int):
     """Fill "auto" the way the Trainer does, then parse with DeepSpeed's own config class."""
+    problems += not_mappings(config, DEEPSPEED_SECTIONS)
+    if problems:
+        return None
     problems += strings_that_should_be_values(config)
     if importlib.util.find_spec("deepspeed") is None:
         problems.append("DeepSpeed is not installed, so its parser cannot check this (pip install 'shardscope[deepspeed]')")
@@ -289,6 +328,13 @@ FSDP_BOOLEANS = {"fsdp_offload_params", "fsdp_forward_prefetch", "fsdp_use_orig_
 DEEPSPEED_BOOLEANS = {"zero3_init_flag", "zero3_save_16bit_model"}
 
 
+def accelerate_sections() -> list[str]:
+    """The accelerate yaml keys that hold a mapping (fsdp_config, deepspeed_config, ...)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    return [name for name, f in ClusterConfig.__dataclass_fields__.items() if "dict" in str(f.type)]
+
+
 @functools.lru_cache(maxsize=1)
 def _launcher_keys() -> dict[str, dict]:
     """`accelerate launch` arguments (dest -> argparse action) by the nested yaml section they are copied from."""
@@ -301,19 +347,14 @@ def _launcher_keys() -> dict[str, dict]:
 
 
 def _check_accelerate(path: Path, problems: list[str], world_size: int):
-    import yaml
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ConfigProblems([f"{where}: malformed YAML: {getattr(error, 'problem', None) or error}"]) from None
+    raw = _parsed(path, parse_yaml)
     if not isinstance(raw, dict):
         raise ConfigProblems([f"{path}: the top level must be a mapping of accelerate config keys"])
     known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}  # last two: converted by accelerate
-    problems += [f"{key}: not an accelerate config key" for key in sorted(set(raw) - known)]
+    problems += [f"{key}: not an accelerate config key" for key in sorted(set(raw) - known, key=str)]
+    problems += not_mappings(raw, accelerate_sections())
     if problems:
         return None
     try:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .configs import KINDS, ConfigProblems, find_config, guess_kind, shipped_configs, validate_config
+from .configs import KINDS, find_config, guess_kind, shipped_configs, validate_config
 from .doctor import check_files
 from .doctor_rules import failing
+from .errors import UsageError
 
 
 def register(subparsers) -> None:
@@ -54,8 +55,8 @@ def _check(args) -> int:
                 findings = []
             else:
                 findings = check_files(file, kind)
-        except ConfigProblems as error:
-            failed += error.problems
+        except UsageError as error:  # ConfigProblems, or a file that cannot be read at all
+            failed += getattr(error, "problems", [str(error)])
             continue
         bad = failing(findings)
         failed += [f"{f.file}: {f.key}: {f.problem} (fix: {f.fix})" for f in bad]

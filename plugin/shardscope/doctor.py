@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,11 @@ from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, ch
                                check_deepspeed_precision)
 from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .doctor_launch import check_default_config, check_multinode, check_precision, check_processes
-from .doctor_rules import Finding, failing, read_raw
+from .doctor_rules import Finding, failing, read_checked, read_raw
 from .units import as_int
 from .errors import UsageError
 from .mesh import tp_heads_problem, valid_tp_degrees
+from .recipe_source import recipe_dataclasses
 from .strategy import fsdp_settings, strategy_of_config, tp_mesh_of_config
 
 __all__ = ["Finding", "Inputs", "check_files", "diagnose", "parse_trainer_args", "preflight"]
@@ -53,28 +53,17 @@ class Inputs:
 
 
 def parse_trainer_args(argv: list[str]) -> tuple[dict, str]:
-    """Parse `recipe.py ARGS` with the recipe's own dataclasses, or bare Trainer ARGS with TrainingArguments.
-    Returns (values by field name, where they came from); nothing is constructed."""
+    """Parse `recipe.py ARGS` with the recipe's own dataclasses (read from its source, not run), or bare Trainer
+    ARGS with TrainingArguments. Returns (values by field name, where they came from); nothing is constructed."""
     from transformers import TrainingArguments
 
     from .recipe_args import RecipeParser
 
     source = "trainer arguments"
     types, training_type = [], TrainingArguments
-    if argv and argv[0].endswith(".py"):
-        script = Path(argv[0])
-        if not script.is_file():
-            raise UsageError(f"recipe '{script}' does not exist")
-        spec = importlib.util.spec_from_file_location(f"_shardscope_recipe_{script.stem}", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # recipes keep main() behind `if __name__ == "__main__"`
-        for value in vars(module).values():
-            if isinstance(value, type) and dataclasses.is_dataclass(value):
-                if issubclass(value, TrainingArguments) and issubclass(value, training_type):
-                    training_type = value
-                elif value.__module__ == module.__name__:
-                    types.append(value)
-        source, argv = str(script), argv[1:]
+    if argv and argv[0].endswith(".py"):  # read, never run: a recipe's top-level code stays unexecuted
+        types, training_type = recipe_dataclasses(Path(argv[0]))
+        source, argv = argv[0], argv[1:]
     parser = RecipeParser(*types, training_type=training_type)
     parser.parse(argv)
     config = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
@@ -185,7 +174,7 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
 
 def resolve_config(value, kind: str) -> Path | None:
     """A path, or a shipped config name (`zero3`, `ds/zero3`, `fsdp/llama_full_shard`) of that kind."""
-    if value is None or Path(value).is_file():
+    if value is None or os.path.lexists(value):  # any existing path: the reader says what is wrong with it
         return None if value is None else Path(value)
     wanted = str(value)
     if kind == "deepspeed" and not wanted.startswith(("ds/", "deepspeed/", "ds_configs/")):
@@ -215,9 +204,9 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
             deepspeed = Path(trainer["deepspeed"])
         if fsdp is None and isinstance(trainer.get("fsdp_config"), str) and trainer["fsdp_config"]:
             fsdp = Path(trainer["fsdp_config"])
-    for path in (inputs.accelerate_config, deepspeed, fsdp):
-        if path is not None and not Path(path).is_file():
-            raise UsageError(f"config file '{path}' does not exist")
+    for path, kind in ((inputs.accelerate_config, "accelerate"), (deepspeed, "deepspeed"), (fsdp, "fsdp")):
+        if path is not None:
+            read_checked(path, kind)  # unreadable or wrongly shaped: exit 2, not a finding
     acc = read_raw(inputs.accelerate_config) if inputs.accelerate_config else None
     acc_mesh = tp_mesh_of_config(acc) if acc is not None else None
     world = None
@@ -227,6 +216,7 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
         world = as_int(acc["num_processes"])
     if acc and deepspeed is None and (acc.get("deepspeed_config") or {}).get("deepspeed_config_file"):
         deepspeed = Path(acc["deepspeed_config"]["deepspeed_config_file"])
+        read_checked(deepspeed, "deepspeed")
     ran += [f"{kind} file" for kind, path in (("accelerate", inputs.accelerate_config), ("DeepSpeed", deepspeed),
                                                ("fsdp_config", fsdp)) if path is not None]
     if trainer is not None:
@@ -380,6 +370,9 @@ def doctor_command(args) -> int:
     from .units import gpu_memory, parse_size
 
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     inputs = Inputs(accelerate_config=resolve_config(args.accelerate_config, "accelerate"),
                     deepspeed=resolve_config(args.deepspeed, "deepspeed"),
                     fsdp_config=resolve_config(args.fsdp_config, "fsdp"), model=args.model, gpus=args.gpus,

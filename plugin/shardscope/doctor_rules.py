@@ -8,9 +8,11 @@ source.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from .configs import DEEPSPEED_SECTIONS, accelerate_sections, not_mappings
+from .errors import UsageError
+from .safe_io import load_data
 
 RULES = {  # code -> level
     "config": "error",           # the library's own loader rejects the file
@@ -57,16 +59,23 @@ def failing(findings: list[Finding]) -> list[Finding]:
 
 
 def read_raw(path) -> dict:
-    """A config file's top-level mapping, or {} when unreadable (the library loaders report why)."""
-    import yaml
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    except Exception:
-        return {}
+    """A config file's top-level mapping ({} for another top level), read by safe_io's bounded loaders: a file
+    that cannot be read or parsed is unusable input (UsageError, exit 2), never a finding."""
+    data = load_data(path)
     return data if isinstance(data, dict) else {}
+
+
+def read_checked(path, kind: str) -> dict:
+    """`read_raw`, refusing (exit 2) a top level or a section (zero_optimization, fsdp_config, ...) that is not a
+    mapping: the rules and the libraries read keys from them."""
+    data = load_data(path)
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: the top level must be a mapping, not {type(data).__name__}")
+    sections = accelerate_sections() if kind == "accelerate" else DEEPSPEED_SECTIONS if kind == "deepspeed" else ()
+    problems = not_mappings(data, sections)
+    if problems:
+        raise UsageError(f"{path}: {problems[0]}")
+    return data
 
 
 def get(config: dict, dotted: str):

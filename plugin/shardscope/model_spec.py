@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
+from .safe_io import load_json
 
 MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for Llama/Mistral
@@ -65,26 +66,70 @@ def shipped_models() -> list[str]:
     return sorted(p.parent.name for p in MODEL_CONFIGS_DIR.glob("*/config.json"))
 
 
-def load_model_config(model: str):
-    """`AutoConfig.from_pretrained` with the hub/offline errors turned into one-line `UsageError`s."""
+HUB_TIMEOUT_S = 5
+
+
+def load_model_config(model: str, trust_remote_code: bool = False):
+    """The transformers config of a shipped name, a local folder or a hub id; every failure is one
+    `UsageError` line, within seconds whether or not HF_HUB_OFFLINE is set.
+
+    Order: a shipped name or local folder, the local Hugging Face cache, then one hub request with a timeout
+    (`HfApi.model_info`, no retries: huggingface_hub alone retries an unreachable hub for ~25 s) before the
+    download. A repository's own code (`auto_map`) runs only with `trust_remote_code=True`, and transformers
+    never stops to ask on a terminal."""
     path = resolve_model(model)
-    looks_local = os.path.isdir(path) or path.startswith((".", "/", "~")) or os.sep + os.sep in path
-    if looks_local and not os.path.isdir(path):
-        raise UsageError(f"model folder '{model}' does not exist")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"model '{model}' is a folder without config.json")
+    shipped = f" (shipped names: {', '.join(shipped_models())})"
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"model '{model}' is a folder without config.json")
+        load_json(os.path.join(path, "config.json"), "model config")  # bounded first: size, UTF-8, nesting, NaN
+        try:
+            return _auto_config(model, path, trust_remote_code)
+        except OSError as error:
+            raise UsageError(f"model folder '{model}' has no usable config.json: {_first_line(error)}") from None
+    if path.startswith((".", "/", "~")) or os.sep + os.sep in path or path.count("/") > 1 or not path.strip():
+        raise UsageError(f"model folder '{model}' does not exist{shipped}")
+    try:
+        return _auto_config(model, path, trust_remote_code, local_files_only=True)  # the Hugging Face cache
+    except OSError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on"):
+        raise UsageError(f"model '{model}' is not a local folder and the hub cannot be reached (HF_HUB_OFFLINE is "
+                         f"set, and it is not in the Hugging Face cache){shipped}")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(path, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise UsageError(f"model '{model}' is gated on the hub: accept its licence there and log in "
+                         "(hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"model '{model}' is not a local folder nor a model on the hub{shipped}") from None
+    except Exception as error:  # no network, DNS, proxy, timeout, an invalid repo id
+        raise UsageError(f"model '{model}' is not a local folder and the hub cannot be reached "
+                         f"({type(error).__name__}: {_first_line(error)}){shipped}") from None
+    try:
+        return _auto_config(model, path, trust_remote_code)
+    except OSError as error:
+        raise UsageError(f"model '{model}' cannot be loaded from the hub: {_first_line(error)}") from None
+
+
+def _auto_config(model: str, path: str, trust_remote_code: bool, **kwargs):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if os.path.isdir(path):
-            raise UsageError(f"model folder '{model}' has no usable config.json: {message}") from None
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-        if offline or "connect" in message.lower() or "offline" in message.lower():
-            raise UsageError(f"model '{model}' is not a local folder and the hub cannot be reached") from None
-        raise UsageError(f"model '{model}' cannot be loaded from the hub: {message}") from None
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except ValueError as error:
+        if "trust_remote_code" in str(error):
+            raise UsageError(f"model '{model}' needs its own Python code to load (trust_remote_code); allow it "
+                             "only for a model whose code you trust") from None
+        raise UsageError(f"model '{model}': {_first_line(error)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def meta_model(config):

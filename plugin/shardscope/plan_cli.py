@@ -127,7 +127,8 @@ def format_dry_run(out: dict) -> str:
 
 def build_parser(subparsers):
     p = subparsers.add_parser("plan", help="per-GPU memory of every strategy, and which to use",
-                              description="Per-GPU memory for every strategy, before launch, from a model's config only.")
+                              description="Per-GPU memory for every strategy, before launch, from a model's config only.",
+                              epilog="Exit status: 0 ok, 1 when no strategy fits the GPUs given, 2 for bad input.")
     src = p.add_argument_group("model (one of)")
     src.add_argument("--model", help=f"shipped name ({', '.join(shipped_models())}), local folder or hub id")
     src.add_argument("--params", help="parameter count, e.g. 7e9 or 7B")
@@ -209,7 +210,8 @@ def plan_command(args) -> int:
                       heads=args.heads)
     result = estimate(spec, setup)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
-    return 0
+    nothing_fits = setup.gpu_memory_bytes is not None and not result["recommendation"]["strategy"]
+    return 1 if nothing_fits else 0  # 1: nothing fits the GPUs given (the table says by how much)
 
 
 def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,10 +19,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from transformers import TrainingArguments
 
 from .errors import UsageError
+from .safe_io import load_yaml
 
 
 def _cuda_available() -> bool:
@@ -55,9 +55,10 @@ class RecipeParser:
         if known.config:
             defaults = load_yaml_config(known.config)
             actions = {action.dest: action for action in self.parser._actions}
-            unknown = sorted(set(defaults) - set(actions))
+            unknown = sorted(str(key) for key in set(defaults) - set(actions))
             if unknown:
                 raise UsageError(f"{known.config}: unknown key(s) {', '.join(unknown)}")
+            defaults = typed_defaults(self.parser, defaults, known.config)
             for key in defaults:
                 actions[key].required = False
             self.parser.set_defaults(**defaults)
@@ -82,15 +83,38 @@ class RecipeParser:
 
 
 def load_yaml_config(path: str) -> dict:
-    if not Path(path).is_file():
-        raise UsageError(f"--config {path}: no such file")
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as error:
-        raise UsageError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
+    data = load_yaml(path, "--config") or {}  # bounded: size, UTF-8, nesting, aliases
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping of argument names to values")
     return data
+
+
+def typed_defaults(parser, values: dict, source: str) -> dict:
+    """YAML values converted as the command line converts them (a YAML default skips argparse's `type`):
+    `max_seq_length: 95.5` or `max_steps: [1, 2]` is refused here, not found later as a crash."""
+    # the annotations as written (HfArgumentParser rewrites the fields' `type`, e.g. `dict | str` to `str`)
+    annotations = {k: str(v) for dtype in parser.dataclass_types for cls in reversed(dtype.__mro__)
+                   for k, v in getattr(cls, "__annotations__", {}).items()}
+    actions = {action.dest: action for action in parser._actions}
+    typed = {}
+    for key, value in values.items():
+        action, many = actions[key], actions[key].nargs in ("+", "*")
+        if value is None or (isinstance(value, dict) and "dict" in annotations.get(key, "")):
+            typed[key] = value  # unset, or a dict-valued TrainingArguments field (deepspeed, fsdp_config, ...)
+            continue
+        if isinstance(value, dict) or (isinstance(value, list) and not many):
+            raise UsageError(f"{source}: {key}: expected a single value, got {value!r}")
+        convert = action.type or str
+        try:
+            typed[key] = [convert(str(v)) for v in value] if isinstance(value, list) else convert(str(value))
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            expected = {int: "an integer", float: "a number"}.get(convert, "true or false" if action.const is True
+                                                                  else "a value of its type")
+            raise UsageError(f"{source}: {key}: expected {expected}, got {value!r}") from None
+        if action.choices is not None and any(v not in action.choices for v in (
+                typed[key] if isinstance(value, list) else [typed[key]])):
+            raise UsageError(f"{source}: {key}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return typed
 
 
 def run(main) -> None:

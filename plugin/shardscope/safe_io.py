@@ -25,42 +25,43 @@ MAX_NODES = 1_000_000     # values after YAML aliases are expanded
 MAX_INT = 2 ** 64
 
 
-def read_bytes(path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> bytes:
-    """The bytes of a regular file of at most `max_bytes`."""
-    path = Path(path)
+def read_bytes(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES, tail: bool = False) -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (`tail`: its last `max_bytes`, for logs);
+    errors read "WHAT PATH: problem"."""
+    path, label = Path(path), f"{what} {path}".strip()
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what was opened
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        dangling = " (a symlink to a missing file)" if path.is_symlink() else ""
-        raise UsageError(f"{what} '{path}' does not exist{dangling}") from None
+        raise UsageError(f"{label}: no such file{' (a dangling symlink)' if path.is_symlink() else ''}") from None
     except IsADirectoryError:
-        raise UsageError(f"{what} '{path}' is a folder, not a file") from None
+        raise UsageError(f"{label}: a folder, not a file") from None
     except OSError as error:
-        raise UsageError(f"{what} '{path}' cannot be opened: {error.strerror}") from None
+        raise UsageError(f"{label}: cannot be opened ({error.strerror})") from None
+    info = os.fstat(fd)
+    problem = ("a folder, not a file" if stat.S_ISDIR(info.st_mode) else
+               "not a regular file (a FIFO, device or socket)" if not stat.S_ISREG(info.st_mode) else
+               f"{info.st_size:,} bytes, more than the {max_bytes:,} this reads" if info.st_size > max_bytes
+               and not tail else None)
+    if problem:
+        os.close(fd)
+        raise UsageError(f"{label}: {problem}")
     with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise UsageError(f"{what} '{path}' is a folder, not a file")
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"{what} '{path}' is not a regular file (a FIFO, device or socket); give a file")
-        if info.st_size > max_bytes:
-            raise UsageError(f"{what} '{path}' is {info.st_size:,} bytes, more than the {max_bytes:,} this reads")
-        data = file.read(max_bytes + 1)
+        file.seek(max(0, info.st_size - max_bytes) if tail else 0)
+        data = file.read(max_bytes if tail else max_bytes + 1)
     if len(data) > max_bytes:
-        raise UsageError(f"{what} '{path}' is more than {max_bytes:,} bytes")
+        raise UsageError(f"{label}: more than the {max_bytes:,} bytes this reads")
     return data
 
 
-def read_text(path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
+def read_text(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES) -> str:
     """A regular UTF-8 text file (a leading BOM is dropped); binary files are refused."""
-    data = read_bytes(path, what, max_bytes)
+    data, label = read_bytes(path, what, max_bytes), f"{what} {path}".strip()
     if b"\0" in data:
-        raise UsageError(f"{what} '{path}' is a binary file (NUL byte at offset {data.index(0)}), not text")
+        raise UsageError(f"{label}: a binary file (NUL byte at offset {data.index(0)}), not text")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        raise UsageError(f"{what} '{path}' is not UTF-8 text (byte 0x{data[error.start]:02x} at offset "
-                         f"{error.start})") from None
+        raise UsageError(f"{label}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})") from None
 
 
 # ----------------------------------------------------------------------------- bounded parsing
@@ -87,8 +88,9 @@ def parse_yaml(text: str, where: str):
     """YAML's safe loader, refusing documents whose aliases expand past `MAX_NODES` before building them."""
     import yaml
 
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader refuses control characters here
         node = loader.get_single_node()
         if node is None:
             return None
@@ -97,24 +99,26 @@ def parse_yaml(text: str, where: str):
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
-        raise UsageError(f"{at}: malformed YAML: {getattr(error, 'problem', None) or error}") from None
+        problem = str(getattr(error, "problem", None) or error).strip().splitlines() or [type(error).__name__]
+        raise UsageError(f"{at}: malformed YAML: {problem[0]}") from None
     except RecursionError:
         raise UsageError(f"{where}: nested too deeply (more than {MAX_DEPTH} levels)") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     _check_tree(data, where)
     return data
 
 
-def load_json(path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES):
-    return parse_json(read_text(path, what, max_bytes), str(path))
+def load_json(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES):
+    return parse_json(read_text(path, what, max_bytes), f"{what} {path}".strip())
 
 
-def load_yaml(path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES):
-    return parse_yaml(read_text(path, what, max_bytes), str(path))
+def load_yaml(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES):
+    return parse_yaml(read_text(path, what, max_bytes), f"{what} {path}".strip())
 
 
-def load_data(path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES):
+def load_data(path, what: str = "", max_bytes: int = MAX_TEXT_BYTES):
     """JSON or YAML by the file's suffix (.yaml/.yml: YAML, anything else: JSON)."""
     load = load_yaml if Path(path).suffix in (".yaml", ".yml") else load_json
     return load(path, what, max_bytes)
@@ -179,15 +183,15 @@ def writable_target(path, what: str = "output") -> Path:
     path = Path(path)
     if path.is_symlink():
         if not path.exists():
-            raise UsageError(f"{what} '{path}' is a symlink to a missing '{os.readlink(path)}'; remove it or "
-                             "choose another path")
+            raise UsageError(f"{what} {path}: a dangling symlink (to '{os.readlink(path)}'); remove it or choose "
+                             "another path")
         path = Path(os.path.realpath(path))
     if path.is_dir():
-        raise UsageError(f"{what} '{path}' is a folder; give a file path")
+        raise UsageError(f"{what} {path}: a folder; give a file path")
     if path.exists() and not path.is_file():
-        raise UsageError(f"{what} '{path}' is not a regular file (a FIFO, device or socket)")
+        raise UsageError(f"{what} {path}: not a regular file (a FIFO, device or socket)")
     if not path.parent.is_dir():
-        raise UsageError(f"{what} '{path}': folder '{path.parent}' does not exist")
+        raise UsageError(f"{what} {path}: folder '{path.parent}' does not exist")
     return path
 
 
@@ -198,7 +202,7 @@ def atomic_write_bytes(path, data: bytes, what: str = "output") -> Path:
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as for any file
     except OSError as error:
-        raise UsageError(f"{what} '{target}' cannot be written: {error.strerror}") from None
+        raise UsageError(f"{what} {target}: cannot be written ({error.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
@@ -208,7 +212,7 @@ def atomic_write_bytes(path, data: bytes, what: str = "output") -> Path:
     except BaseException as error:
         temp.unlink(missing_ok=True)
         if isinstance(error, OSError):  # disk full, quota, a folder made read-only meanwhile
-            raise UsageError(f"{what} '{target}' cannot be written: {error.strerror or error}") from None
+            raise UsageError(f"{what} {target}: cannot be written ({error.strerror or error})") from None
         raise
     return target
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import stat
 from pathlib import Path
 
 from .errors import UsageError
-from .safe_io import atomic_write_text
+from .safe_io import atomic_write_text, load_json
 
 SUMMARY_FILE = "shardscope_summary.json"
 SCHEMA_VERSION = 1
@@ -44,37 +43,20 @@ REQUIRED = ("world_size", "strategy", "ranks")
 
 
 def write_summary(path: str | Path, summary: dict) -> Path:
-    """Write `summary` (plus `schema_version`) as JSON atomically: a temporary file renamed into place."""
+    """Write `summary` (plus `schema_version`) as JSON atomically (safe_io: a temporary file renamed into
+    place, umask permissions); NaN or an infinity is an error, never written as non-JSON."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"schema_version": SCHEMA_VERSION, **summary}, indent=2, allow_nan=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, text, "summary")
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
 def read_summary(path: str | Path) -> dict:
-    """Load a summary; one-line `UsageError` naming the file and key when it is missing, truncated,
-    not a regular file, too large, from a newer schema, or without the keys the tools need."""
+    """Load a summary through safe_io's bounded JSON reader (a regular UTF-8 file of at most MAX_BYTES, so a
+    FIFO never hangs it; NaN, infinities, integers past 64 bits and deep nesting refused). One-line
+    `UsageError` naming the file and key when it is unusable, from a newer schema, or lacks what the tools need."""
     path = Path(path)
-    try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"summary '{path}' is not a regular file")
-        if info.st_size > MAX_BYTES:
-            raise UsageError(f"summary '{path}' is {info.st_size:,} bytes, too large to be a shardscope summary")
-        summary = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
-    except OSError as error:
-        raise UsageError(f"summary '{path}' cannot be read: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"summary '{path}' is not UTF-8 text") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"summary '{path}' is not valid JSON: {error.msg} at line {error.lineno} "
-                         f"column {error.colno}") from None
-    except (ValueError, RecursionError) as error:
-        raise UsageError(f"summary '{path}' is not valid JSON: {error}") from None
+    summary = load_json(path, "summary", MAX_BYTES)
     if not isinstance(summary, dict):
         raise UsageError(f"summary '{path}' is not a JSON object")
     version = summary.get("schema_version", 1)

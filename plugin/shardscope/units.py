@@ -51,6 +51,8 @@ def gpu_size(n: int) -> str:
     return f"{gib:g} GiB ({gb(n)} GB)" if gib == int(gib) else f"{gb(n)} GB"
 
 
+MAX_BYTES = 10 ** 15   # per GPU: a petabyte, far above any accelerator (the largest hold ~0.2 TB)
+MAX_PARAMS = 10 ** 14  # 100 trillion, far above any model trained so far (~2e12)
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
           "ti": 2 ** 40}
@@ -68,6 +70,8 @@ def parse_size(text: str, what: str = "--gpu-memory") -> int:
         unit = "gi"
     if value <= 0:
         raise UsageError(f"{what} must be positive, got '{text}'")
+    if not value * _UNITS[unit] <= MAX_BYTES:  # also inf: '1e400' parses as a float
+        raise UsageError(f"{what} '{text}' is more than any accelerator holds (at most 1 PB)")
     return int(value * _UNITS[unit])
 
 
@@ -79,6 +83,8 @@ def parse_count(text: str, what: str = "--params") -> float:
     value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
     if value <= 0:
         raise UsageError(f"{what} must be positive, got '{text}'")
+    if not value <= MAX_PARAMS:  # also inf: '1e400' parses as a float
+        raise UsageError(f"{what} '{text}' is more parameters than any model has ({MAX_PARAMS:.0e} at most)")
     return value
 
 
