@@ -224,3 +224,14 @@ def test_no_fit_proposes_the_cheapest_change_first():
 def test_precision_wording_when_the_arguments_set_no_precision():
     f, = run("--bf16", "false", accelerate_config=SHIPPED["ddp.yaml"])
     assert f.problem.startswith("bf16 here but trainer arguments set neither --bf16 nor --fp16")
+
+
+def test_docs_list_every_rule_with_its_level():
+    from pathlib import Path
+
+    from shardscope.doctor_rules import RULES
+
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip()
+            for line in (Path(__file__).resolve().parents[1] / "docs" / "doctor.md").read_text().splitlines()
+            if line.startswith("| `")}
+    assert {code: rows.get(code) for code in RULES} == RULES
