@@ -140,3 +140,20 @@ def test_optimizer_layers_walk_wrappers_once():
     assert state_bytes.optimizer_layers(outer) == [outer, inner]
     assert state_bytes.base_optimizer(outer) is inner
 
+
+
+def test_world_size_above_one_with_each_process_alone_is_named(monkeypatch):
+    """torchrun on CPU without use_cpu: WORLD_SIZE=N, yet accelerate's state holds one process (issue 20)."""
+    from accelerate import Accelerator
+
+    from shardscope.strategy import detect_strategy
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    Accelerator(cpu=True)  # this process alone, as transformers leaves it
+    assert detect_strategy()["strategy"] == "single"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    found = detect_strategy()
+    assert (found["strategy"], found["world_size"], found["launched_world_size"]) == ("independent_copies", 1, 4)
+    assert "4 unsynchronized copies" in found["problem"] and "use_cpu" in found["problem"]
+    assert strategy_from_summary({"strategy": "independent_copies"}) is None  # nothing the planner can compare

@@ -280,19 +280,27 @@ def test_deepspeed_estimators_differ_where_pinned():
     ds_cpu, _, _ = estimate_zero3_model_states_mem_needs(P, spec.largest_layer_params, N, 1)
     assert z3.cpu_bytes - 8 == 20 * P // N and ds_cpu == int(P * 18 * 1.5)
     # 3. ZeRO-3 without offload: DeepSpeed's 4*LL + 18P/N reuses ZeRO-2's 18 B multiplier but no
-    #    longer adds the 16-bit params separately, so it leaves out the 2 B/param 16-bit partition:
-    #    planner 2 params + 2 grads + 4 fp32 grad copy + 12 optimizer = 20P/N, plus the persistent
-    #    small tensors every rank keeps whole (DeepSpeed's estimate has no term for them).
-    llama = model_spec("llama-2-7b")
-    r = strategy_row("zero3", llama, Setup(gpus_per_node=N))
-    _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(llama.params_total, llama.largest_layer_params, N, 1,
-                                                         cpu_offload=False)
-    ours = r.model_states_bytes + r.buffers_detail["gathered_layer"] + r.buffers_detail["fp32_grad_copy_in_step"]
-    threshold = 10 * llama.hidden_size  # the Trainer's "auto"
-    persistent = 2 * sum(d * rows for d, rows, _ in formulas.counts(llama, Setup(gpus_per_node=N)).tensors
-                         if d * rows <= threshold)
-    assert 0 < persistent < 0.001 * llama.params_total
-    assert abs(ours - ds_gpu - 2 * llama.params_total / N - persistent) <= 64
+    #    longer adds the 16-bit params separately, so it leaves out the 2 B/param 16-bit partition,
+    #    and it charges the 4 B/param fp32 grads for the whole partition where DeepSpeed's step builds
+    #    them one sub-group (sub_group_size, default 1e9 elements) at a time: planner 2 params + 2 grads
+    #    + 12 optimizer = 16P/N + 4*min(s(T), sub_group_size), plus the persistent small tensors every
+    #    rank keeps whole (DeepSpeed's estimate has no term for them).
+    for name, n in (("llama-2-7b", N), ("llama-2-70b", 8)):
+        llama = model_spec(name)
+        r = strategy_row("zero3", llama, Setup(gpus_per_node=n))
+        _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(llama.params_total, llama.largest_layer_params, n, 1,
+                                                             cpu_offload=False)
+        ours = r.model_states_bytes + r.buffers_detail["gathered_layer"] + r.buffers_detail["fp32_grad_copy_in_step"]
+        threshold = 10 * llama.hidden_size  # the Trainer's "auto"
+        persistent = 2 * sum(d * rows for d, rows, _ in formulas.counts(llama, Setup(gpus_per_node=n)).tensors
+                             if d * rows <= threshold)
+        assert 0 < persistent < 0.001 * llama.params_total
+        shard = r.grads_bytes // 2  # s(T): bf16 grads
+        assert r.buffers_detail["fp32_grad_copy_in_step"] == 4 * min(shard, 10 ** 9)
+        assert abs(ours - ds_gpu - 2 * llama.params_total / n - persistent + 4 * (shard - 10 ** 9)) <= 64
+        whole = strategy_row("zero3", llama, Setup(gpus_per_node=n, zero_sub_group_size=shard))
+        assert whole.buffers_detail["fp32_grad_copy_in_step"] == 4 * shard  # one sub-group: the whole partition
+    assert round(ds_gpu / 1e9, 1) == 156.2  # Llama-2-70B on 8 GPUs, DeepSpeed's figure quoted in issue 20
     # 4. DeepSpeed has no ZeRO-1 estimator and counts no buckets or activations.
     assert strategy_row("zero1", spec, Setup(gpus_per_node=N)).buffers_bytes > 0
 
@@ -529,3 +537,29 @@ def test_tensor_parallel_rows_show_each_mesh_once():
     one_node = estimate(spec, Setup(gpus_per_node=8, tp_size=4))
     assert [r["strategy"] for r in one_node["rows"] if "tp" in r["mesh"] and r["mesh"]["tp"] > 1] == ["tp", "fsdp_tp"]
     assert any("hsdp_tp left out" in note for note in one_node["notes"])
+
+
+def test_zero3_parameter_only_offload_is_not_full_offload():
+    """offload_param without offload_optimizer (Setup.zero3_offload="params"): only the parameter shard
+    moves to CPU; gradients, optimizer state and the per-sub-group fp32 grads stay on the GPU."""
+    from shardscope.doctor_deepspeed import planner_settings
+
+    spec, setup = model_spec("llama-2-7b"), Setup(gpus_per_node=8)
+    zero3 = strategy_row("zero3", spec, setup)
+    full = strategy_row("zero3_offload", spec, setup)
+    params = strategy_row("zero3_offload", spec, replace(setup, zero3_offload="params"))
+    optim = strategy_row("zero3_offload", spec, replace(setup, zero3_offload="optimizer"))
+    persistent = full.params_bytes
+    assert 0 < persistent < zero3.params_bytes
+    assert (params.params_bytes, params.grads_bytes, params.optimizer_bytes) == \
+        (persistent, zero3.grads_bytes, zero3.optimizer_bytes)
+    assert params.cpu_bytes == zero3.params_bytes - persistent  # the 16-bit parameter shard
+    assert params.buffers_detail == zero3.buffers_detail
+    assert optim.params_bytes == zero3.params_bytes and optim.grads_bytes == optim.optimizer_bytes == 0
+    assert full.cpu_bytes == params.cpu_bytes + optim.cpu_bytes
+    # read from a DeepSpeed file the way DeepSpeed reads it
+    assert planner_settings({"stage": 3, "offload_param": {"device": "cpu"}, "sub_group_size": 5e8}) == \
+        {"zero3_offload": "params", "zero_sub_group_size": 500000000}
+    assert planner_settings({"stage": 3, "offload_param": {"device": "cpu"},
+                             "offload_optimizer": {"device": "cpu"}})["zero3_offload"] == "all"
+    assert planner_settings({"stage": 3, "cpu_offload": True})["zero3_offload"] == "optimizer"  # deprecated name

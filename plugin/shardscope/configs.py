@@ -278,7 +278,7 @@ def _check_deepspeed(config: dict, problems: list[str], world_size: int):
     try:
         parsed = _deepspeed_config(tracked, world_size)
     except Exception as error:  # pydantic ValidationError, DeepSpeedConfigError, AssertionError, TypeError
-        problems += _deepspeed_errors(error)
+        problems += _deepspeed_errors(error, tracked)
         return None
     problems += [f"{key}: not a DeepSpeed config key (DeepSpeed ignores it)" for key in tracked.unread()]
     return parsed
@@ -313,11 +313,19 @@ def _deepspeed_config(config: dict, world_size: int):
     return OfflineDeepSpeedConfig(config, world_size)
 
 
-def _deepspeed_errors(error: Exception) -> list[str]:
-    if hasattr(error, "errors"):  # pydantic: one line per field, with its dotted location
-        section = {"DeepSpeedZeroConfig": "zero_optimization."}.get(getattr(error, "title", ""), "")
-        return [f"{section}{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in error.errors()]
-    return [f"{type(error).__name__}: {error}"]
+def _deepspeed_errors(error: Exception, config: dict) -> list[str]:
+    """DeepSpeed's error, one line per field, each named with its section (`compile.disable`)."""
+    if not hasattr(error, "errors"):
+        return [f"{type(error).__name__}: {error}"]
+    lines = []
+    for e in error.errors():  # pydantic: the location is relative to the section's own model
+        loc = [str(part) for part in e["loc"]]
+        sections = [k for k, v in config.items() if isinstance(v, dict) and loc and loc[0] in v]
+        name = ".".join(sections[:1] + loc) if loc and loc[0] not in config else ".".join(loc)
+        what = "not a key DeepSpeed knows there; DeepSpeed refuses the file" if e.get("type") == "extra_forbidden" \
+            else f"{e['msg']}; DeepSpeed refuses the file"
+        lines.append(f"{name}: {what} (got {e.get('input')!r})")
+    return lines
 
 
 # --- accelerate yaml

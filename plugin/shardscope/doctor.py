@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .configs import ConfigProblems, find_config, validate_config
 from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
-                               check_deepspeed_precision)
+                               check_deepspeed_precision, planner_settings)
 from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .doctor_launch import check_default_config, check_multinode, check_precision, check_processes
 from .doctor_rules import Finding, failing, read_checked, read_raw
@@ -120,8 +120,10 @@ def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Fi
     return findings
 
 
-def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None = None) -> list[Finding]:
-    """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes.
+def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None = None,
+              zero: dict | None = None) -> list[Finding]:
+    """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes;
+    `zero`: a DeepSpeed file's zero_optimization (what it offloads, its sub-group size).
     The fix is the cheapest change that makes this strategy fit (--bf16, then --gradient_checkpointing),
     else the planner's recommendation."""
     from .mesh import Setup, setup_for_mesh
@@ -137,7 +139,8 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
                   seq_len=int(trainer.get("max_seq_length") or 2048),
                   activation_checkpointing=bool(trainer.get("gradient_checkpointing")),
                   lora_rank=lora, lora_targets=("all-linear",) if lora else ("q_proj", "v_proj"),
-                  grad_accum_steps=int(trainer.get("gradient_accumulation_steps") or 1))
+                  grad_accum_steps=int(trainer.get("gradient_accumulation_steps") or 1),
+                  **planner_settings(zero or {}))
     if mesh:
         strategy, setup = setup_for_mesh(setup, mesh)
     result = estimate(spec, setup)
@@ -267,7 +270,8 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
                       ((deepspeed, "deepspeed"), (fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
             file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
             mesh = acc_mesh if file == str(inputs.accelerate_config) else None
-            findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh)
+            zero = read_raw(deepspeed).get("zero_optimization") if deepspeed else None
+            findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh, zero)
         else:
             notes.append("fit check skipped: needs --gpus and --gpu or --gpu-memory")
     else:

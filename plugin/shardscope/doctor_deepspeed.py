@@ -49,6 +49,16 @@ def zero_settings(zero: dict):
         return None
 
 
+def planner_settings(zero: dict) -> dict:
+    """The `Setup` fields a `zero_optimization` section decides: what ZeRO-3 offloads, its sub-group size."""
+    settings = zero_settings(zero)
+    if settings is None:
+        return {}
+    moved = [s for s in ("offload_param", "offload_optimizer") if _device(getattr(settings, s)) in ("cpu", "nvme")]
+    kind = {("offload_param",): "params", ("offload_optimizer",): "optimizer"}.get(tuple(moved), "all")
+    return {"zero3_offload": kind, "zero_sub_group_size": int(settings.sub_group_size)}
+
+
 def _device(offload) -> str:
     device = getattr(offload, "device", None)
     return str(getattr(device, "value", device) or "none").lower()

@@ -255,8 +255,10 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     zero3:            params s(P)*p + persistent*p (each tensor's `ds_tensor` partition; tensors
                       <= stage3_param_persistence_threshold also stay whole on every rank), grads
                       s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*(p+g) + copy32
-    zero3_offload:    GPU params persistent*p, buffers as zero3 without copy32;
-                      CPU s(P)*p + s(T)*(g + 4) + optim
+    zero3_offload:    Setup.zero3_offload "all": GPU params persistent*p, buffers as zero3 without
+                      copy32; CPU s(P)*p + s(T)*(g + 4) + optim. "params" (offload_param only):
+                      as zero3 with params persistent*p on GPU and s(P)*p on CPU. "optimizer"
+                      (offload_optimizer only): as "all" with params s(P)*p + persistent*p on GPU
     fsdp_full_shard:  params s(P)*p, grads s(T)*g, optim s(T)*o + steps, buffers 3*U*e
                       (current and prefetched unit gathered, plus the unit's unsharded grad);
                       s() per tensor by rows for FSDP2, per unit (flat parameter) for FSDP1
@@ -265,9 +267,11 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     fsdp_hybrid_shard: as full shard with N = GPUs per node (replicated across nodes)
     fsdp_offload:     GPU buffers 3*U*e only; CPU s(P)*p + s(T)*g + optim
     Grads are what a rank holds as the optimizer step begins (what the callback measures). Inside
-    the step DeepSpeed makes an fp32 copy of the grad partition, copy32 = s(T)*4: ZeRO-1/2 only when
-    grads are 16-bit (they cast a pre-flattened partition), ZeRO-3 always (it flattens the partition
-    into a new tensor). With bf16, model states + copy32 are DeepSpeed's own 18 B/param estimate.
+    the step DeepSpeed makes an fp32 copy of the grads, copy32: ZeRO-1/2 of the whole partition
+    s(T)*4, only when grads are 16-bit (they cast a pre-flattened partition) - with bf16, model
+    states + copy32 are DeepSpeed's own 18 B/param estimate; ZeRO-3 one sub-group at a time,
+    min(s(T), sub_group_size)*4 (stage3 `_prepare_fp32_grad_for_sub_group` / `_release_sub_group`),
+    where DeepSpeed's estimator charges 4 B/param for the whole partition and no 16-bit grads.
     ZeRO-1/2 flatten all trainable params and pad to a multiple of 2*N elements.
 
     Tensor parallel rows (transformers `DistributedConfig`; t = `tp_degree`, S = dp_shard, R =
@@ -353,7 +357,8 @@ def _zero12_states(strategy, spec, setup, c, eb, mesh):
 
 
 def _zero3_states(strategy, spec, setup, c, eb, mesh):
-    """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent)."""
+    """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent).
+    zero3_offload moves what `setup.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
     n, p, g = setup.world_size, eb.param, eb.grad
     threshold = (setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None
                  else 10 * spec.hidden_size)
@@ -362,11 +367,16 @@ def _zero3_states(strategy, spec, setup, c, eb, mesh):
     detail = {"gathered_layer": spec.largest_layer_params * (p + g), "buckets": _bucket(spec, setup) * (p + g)}
     # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
     persistent = sum(d * r for d, r, _ in c.tensors if d * r <= threshold) * p
-    if strategy == "zero3_offload":
-        return dict(params_bytes=persistent, grads_bytes=0, optimizer_bytes=0), \
-            pshard * p + tshard * (g + 4) + optim, detail, n
-    detail["fp32_grad_copy_in_step"] = tshard * 4
-    return dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim), 0, detail, n
+    on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
+    cpu = 0
+    if strategy == "zero3_offload" and setup.zero3_offload in ("all", "params"):  # offload_param
+        on_gpu["params_bytes"], cpu = persistent, pshard * p
+    if strategy == "zero3_offload" and setup.zero3_offload in ("all", "optimizer"):  # offload_optimizer
+        on_gpu.update(grads_bytes=0, optimizer_bytes=0)
+        return on_gpu, cpu + tshard * (g + 4) + optim, detail, n
+    # DeepSpeed's step builds fp32 gradients one sub-group (sub_group_size elements) at a time
+    detail["fp32_grad_copy_in_step"] = min(tshard, setup.zero_sub_group_size) * 4
+    return on_gpu, cpu, detail, n
 
 
 def _fsdp_states(strategy, spec, setup, c, eb, mesh):

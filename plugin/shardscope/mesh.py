@@ -33,6 +33,8 @@ class Setup:
     ddp_bucket_view: bool = False          # DDP(gradient_as_bucket_view=True): no bucket copy
     bucket_elements: int | None = None     # DeepSpeed reduce bucket; None: hidden^2 (Trainer "auto")
     zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
+    zero_sub_group_size: int = 10 ** 9     # DeepSpeed zero_optimization.sub_group_size: ZeRO-3's fp32 grads per step
+    zero3_offload: str = "all"             # what zero3_offload moves to CPU: "all", "params" or "optimizer"
     zero_param_groups: int = 2             # Trainer: decay / no-decay groups
     grad_accum_steps: int = 1
     fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params

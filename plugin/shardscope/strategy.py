@@ -5,6 +5,8 @@ summary's `strategy`, doctor's findings. Nothing here imports torch or transform
 """
 from __future__ import annotations
 
+import os
+
 from .units import as_int
 
 TP_STRATEGIES = ("tp", "fsdp_tp", "hsdp_tp")  # transformers DistributedConfig(tp_size, fsdp_size, dp_replicate_size)
@@ -139,6 +141,13 @@ def detect_strategy(model=None) -> dict:
     if world_size > 1:
         return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
                 "distributed_type": str(kind.value)}
+    launched = _int(os.environ.get("WORLD_SIZE")) or 1
+    if launched > 1:  # e.g. torchrun on CPU without use_cpu: transformers runs every process on its own
+        return {"strategy": "independent_copies", "world_size": world_size, "launched_world_size": launched,
+                "mesh": _mesh(1, 1, 1), "problem": f"launched with WORLD_SIZE={launched} but accelerate runs this "
+                f"process alone (distributed_type {state.distributed_type.value}): {launched} unsynchronized copies "
+                "of the same training, no gradient exchange; on CPU pass --use_cpu (TrainingArguments(use_cpu="
+                "True)) or launch with accelerate launch --cpu"}
     return {"strategy": "single", "world_size": world_size, "mesh": _mesh(1, 1, 1)}
 
 
