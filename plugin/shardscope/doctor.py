@@ -26,6 +26,7 @@ from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, ch
                                check_deepspeed_precision)
 from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .doctor_launch import check_default_config, check_multinode, check_precision, check_processes
+from .doctor_precision import precision_findings
 from .doctor_rules import Finding, as_int, failing, read_raw
 from .errors import UsageError
 from .mesh import tp_heads_problem, valid_tp_degrees
@@ -250,6 +251,9 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
         if validate:
             _validated(deepspeed, "deepspeed", findings, world or 8)
         findings += check_deepspeed(deepspeed, trainer, world, source, asked_for_offload(inputs.accelerate_config))
+    found, said = precision_findings(inputs.accelerate_config, acc, deepspeed is not None, trainer, source)
+    findings += found
+    notes += said
     if fsdp is not None:
         if validate:
             _validated(fsdp, "fsdp", findings, world or 8)
