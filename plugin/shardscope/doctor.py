@@ -25,6 +25,7 @@ from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, ch
                                check_deepspeed_precision, planner_settings)
 from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .doctor_launch import check_default_config, check_multinode, check_precision, check_processes
+from .doctor_precision import precision_findings
 from .doctor_rules import Finding, failing, read_checked, read_raw
 from .units import as_int
 from .errors import UsageError
@@ -244,6 +245,9 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
         if validate:
             _validated(deepspeed, "deepspeed", findings, world or 8)
         findings += check_deepspeed(deepspeed, trainer, world, source, asked_for_offload(inputs.accelerate_config))
+    found, said = precision_findings(inputs.accelerate_config, acc, deepspeed is not None, trainer, source)
+    findings += found
+    notes += said
     if fsdp is not None:
         if validate:
             _validated(fsdp, "fsdp", findings, world or 8)

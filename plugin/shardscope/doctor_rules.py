@@ -26,6 +26,7 @@ RULES = {  # code -> level
     "default-config": "warning",
     "no-fit": "error",
     "precision": "warning",
+    "fp16-cpu": "error",         # fp16 asked on CPU under DDP/FSDP: trains plain fp32 (doctor_precision)
     "offload": "error",
     "silent-offload": "notice",
     "tp-degree": "error",

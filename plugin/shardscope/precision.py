@@ -176,7 +176,7 @@ def verdict(configured: str, facts: dict, strategy: str | None = None, loaded_dt
                   "(no autocast, no loss scaler); use --bf16 on CPU, or run fp16 on a GPU")
     elif configured.endswith("-mixed") and effective.endswith("-pure"):
         reason = (f"the parameters are {effective[:4]} and the optimizer steps them with no fp32 master copy "
-                  f"(the model was loaded in {effective[:4]}): load it in float32 (torch_dtype=torch.float32) "
+                  f"(the model was loaded in {effective[:4]}): load it in float32 (from_pretrained(..., dtype=torch.float32)) "
                   f"so autocast computes in {effective[:4]} over fp32 weights, or accept {effective} on purpose")
     elif strategy.startswith("zero3") and loaded_dtype in HALF and effective == "fp32":
         ok, reason = False, (f"the checkpoint is {loaded_dtype} but DeepSpeed ZeRO-3 built fp32 parameters "

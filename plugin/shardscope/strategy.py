@@ -141,7 +141,7 @@ def detect_strategy(model=None) -> dict:
     if world_size > 1:
         return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
                 "distributed_type": str(kind.value)}
-    launched = _int(os.environ.get("WORLD_SIZE")) or 1
+    launched = as_int(os.environ.get("WORLD_SIZE")) or 1
     if launched > 1:  # e.g. torchrun on CPU without use_cpu: transformers runs every process on its own
         return {"strategy": "independent_copies", "world_size": world_size, "launched_world_size": launched,
                 "mesh": _mesh(1, 1, 1), "problem": f"launched with WORLD_SIZE={launched} but accelerate runs this "
