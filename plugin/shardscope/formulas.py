@@ -220,6 +220,7 @@ class Row:
     activations_bytes: int
     buffers_bytes: int
     total_bytes: int = 0
+    peak_bytes: int = 0                       # the rank's worst moment in a step (what `fits` compares)
     fits: bool | None = None
     cpu_bytes: int = 0
     model_states_bytes: int = 0
@@ -234,6 +235,7 @@ class Row:
     def __post_init__(self):
         self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
         self.total_bytes = self.model_states_bytes + self.activations_bytes + self.buffers_bytes
+        self.peak_bytes = self.peak_bytes or self.total_bytes
 
 
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,

@@ -35,7 +35,7 @@ def fits(row: Row, setup: Setup) -> bool | None:
     if usable is None:
         return None
     cpu_ok = setup.cpu_memory_bytes is None or row.cpu_bytes * setup.gpus_per_node <= setup.cpu_memory_bytes
-    return row.total_bytes <= usable and cpu_ok
+    return row.peak_bytes <= usable and cpu_ok
 
 
 def recommend(rows: list[Row], setup: Setup) -> dict:
