@@ -351,9 +351,11 @@ def test_cli_json_contract(capsys):
     # one node, tp = its 4 GPUs: fsdp_tp and hsdp_tp would repeat tp's mesh, so they are left out
     assert [r["strategy"] for r in result["rows"]] == [s for s in STRATEGIES if s not in ("fsdp_tp", "hsdp_tp")]
     keys = {"strategy", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
-            "total_bytes", "fits"}
+            "peak_bytes", "peak_breakdown", "peak_phase", "activations_source", "total_bytes", "fits"}
     for row in result["rows"]:
-        assert keys <= set(row) and row["total_bytes"] == sum(row[k] for k in keys if k.endswith("_bytes") and k != "total_bytes")
+        assert keys <= set(row) and row["total_bytes"] == row["peak_bytes"] == sum(row["peak_breakdown"].values())
+        assert row["peak_breakdown"]["optimizer"] == row["optimizer_bytes"]  # held at every moment of a step
+        assert row["activations_source"] == "formula"  # --params: nothing to trace
     assert set(result["recommendation"]) == {"strategy", "reason", "not_chosen"}
     assert result["recommendation"]["strategy"] in STRATEGIES
 

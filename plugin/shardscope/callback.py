@@ -106,11 +106,12 @@ class ShardingProfilerCallback(TrainerCallback):
         every_n_steps: measure every N optimizer steps (None: the Trainer's logging interval).
         peak_tflops: dense peak TFLOP/s of one device, overriding the built-in table (for MFU).
         summary_file: file name written into `args.output_dir` (None to skip).
-        memory_step: the optimizer step whose peak tensor memory is measured by category (None: none).
+        memory_step: the optimizer step whose peak tensor memory is measured by category (None: none);
+            the default 3 is a warm step after DDP's bucket rebuild, which allocates during step 2.
     """
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
-                 summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 2):
+                 summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3):
         for name, value in (("every_n_steps", every_n_steps), ("memory_step", memory_step)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .errors import UsageError
 from .mesh import Setup, tp_degree, tp_mesh
 from .model_spec import LORA_DEFAULT_TARGETS, ModelSpec
+from .peak_plan import formula_moments, step_peak
 from .strategy import family
 from .units import ceil_div
 
@@ -219,8 +220,11 @@ class Row:
     optimizer_bytes: int
     activations_bytes: int
     buffers_bytes: int
-    total_bytes: int = 0
-    peak_bytes: int = 0                       # the rank's worst moment in a step (what `fits` compares)
+    total_bytes: int = 0                      # = peak_bytes (the name plan --json used before peak_bytes)
+    peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
+    peak_breakdown: dict = field(default_factory=dict)  # peak_plan.PARTS at that moment
+    peak_phase: str = ""                      # forward, backward or optimizer step
+    activations_source: str = "formula"       # "traced" (1 and 2 layers scaled), "simulated" (full depth), "formula"
     fits: bool | None = None
     cpu_bytes: int = 0
     model_states_bytes: int = 0
@@ -234,12 +238,11 @@ class Row:
 
     def __post_init__(self):
         self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
-        self.total_bytes = self.model_states_bytes + self.activations_bytes + self.buffers_bytes
-        self.peak_bytes = self.peak_bytes or self.total_bytes
+        self.total_bytes = self.peak_bytes
 
 
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
-                 activations: int | None = None) -> Row:
+                 activations: int | None = None, trace=None) -> Row:
     """Per-rank bytes of one strategy. P = all params, T = trainable, N = ranks sharding, s(X) = the
     rank's padded shard of X, U = largest FSDP unit, LL = largest layer (DeepSpeed's definition),
     B = bucket elements, steps = 4 B per AdamW `step` tensor (one per trainable tensor for torch
@@ -248,15 +251,16 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     ddp:              params P*p, grads T*g, optim T*(m+o) + steps, buffers T*g (DDP's reducer
                       buckets are a second copy of the grads unless gradient_as_bucket_view)
     zero1, zero2:     params P*p, grads s(T)*g (zero2: whole tensors straddling a partition edge too,
-                      `zero2_grad_partition`), optim s(T)*(m+o), buffers 2*B*g + copy32; zero1
+                      `zero2_grad_partition`), optim s(T)*(m+o), buffers B*g, 2*B*g with overlap_comm (DeepSpeed's
+                      reduce bucket, doubled to overlap) + copy32; zero1
                       with gradient accumulation > 1 also holds the full T*g between micro-steps
                       (at an accumulation boundary DeepSpeed reduces and frees grads bucket by
                       bucket in stage 1 too)
-    zero2_offload:    GPU params P*p, buffers 2*B*g; CPU s(T)*(4 + p) + optim
+    zero2_offload:    GPU params P*p, buffers as zero2; CPU s(T)*(4 + p) + optim
                       (fp32 grad partition, 16-bit staging copy, master, moments)
     zero3:            params s(P)*p + persistent*p (each tensor's `ds_tensor` partition; tensors
                       <= stage3_param_persistence_threshold also stay whole on every rank), grads
-                      s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*(p+g) + copy32
+                      s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*g (one reduce bucket) + copy32
     zero3_offload:    Setup.zero3_offload "all": GPU params persistent*p, buffers as zero3 without
                       copy32; CPU s(P)*p + s(T)*(g + 4) + optim. "params" (offload_param only):
                       as zero3 with params persistent*p on GPU and s(P)*p on CPU. "optimizer"
@@ -288,7 +292,10 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
                       gathered, + its unsharded grad; transformers' FSDP2 has no MixedPrecisionPolicy
                       unless DistributedConfig(fsdp_mixed_precision=True), so they are in the param dtype)
     From `--params` (no tensor list): ceil(P / (t*S)) and the row is `approximate`.
-    Activations: `activation_bytes(spec, setup, t)`.
+    Activations and the peak: with a `trace` (step_trace.StepTrace of this strategy's compute regime; not
+    for TP rows, whose split activations only the formula knows), its moments at L layers, else the
+    formula `activation_bytes(spec, setup, t)` as one approximate moment; `peak_plan.step_peak` adds
+    them to the states above. activations_bytes is the activations at the peak.
 
     Communication, `comm_bytes_per_step`: a computed figure (not measured), bytes each rank sends
     per optimizer step of A = grad_accum_steps micro-batches, with ring collectives: all-reduce of X
@@ -319,9 +326,30 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
               "fsdp": _fsdp_states, "tp": _tp_states}[fam]
     row, cpu, detail, n = states(strategy, spec, setup, c, eb, mesh)
     comm = {k: int(v) for k, v in comm_terms(strategy, spec, setup, c, eb, mesh, n).items()}
-    return Row(strategy=strategy, activations_bytes=act, per_param=per_param(eb), buffers_bytes=int(sum(detail.values())),
-               cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n, mesh=mesh,
-               comm_bytes_per_step=sum(comm.values()), comm=comm, approximate=fam == "tp" and not c.tensors, **row)
+    if trace is not None and fam != "tp":
+        moments, source = trace.at(spec.num_layers), "simulated" if trace.simulated else "traced"
+    else:
+        moments, source = formula_moments(act, setup.activation_checkpointing), "formula"
+    peak = step_peak(row, detail, moments, *_gathered(strategy, spec, c, eb, detail))
+    return Row(strategy=strategy, activations_bytes=peak["peak_breakdown"]["activations"], per_param=per_param(eb),
+               buffers_bytes=int(sum(detail.values())), cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n,
+               mesh=mesh, comm_bytes_per_step=sum(comm.values()), comm=comm,
+               approximate=fam == "tp" and not c.tensors, peak_bytes=peak["peak_bytes"],
+               peak_breakdown=peak["peak_breakdown"], peak_phase=peak["peak_phase"], activations_source=source, **row)
+
+
+def _gathered(strategy, spec, c, eb, detail) -> tuple[int, int]:
+    """Bytes a rank gathers to compute (FSDP: its largest unit, or everything for shard-grad-op; TP+FSDP:
+    one local unit; ZeRO-3: the largest layer), and FSDP's unsharded gradient of one unit."""
+    if strategy == "fsdp_shard_grad_op":
+        return c.total * eb.compute, max(c.units) * eb.compute
+    if family(strategy) == "fsdp":
+        return max(c.units) * eb.compute, max(c.units) * eb.compute
+    if detail.get("gathered_units"):
+        return detail["gathered_units"] // 2, detail.get("unit_grad", 0)
+    if strategy.startswith("zero3"):
+        return spec.largest_layer_params * eb.param, 0
+    return 0, 0
 
 
 def _step_tensors(setup: Setup, tensors: int) -> int:
@@ -332,6 +360,11 @@ def _step_tensors(setup: Setup, tensors: int) -> int:
 def _bucket(spec: ModelSpec, setup: Setup) -> int:
     """DeepSpeed's reduce bucket in elements: the config's, else the Trainer's "auto" hidden^2."""
     return setup.bucket_elements if setup.bucket_elements is not None else spec.hidden_size ** 2
+
+
+def _overlap(setup: Setup, stage: int) -> bool:
+    """DeepSpeed's overlap_comm: the config's, else its default (on for ZeRO-3 only)."""
+    return setup.zero_overlap_comm if setup.zero_overlap_comm is not None else stage == 3
 
 
 def _torch_states(strategy, spec, setup, c, eb, mesh):
@@ -347,7 +380,7 @@ def _zero12_states(strategy, spec, setup, c, eb, mesh):
     n, g = setup.world_size, eb.grad
     shard = ceil_div(c.trainable, 2 * n) * 2
     optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-    detail = {"reduce_buckets": 2 * _bucket(spec, setup) * g}
+    detail = {"reduce_buckets": (2 if _overlap(setup, 2) else 1) * _bucket(spec, setup) * g}
     if strategy == "zero2_offload":
         return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
             shard * (4 + eb.param) + optim, detail, n
@@ -366,7 +399,7 @@ def _zero3_states(strategy, spec, setup, c, eb, mesh):
                  else 10 * spec.hidden_size)
     pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
     optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-    detail = {"gathered_layer": spec.largest_layer_params * (p + g), "buckets": _bucket(spec, setup) * (p + g)}
+    detail = {"gathered_layer": spec.largest_layer_params * (p + g), "reduce_bucket": _bucket(spec, setup) * g}
     # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
     persistent = sum(d * r for d, r, _ in c.tensors if d * r <= threshold) * p
     on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)

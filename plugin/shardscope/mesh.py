@@ -32,6 +32,7 @@ class Setup:
     fp32_grads: bool = False               # DeepSpeed data_types.grad_accum_dtype=fp32
     ddp_bucket_view: bool = False          # DDP(gradient_as_bucket_view=True): no bucket copy
     bucket_elements: int | None = None     # DeepSpeed reduce bucket; None: hidden^2 (Trainer "auto")
+    zero_overlap_comm: bool | None = None  # DeepSpeed overlap_comm; None: its default (ZeRO-3 only)
     zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
     zero_sub_group_size: int = 10 ** 9     # DeepSpeed zero_optimization.sub_group_size: ZeRO-3's fp32 grads per step
     zero3_offload: str = "all"             # what zero3_offload moves to CPU: "all", "params" or "optimizer"

@@ -14,6 +14,7 @@ from .errors import UsageError
 from .formulas import Row, activation_bytes, counts, strategy_row
 from .mesh import Setup, setup_for_mesh, tp_degree
 from .model_spec import ModelSpec, model_spec, resolve_model, spec_from_count
+from .step_trace import regime_for
 from .strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, family, strategy_from_summary
 from .summary import COMPONENTS, read_summary
 from .units import gb, gpu_size
@@ -97,8 +98,10 @@ def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
     return out
 
 
-def estimate(spec: ModelSpec, setup: Setup) -> dict:
-    """Rows for every strategy, the recommendation, and what they were computed from."""
+def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
+    """Rows for every strategy, the recommendation, and what they were computed from. `traces`: compute
+    regime -> step_trace.StepTrace (see `step_trace.regime_for`); without one a row's activations come
+    from the formula and are approximate."""
     setup.validate()
     c = counts(spec, setup)
     act = activation_bytes(spec, setup)
@@ -131,7 +134,9 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
     if setup.precision == "bf16-pure":
         notes.append("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
                      "zero* rows are planned as bf16-mixed")
-    rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"]) for s in strategies]
+    traces = traces or {}
+    rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
+                         traces.get(regime_for(s, setup.precision))) for s in strategies]
     for row in rows:
         row.fits = fits(row, setup)
     return {
@@ -144,7 +149,11 @@ def estimate(spec: ModelSpec, setup: Setup) -> dict:
         "setup": {**asdict(setup), "world_size": setup.world_size},
         "activations": act,
         "tp": tp_info,
-        "notes": ["model states (params, grads, optimizer) are exact counts; activations are an estimate",
+        "notes": ["model states (params, grads, optimizer) are exact counts; " + (
+                      "activations and temporaries traced from the model's code on fake tensors (step_trace)"
+                      if traces else "activations from a written-out formula: approximate"),
+                  "peak_bytes: the worst moment of a step (forward, backward or optimizer step), not the sum of "
+                  "everything; see docs/planner.md",
                   "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
                   "comm_bytes_per_step is computed from ring-collective formulas, not measured", *notes],
     }
