@@ -8,7 +8,8 @@ from dataclasses import replace
 from .dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, tp_mesh_shape, check_mesh
 from .errors import UsageError
 from .mesh import Setup
-from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models
+from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, spec_from_config
+from .step_trace import traces_for
 from .planner import convention_table, estimate, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
@@ -39,7 +40,7 @@ def format_table(result: dict) -> str:
         lines.append(f"tensor parallel degree {tp['degree']} ({tp['source']}); dp_replicate x dp_shard x tp: "
                      + ", ".join(f"{n} {m['dp_replicate']}x{m['dp_shard']}x{m['tp']}" for n, m in meshes.items()
                                  if n in TP_STRATEGIES) + ("; approximate (--params)" if tp["approximate"] else ""))
-    lines += ["", "per GPU, GB (1e9 B)   params   grads  optim  activ*  buffers   total  | CPU/rank  fits  comm/step**"]
+    lines += ["", "per GPU, GB (1e9 B)   params   grads  optim  activ*  buffers    peak  | CPU/rank  fits  comm/step**"]
     for r in result["rows"]:
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         lines.append(f"{r['strategy'] + ('~' if r.get('approximate') else ''):<20} {gb(r['params_bytes']):>8} "
@@ -59,8 +60,9 @@ def format_table(result: dict) -> str:
     rec = result["recommendation"]
     lines += ["", f"recommendation: {rec['strategy'] or 'none'}: {rec['reason']}",
               *(f"  not {name}: {why}" for name, why in rec.get("not_chosen", {}).items()),
-              "* activations are an estimate; params/grads/optimizer are exact counts "
-              "(optimizer includes fp32 master weights). Formulas: docs/planner.md",
+              "* activations at the peak: " + _activation_source(result["rows"]) + "; params/grads/optimizer are "
+              "exact counts (optimizer includes fp32 master weights). peak = the worst moment of a step (phase "
+              "in --json), not the sum of the columns. Formulas: docs/planner.md",
               "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]
     if any(r.get("approximate") for r in result["rows"]):
         lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
@@ -125,6 +127,15 @@ def format_dry_run(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _activation_source(rows: list) -> str:
+    sources = {r.get("activations_source", "formula") for r in rows if r["strategy"] not in TP_STRATEGIES}
+    if sources <= {"traced", "simulated"}:
+        return ("simulated: the full-depth model run on fake tensors" if "simulated" in sources else
+                "traced from the model's code on fake tensors (1 and 2 layers, scaled)") + \
+            ("; tp rows from the formula" if any(r["strategy"] in TP_STRATEGIES for r in rows) else "")
+    return "a written-out formula, approximate"
+
+
 def build_parser(subparsers):
     p = subparsers.add_parser("plan", help="per-GPU memory of every strategy, and which to use",
                               description="Per-GPU memory for every strategy, before launch, from a model's config only.",
@@ -152,6 +163,9 @@ def build_parser(subparsers):
     tr.add_argument("--image-size", type=int, help="vision models: overrides the config's image size")
     tr.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     tr.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
+    tr.add_argument("--simulate", action="store_true",
+                    help="trace the full-depth model on fake tensors (exact for one rank; seconds per layer) "
+                         "instead of 1 and 2 layers scaled")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
     tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp",
@@ -206,9 +220,18 @@ def plan_command(args) -> int:
         result = plan_vs_run(args.compare, spec, setup)
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
-    spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden, vocab=args.vocab,
-                      heads=args.heads)
-    result = estimate(spec, setup)
+    if args.model:
+        config = load_model_config(args.model)
+        spec = spec_from_config(config, name=args.model)
+        traces, note = traces_for(config, setup, simulate=args.simulate)
+    else:
+        if args.simulate:
+            raise UsageError("--simulate needs --model (a config to run; --params has no layer code)")
+        spec, traces, note = model_spec(None, params=params, layers=args.layers, hidden=args.hidden,
+                                        vocab=args.vocab, heads=args.heads), {}, None
+    result = estimate(spec, setup, traces)
+    if note:
+        result["notes"].append(note)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     nothing_fits = setup.gpu_memory_bytes is not None and not result["recommendation"]["strategy"]
     return 1 if nothing_fits else 0  # 1: nothing fits the GPUs given (the table says by how much)

@@ -98,7 +98,8 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
         except TraceError:
             raise
         except Exception as error:  # the model's code on fake tensors: any failure means "cannot trace"
-            raise TraceError(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise TraceError(f"{type(error).__name__}: {first}"[:200]) from None
     if full_depth:
         (moments, trainable), = points
         return StepTrace({name: Moment(*((v, 0) for v in parts)) for name, parts in moments.items()},
@@ -187,3 +188,21 @@ def _parts(snapshot: dict) -> tuple[int, int, int]:
     """(activations, temporaries, gradients) of a MemTracker snapshot, summed over devices."""
     return tuple(sum(per_device.get(category, 0) for per_device in snapshot.values())
                  for category in ("Activation", "Temp", "Gradient"))
+
+
+def traces_for(config, setup, simulate: bool = False) -> tuple[dict, str | None]:
+    """{regime: StepTrace} for every regime `setup.precision` needs (fp32: one; 16-bit: autocast and pure),
+    and a note when the model cannot be traced (the planner then uses its formula, marked approximate)."""
+    if setup.lora_rank:
+        return {}, "activations from the formula (approximate): LoRA is not traced (frozen weights)"
+    regimes = ("fp32",) if setup.precision == "fp32" else ("autocast", "pure")
+    traces = {}
+    for regime in regimes:
+        try:
+            traces[regime] = trace_step(config, setup.micro_batch, setup.seq_len, precision=setup.precision,
+                                        regime=regime, checkpointing=setup.activation_checkpointing,
+                                        attention=setup.attention, image_size=setup.image_size,
+                                        full_depth=simulate)
+        except TraceError as error:
+            return {}, f"activations from the formula (approximate): the model could not be traced ({error})"
+    return traces, None
