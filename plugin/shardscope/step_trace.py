@@ -125,6 +125,7 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification
+    from transformers.initialization import no_init_weights
 
     config = copy.deepcopy(config)
     setattr(config, layers_key, depth)
@@ -137,7 +138,8 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
         torch.set_default_dtype(half if regime == "pure" else torch.float32)
         try:
             auto = AutoModelForImageClassification if vision else AutoModelForCausalLM
-            model = auto.from_config(config)
+            with no_init_weights():  # initialisers read values (trunc_normal_), which fake tensors have not
+                model = auto.from_config(config)
         finally:
             torch.set_default_dtype(default_dtype)
         if checkpointing:
