@@ -135,11 +135,12 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
     vision = getattr(config, "model_type", "") in ("dinov2", "vit", "dinov2_with_registers")
     default_dtype = torch.get_default_dtype()
     with FakeTensorMode(allow_non_fake_inputs=False):
-        torch.set_default_dtype(half if regime == "pure" else torch.float32)
+        dtype = half if regime == "pure" else torch.float32
+        torch.set_default_dtype(dtype)
         try:
             auto = AutoModelForImageClassification if vision else AutoModelForCausalLM
             with no_init_weights():  # initialisers read values (trunc_normal_), which fake tensors have not
-                model = auto.from_config(config)
+                model = auto.from_config(config, dtype=dtype)  # not the dtype a saved config names
         finally:
             torch.set_default_dtype(default_dtype)
         if checkpointing:
