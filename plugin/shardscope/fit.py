@@ -182,14 +182,15 @@ def divisors(n: int) -> list[int]:
 
 def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | None, tuple, int]]:
     """(tp_size, strategies, data-parallel size) of each mesh family to search: the non-TP strategies over
-    all GPUs; per TP degree t > 1 (dividing the GPUs per node and both head counts) the TP rows, dp = world / t."""
+    all GPUs; per TP degree t > 1 (`setup.tp_size`, else each that divides the GPUs per node and both head
+    counts) the TP rows, dp = world / t."""
     world, groups = setup.world_size, []
     plain = tuple(s for s in allowed if s not in TP_STRATEGIES and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
     if plain:
         groups.append((None, plain, world))
     if spec.tp_plan and any(s in TP_STRATEGIES for s in allowed):
         heads = spec.num_heads or 1
-        for t in valid_tp_degrees(heads, spec.num_kv_heads or heads):
+        for t in [setup.tp_size] if setup.tp_size else valid_tp_degrees(heads, spec.num_kv_heads or heads):
             if t == 1 or setup.gpus_per_node % t:
                 continue
             names = tuple(s for s in TP_STRATEGIES if s in allowed and (
