@@ -55,6 +55,18 @@ class StepPeak:
         extra = [t for t in (*master_weights(self.optimizer), *zero_grad_buffers(self.optimizer))
                  if isinstance(t, torch.Tensor)]
         self.tracker.track_external(self.model, *optimizers, *extra)
+        # Gradient accumulation runs the model's forward several times in one step; MemTracker refuses a second
+        # root forward unless its per-module stats are cleared (the peak so far is kept). A global hook registered
+        # before the tracker's own runs first.
+        forwards = []
+
+        def next_micro_batch(module, _args):
+            if module is self.model:
+                if forwards:
+                    self.tracker.reset_mod_stats()
+                forwards.append(True)
+
+        self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(next_micro_batch))
         self._handles = [self.model.register_forward_pre_hook(lambda *_: self._mark("forward")),
                          self.model.register_forward_hook(lambda *_: self._mark("backward"))]
         for opt in optimizers[-1:]:  # the innermost torch optimizer steps last: its hooks bracket the update
