@@ -123,13 +123,20 @@ def test_bad_input_is_exit_2_and_one_line(capsys, argv, message):
 
 
 def test_kept_global_batch_says_when_a_larger_micro_batch_would_fit(capsys):
-    code, out, _ = fit(capsys, "--params", "1B", "--gpus", 8, "--gpu", "H100", "--seq-len", 1024,
-                       "--global-batch", 56, "--strategy", "ddp", "--json")
+    """56 on 8 GPUs is 7 per GPU (divisors 1 and 7): when 7 does not fit but 2 does, the fit keeps the
+    global batch with micro-batch 1 and names the nearest global batches that allow a larger one."""
+    def fits(micro):
+        row = estimate(spec_from_count(7e9), setup(micro_batch=micro))["rows"]  # what --params 7B plans
+        return next(r for r in row if r["strategy"] == "fsdp_full_shard")["fits"]
+
+    assert fits(2) and not fits(7)  # the case under test, by the planner's own figures
+    code, out, _ = fit(capsys, *PARAMS, "--global-batch", 56, "--strategy", "fsdp_full_shard", "--json")
     result = json.loads(out)
-    assert code == 0 and result["per_device_train_batch_size"] in (1, 7)
-    if result["per_device_train_batch_size"] == 1:  # 7 per GPU: divisors 1 and 7 only
-        note = result["larger_micro_batch"]
-        assert note and 1 < note["micro_batch_that_fits"] < 7 and all(g % 8 == 0 for g in note["nearest_global_batches"])
+    note = result["larger_micro_batch"]
+    assert code == 0 and result["per_device_train_batch_size"] * result["gradient_accumulation_steps"] == 7
+    assert result["per_device_train_batch_size"] == 1 and 2 <= note["micro_batch_that_fits"] < 7
+    assert all(g % (8 * note["micro_batch_that_fits"]) == 0 for g in note["nearest_global_batches"])
+    assert min(abs(g - 56) for g in note["nearest_global_batches"]) < 8 * note["micro_batch_that_fits"]
 
 
 # ----------------------------------------------------------------------------- files

@@ -99,7 +99,7 @@ def test_fitted_peak_is_under_the_budget_and_uses_most_of_it(launched, fit_case)
                                  f"{launched['summaries']['fitted']['fit']['predicted_peak_bytes']})"
     assert min(peaks) >= MIN_USED * budget, f"measured {peaks} use less than {MIN_USED:.0%} of {budget}"
     naive = [rank["peak_tensor_bytes"] for rank in launched["summaries"]["naive"]["ranks"]]
-    assert min(naive) > max(peaks)  # the fit really lowered what a rank holds
+    assert min(naive) > budget  # measured too: the naive setting does not fit the budget
 
 
 def test_fitted_losses_equal_the_naive_run(launched):
