@@ -250,3 +250,50 @@ def test_run_strategy_reads_the_launchers_environment(monkeypatch, cpu_args, tin
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert run_strategy(cpu_args, tiny_model)[0] == strategy
+
+
+def test_hardware_links_from_table_and_cuda_device_names():
+    assert hardware("NVIDIA H100 80GB HBM3", "bf16-mixed").nvlink_bytes_per_s == 450e9
+    assert hardware("NVIDIA H100 NVL", "bf16-mixed").nvlink_bytes_per_s == 300e9
+    assert hardware("A100-80", "bf16-mixed").peak_flops == 312e12
+    assert hardware("L4", "bf16-mixed").nvlink_bytes_per_s == hardware("L4", "bf16-mixed").pcie_bytes_per_s  # no NVLink
+
+
+def test_step_peak_survives_gradient_accumulation(tiny_model):
+    """MemTracker refuses a second outermost forward in one tracked step; StepPeak clears its per-module stats
+    between micro-batches (also under a wrapper, and with checkpointing), keeping the peak."""
+    import torch
+
+    from shardscope.peak import StepPeak
+
+    class Wrapper(torch.nn.Module):  # stands in for DDP's module wrapper
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    model = tiny_model.train()
+    wrapped, optimizer = Wrapper(model), torch.optim.AdamW(model.parameters())
+    batch = torch.randint(0, 100, (2, 16))
+
+    def step(accumulation):
+        for _ in range(accumulation):
+            wrapped(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(1)
+    hooks = len(torch.nn.modules.module._global_forward_pre_hooks)
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        with StepPeak(model, optimizer) as peak:
+            step(3)
+        result = peak.result()
+        # from the second micro-batch on, the first one's gradients are held through the step
+        assert result["peak_breakdown"]["gradients"] > 0 and result["peak_tensor_bytes"] > 0
+        assert checkpointing or result["peak_breakdown"]["activations"] > 0
+    model.gradient_checkpointing_disable()
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == hooks  # nothing left installed

@@ -91,7 +91,7 @@ def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, 
         if peak is None:
             raise UsageError(f"no dense peak FLOP/s known for {name} at {dtype}: give --peak-tflops "
                              "(the step-time ranking needs it), or --gpu with a known GPU")
-    key = next((k for k in LINKS if (gpu or "").upper().startswith(k)), None)
+    key = next((k for k in LINKS if k in (gpu or "").upper().replace(" ", "-")), None)  # "NVIDIA H100 NVL" too
     nvlink, pcie, link_source = LINKS[key] if key else PCIE4 if gpu else (450, 64, "unknown GPU: H100 links assumed")
     values = dict(gpu=name, peak_flops=peak, peak_source=source, nvlink_bytes_per_s=nvlink * 1e9,
                   pcie_bytes_per_s=pcie * 1e9, link_source=link_source)
