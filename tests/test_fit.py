@@ -116,6 +116,8 @@ def test_nothing_fits_is_exit_1_and_one_line_naming_what_would(capsys):
     (["--params", "7B", "--gpus", 8, "--gpu-memory", "24GiB", "--global-batch", 8], "--peak-tflops"),
     ([*PARAMS, "--global-batch", 8, "--mfu", 0], "--mfu"),
     ([*PARAMS, "--global-batch", 8, "--network-bandwidth", -1], "--network-bandwidth"),
+    ([*PARAMS, "--global-batch", 8, "--output-dir", __file__], "not a folder"),
+    ([*PARAMS, "--global-batch", 8, "--strategy", "fsdp_hybrid_shard"], "no strategy to search"),
 ])
 def test_bad_input_is_exit_2_and_one_line(capsys, argv, message):
     code, out, err = fit(capsys, *argv)

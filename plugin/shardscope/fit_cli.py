@@ -217,7 +217,10 @@ def write_files(result: dict, args, spec, setup: Setup) -> dict:
     folder = Path(args.output_dir)
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--output-dir {folder}: not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--output-dir {folder}: cannot be created ({error.strerror or error})") from None
     config, source = accelerate_config(result)
     summary = (f"# shardscope fit: {result['strategy']}, micro-batch {result['per_device_train_batch_size']} x "
                f"accumulation {result['gradient_accumulation_steps']} x data-parallel {result['data_parallel_size']} "
