@@ -14,6 +14,8 @@ Full fine-tuning by default; `--use_lora` trains PEFT LoRA adapters and saves on
 Tensor parallelism (TP) and 2D FSDP2 x TP: launch with accelerate_configs/tp.yaml, fsdp_tp.yaml or
 hsdp_tp.yaml (or pass `--tp_size N` under torchrun); transformers shards the model while loading it.
 Any `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`...).
+`--auto_fit true` lets shardscope choose the micro-batch, accumulation and checkpointing for the global batch
+the arguments give (docs/fit.md; `--fit_memory_budget 2GB` on CPU).
 """
 from dataclasses import dataclass, field
 
@@ -22,13 +24,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 from shardscope.doctor import preflight
 from shardscope.errors import UsageError
-from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_causal_lm, run
+from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
 from shardscope.model_spec import load_model_config
 from shardscope.recipe_data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
 from shardscope.recipe_tp import (
     compact_tp_shards, distributed_config, tensor_parallel_mesh, tensor_parallel_training_args,
 )
-from shardscope.recipe_training import RecipeTrainer, describe_run, save_outputs
+from shardscope.recipe_training import RecipeTrainer, auto_fit, describe_run, save_outputs
 
 
 @dataclass
@@ -69,8 +71,8 @@ class ModelArguments:
 
 def main():
     # --- Arguments (YAML via --config, command-line flags override it) ---
-    parser = RecipeParser(ScriptArguments, ModelArguments, training_type=RecipeTrainingArguments)
-    script_args, model_args = parser.parse()
+    parser = RecipeParser(ScriptArguments, ModelArguments, FitArguments, training_type=RecipeTrainingArguments)
+    script_args, model_args, fit_args = parser.parse()
 
     # --- Check inputs before any process group starts ---
     if model_args.model_name_or_path is None:
@@ -112,8 +114,6 @@ def main():
                                                  distributed_config=distributed_config(mesh) if mesh else None)
     if mesh:
         compact_tp_shards(model)
-    if training_args.gradient_checkpointing:
-        model.config.use_cache = False
     if model_args.use_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -123,6 +123,10 @@ def main():
             lora_dropout=model_args.lora_dropout, target_modules=target[0] if target == ["all-linear"] else target))
         if training_args.process_index == 0:
             model.print_trainable_parameters()
+    # --auto_fit: micro-batch, accumulation and checkpointing chosen by the planner, the global batch kept
+    training_args = auto_fit(fit_args, training_args, model, seq_len=script_args.max_seq_length)
+    if training_args.gradient_checkpointing:
+        model.config.use_cache = False
 
     # --- Trainer ---
     callbacks = []

@@ -19,10 +19,10 @@ import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
 from shardscope.doctor import preflight
-from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments, check_dinov2, run
+from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments, check_dinov2, run
 from shardscope.model_spec import load_model_config
 from shardscope.recipe_data import accuracy, collate_images, image_transform, load_image_dataset
-from shardscope.recipe_training import RecipeTrainer, describe_run, save_outputs
+from shardscope.recipe_training import RecipeTrainer, auto_fit, describe_run, save_outputs
 
 
 @dataclass
@@ -51,8 +51,8 @@ class ModelArguments:
 
 def main():
     # --- Arguments (YAML via --config, command-line flags override it) ---
-    parser = RecipeParser(ScriptArguments, ModelArguments, training_type=RecipeTrainingArguments)
-    script_args, model_args = parser.parse()
+    parser = RecipeParser(ScriptArguments, ModelArguments, FitArguments, training_type=RecipeTrainingArguments)
+    script_args, model_args, fit_args = parser.parse()
 
     # --- Check inputs before any process group starts ---
     config = load_model_config(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
@@ -92,6 +92,9 @@ def main():
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         print(f"classes: {len(class_names)}, train {len(train_data)}, eval {len(eval_data)}, "
               f"trainable params: {trainable:,}", flush=True)
+    # --auto_fit: micro-batch, accumulation and checkpointing chosen by the planner, the global batch kept
+    training_args = auto_fit(fit_args, training_args, model,
+                             image_size=(getattr(processor, "crop_size", None) or {}).get("height"))
 
     # --- Trainer ---
     callbacks = []

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardingProfilerCallback", "__version__"]
+__all__ = ["ShardingProfilerCallback", "fit_training_args", "__version__"]
 
 
 def __getattr__(name):
@@ -11,4 +11,8 @@ def __getattr__(name):
         from .callback import ShardingProfilerCallback
 
         return ShardingProfilerCallback
+    if name == "fit_training_args":
+        from .fit_training import fit_training_args
+
+        return fit_training_args
     raise AttributeError(f"module 'shardscope' has no attribute {name!r}")

@@ -371,6 +371,7 @@ class ShardingProfilerCallback(TrainerCallback):
                                 if k not in ("strategy", "world_size", "plan", "mesh")},
             "mesh": self.preflight.get("mesh"),
             "preflight_plan": self.preflight.get("plan"),
+            "fit": getattr(args, "shardscope_fit", None),  # shardscope fit: fit_training.FIT_ATTRIBUTE
             "world_size": self.preflight.get("world_size", len(ranks)),
             "num_nodes": num_nodes(),
             "model": self.model_facts,

@@ -55,7 +55,25 @@ class StepPeak:
         extra = [t for t in (*master_weights(self.optimizer), *zero_grad_buffers(self.optimizer))
                  if isinstance(t, torch.Tensor)]
         self.tracker.track_external(self.model, *optimizers, *extra)
-        self._handles = [self.model.register_forward_pre_hook(lambda *_: self._mark("forward")),
+        # Gradient accumulation runs the model's forward several times in one step; MemTracker refuses a second
+        # outermost forward (the model, or a DDP wrapper around it) unless its per-module stats are cleared (the
+        # peak so far is kept). Global hooks registered before the tracker's own run first; an outermost
+        # forward is one at depth 0 outside backward (checkpointing's recomputation runs inside backward).
+        depth, forwards = [0], []
+
+        def next_micro_batch(module, _args):
+            if depth[0] == 0 and torch._C._current_graph_task_id() == -1:  # torch ModTracker's own is_bw test
+                if forwards:
+                    self.tracker.reset_mod_stats()
+                forwards.append(True)
+            depth[0] += 1
+
+        def leave(*_):
+            depth[0] -= 1
+
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(next_micro_batch),
+                         torch.nn.modules.module.register_module_forward_hook(leave, always_call=True),
+                         self.model.register_forward_pre_hook(lambda *_: self._mark("forward")),
                          self.model.register_forward_hook(lambda *_: self._mark("backward"))]
         for opt in optimizers[-1:]:  # the innermost torch optimizer steps last: its hooks bracket the update
             self._handles += [opt.register_step_pre_hook(lambda *_: self._mark("optimizer step")),

@@ -6,6 +6,7 @@
   `TrainingArguments` initialises the process group: input checks (and `shardscope.doctor.preflight`,
   which the recipe calls itself) run in between.
 - `RecipeTrainingArguments`: `TrainingArguments` that runs the same command on a CPU-only machine.
+- `FitArguments`: `--auto_fit true` and its budget (applied by `recipe_training.auto_fit`).
 - `check_causal_lm`, `check_dinov2`: the model is one the recipe can train (its config is read by `model_spec.load_model_config`).
 - `run(main)`: a `UsageError` anywhere becomes one line on stderr and exit code 2.
 """
@@ -149,6 +150,21 @@ class RecipeTrainingArguments(TrainingArguments):
 
             deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         super().__post_init__()
+
+
+@dataclass
+class FitArguments:
+    """`--auto_fit true`: shardscope chooses the micro-batch, accumulation and checkpointing (`fit_training_args`)."""
+
+    auto_fit: bool = field(default=False, metadata={
+        "help": "Choose per_device_train_batch_size, gradient_accumulation_steps and gradient_checkpointing with "
+                "shardscope's planner, keeping the global batch; every rank applies rank 0's decision"})
+    fit_memory_budget: str | None = field(default=None, metadata={
+        "help": "Memory per device for --auto_fit, e.g. 2GB or 20GiB; required on CPU, default on CUDA: the "
+                "smallest free device memory over the ranks"})
+    fit_global_batch_size: int | None = field(default=None, metadata={
+        "help": "Samples per optimizer step to keep under --auto_fit; default: per_device_train_batch_size x "
+                "gradient_accumulation_steps x data-parallel size as given"})
 
 
 # --- Model checks ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A recipe's training set-up around the `Trainer`: its one fix (`RecipeTrainer`), saving the result
+"""A recipe's training set-up around the `Trainer`: its one fix (`RecipeTrainer`), `--auto_fit`, saving the result
 (full weights under FSDP, the final logits for reload checks), one line per rank on what really ran,
 and the end of the distributed run.
 """
@@ -27,6 +27,20 @@ class RecipeTrainer(Trainer):
 
             _init_optim_state(getattr(self.optimizer, "optimizer", self.optimizer))
         super()._load_optimizer_and_scheduler(checkpoint)
+
+
+def auto_fit(fit_args, training_args, model, **shape):
+    """`--auto_fit true`: `fit_training_args` keeping the global batch the arguments give (or
+    `--fit_global_batch_size`); `shape` is seq_len= or image_size=. Returns the arguments to train with."""
+    if not fit_args.auto_fit:
+        return training_args
+    from .fit_training import data_parallel_size, fit_training_args
+
+    global_batch = fit_args.fit_global_batch_size or (training_args.per_device_train_batch_size
+                                                      * training_args.gradient_accumulation_steps
+                                                      * data_parallel_size(training_args, model))
+    return fit_training_args(training_args, model, global_batch_size=global_batch,
+                             memory_budget=fit_args.fit_memory_budget, **shape)
 
 
 def gather_full_state_dict_on_save(trainer) -> None:

@@ -27,6 +27,8 @@ FIELDS = {
     "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...)",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
     "preflight_plan": "on a GPU: the planner's row for this run, checked before training",
+    "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "
+           "gradient_accumulation_steps, gradient_checkpointing, predicted_peak_bytes, ...}; else null",
     "world_size": "ranks in the run",
     "num_nodes": "nodes in the run",
     "model": "{name_or_path, params_total, trainable_params}",

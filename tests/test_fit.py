@@ -1,0 +1,301 @@
+"""`shardscope fit` and `fit_training_args`, in process: the search's invariants, bad input, output files."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardscope.cli import main
+from shardscope.errors import UsageError
+from shardscope.fit import divisors, flops_per_token, hardware, search
+from shardscope.mesh import Setup
+from shardscope.model_spec import spec_from_count
+from shardscope.planner import estimate, usable_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = spec_from_count(7e9, hidden=4096, heads=32)  # Llama-shaped, 32 heads: TP degrees 2, 4, 8 apply
+H100 = hardware("H100", "bf16-mixed")
+
+
+def setup(**kw):
+    return Setup(**{"gpus_per_node": 8, "gpu_memory_bytes": 80 * 2 ** 30, "seq_len": 4096, **kw})
+
+
+@pytest.mark.parametrize("kw,global_batch", [({}, 64), ({"nodes": 2}, 96), ({"gpus_per_node": 4}, 12)])
+def test_global_batch_is_kept_by_every_candidate(kw, global_batch):
+    found = search(SPEC, setup(**kw), global_batch, H100)
+    candidates = found["fitting"] + list(found["smallest"].values())
+    assert found["fitting"] and len({c.strategy for c in candidates}) >= 5
+    for c in candidates:
+        dp = c.mesh["dp_replicate"] * c.mesh["dp_shard"]
+        assert c.per_device_train_batch_size * c.gradient_accumulation_steps * dp == global_batch, c
+
+
+def test_fitting_candidates_are_the_planners_rows():
+    """What fit calls fitting is the planner's `peak_bytes` under `usable_bytes` at that very setup."""
+    base = setup()
+    found = search(SPEC, base, 64, H100)
+    usable = usable_bytes(base)
+    for c in found["fitting"][:6]:
+        trial = replace(base, micro_batch=c.per_device_train_batch_size, grad_accum_steps=c.gradient_accumulation_steps,
+                        activation_checkpointing=c.gradient_checkpointing, tp_size=c.tp if c.tp > 1 else None)
+        row = next(r for r in estimate(SPEC, trial)["rows"] if r["strategy"] == c.strategy and r["mesh"] == c.mesh)
+        assert row["peak_bytes"] == c.peak_bytes <= usable and row["fits"]
+
+
+def test_winner_is_not_cautious():
+    """No larger micro-batch of the winner's strategy (same checkpointing) fits: it would be faster."""
+    found = search(SPEC, setup(), 64, H100)
+    win = found["fitting"][0]
+    assert win.step_time_s == min(c.step_time_s for c in found["fitting"])
+    assert not [c for c in found["fitting"] if (c.strategy, c.tp, c.gradient_checkpointing) ==
+                (win.strategy, win.tp, win.gradient_checkpointing)
+                and c.per_device_train_batch_size > win.per_device_train_batch_size]
+
+
+def test_checkpointing_costs_a_third_more_compute():
+    model = {"params_total": SPEC.params_total, "trainable_params": SPEC.params_total}
+    plain, ckpt = (flops_per_token(SPEC, model, 4096, c) for c in (False, True))
+    assert ckpt == pytest.approx(plain * 4 / 3)
+    lora = {"params_total": SPEC.params_total + 10 ** 6, "trainable_params": 10 ** 6}
+    assert flops_per_token(SPEC, lora, 4096, False) < plain  # frozen weights: no weight gradients (4 N, not 6 N)
+
+
+def test_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(7) == [1, 7]
+
+
+# ----------------------------------------------------------------------------- command line
+def fit(capsys, *argv):
+    code = main(["fit", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+PARAMS = ["--params", "7B", "--gpus", 8, "--gpu", "H100", "--seq-len", 4096]
+
+
+def test_json_keys_and_alternatives(capsys):
+    code, out, _ = fit(capsys, *PARAMS, "--global-batch", 64, "--json")
+    result = json.loads(out)
+    assert code == 0
+    for key in ("strategy", "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+                "tp", "peak_bytes", "step_time_s", "alternatives", "assumptions"):
+        assert key in result
+    assert result["peak_bytes"] <= result["usable_bytes"]
+    assert result["alternatives"] and all(a["why"] and a["step_time_s"] >= result["step_time_s"]
+                                          for a in result["alternatives"])
+    for key in ("mfu", "peak_flops", "nvlink_bytes_per_s", "network_bytes_per_s", "pcie_bytes_per_s", "headroom"):
+        assert result["assumptions"][key] > 0
+
+
+def test_text_output_states_the_assumptions(capsys):
+    code, out, _ = fit(capsys, *PARAMS, "--global-batch", 64)
+    assert code == 0 and out.startswith("fit: ") and "winner: " in out
+    for words in ("MFU 40%", "headroom", "GB/s inside a node", "per micro-batch", "lost: "):
+        assert words in out
+
+
+def test_nothing_fits_is_exit_1_and_one_line_naming_what_would(capsys):
+    code, out, err = fit(capsys, "--params", "7B", "--gpus", 8, "--gpu", "L4", "--seq-len", 131072, "--global-batch", 8,
+                         "--strategy", "zero3", "--strategy", "fsdp_full_shard")
+    assert code == 1 and out.count("\n") == 1 and "Traceback" not in err
+    assert out.startswith("nothing fits in ") and "it would fit with" in out
+    assert "--seq-len" in out or "GPUs" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "70B", "--gpus", 2, "--gpu", "A100-40", "--strategy", "ddp", "--global-batch", 8],
+     "below the model states"),
+    ([*PARAMS, "--global-batch", 30, "--strategy", "ddp", "--strategy", "zero3"], "nearest: 24 or 32"),
+    ([*PARAMS, "--global-batch", 0], "--global-batch must be at least 1"),
+    (["--params", "7B", "--gpus", 8, "--global-batch", 8], "--gpu NAME or --gpu-memory"),
+    (["--params", "7B", "--gpus", 8, "--gpu-memory", "24GiB", "--global-batch", 8], "--peak-tflops"),
+    ([*PARAMS, "--global-batch", 8, "--mfu", 0], "--mfu"),
+    ([*PARAMS, "--global-batch", 8, "--network-bandwidth", -1], "--network-bandwidth"),
+    ([*PARAMS, "--global-batch", 8, "--output-dir", __file__], "not a folder"),
+    ([*PARAMS, "--global-batch", 8, "--strategy", "fsdp_hybrid_shard"], "no strategy to search"),
+])
+def test_bad_input_is_exit_2_and_one_line(capsys, argv, message):
+    code, out, err = fit(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_kept_global_batch_says_when_a_larger_micro_batch_would_fit(capsys):
+    """56 on 8 GPUs is 7 per GPU (divisors 1 and 7): when 7 does not fit but 2 does, the fit keeps the
+    global batch with micro-batch 1 and names the nearest global batches that allow a larger one."""
+    def fits(micro):
+        row = estimate(spec_from_count(7e9), setup(micro_batch=micro))["rows"]  # what --params 7B plans
+        return next(r for r in row if r["strategy"] == "fsdp_full_shard")["fits"]
+
+    assert fits(2) and not fits(7)  # the case under test, by the planner's own figures
+    code, out, _ = fit(capsys, *PARAMS, "--global-batch", 56, "--strategy", "fsdp_full_shard", "--json")
+    result = json.loads(out)
+    note = result["larger_micro_batch"]
+    assert code == 0 and result["per_device_train_batch_size"] * result["gradient_accumulation_steps"] == 7
+    assert result["per_device_train_batch_size"] == 1 and 2 <= note["micro_batch_that_fits"] < 7
+    assert all(g % (8 * note["micro_batch_that_fits"]) == 0 for g in note["nearest_global_batches"])
+    assert min(abs(g - 56) for g in note["nearest_global_batches"]) < 8 * note["micro_batch_that_fits"]
+
+
+# ----------------------------------------------------------------------------- files
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from shardscope.tiny import make_causal_lm
+
+    path = tmp_path_factory.mktemp("fit_tiny")
+    make_causal_lm(path, "llama", num_key_value_heads=4)
+    return path
+
+
+def recipe_parser():
+    from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import causal_lm_sft
+    finally:
+        sys.path.pop(0)
+    return RecipeParser(causal_lm_sft.ScriptArguments, causal_lm_sft.ModelArguments, FitArguments,
+                        training_type=RecipeTrainingArguments)
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("zero3", []), ("fsdp_tp", []),
+                                            ("fsdp_hybrid_shard", ["--nodes", 2]), ("zero2_offload", [])])
+def test_output_files_load_in_accelerate_and_the_recipe(capsys, tmp_path, tiny, strategy, extra):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    code, out, _ = fit(capsys, "--model", tiny, "--gpus", 4, *extra, "--gpu", "H100", "--seq-len", 256,
+                       "--global-batch", 32, "--strategy", strategy, "--output-dir", tmp_path, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["strategy"] == strategy
+    config = load_config_from_file(result["files"]["accelerate_config"])
+    assert config.num_processes == 4 * (2 if extra else 1) and config.num_machines == (2 if extra else 1)
+    if strategy == "fsdp_tp":
+        assert config.parallelism_config["parallelism_config_tp_size"] == result["tp"] > 1
+    parser = recipe_parser()
+    script, model, fit_args = parser.parse(["--config", result["files"]["training_args"]])
+    assert model.model_name_or_path == str(tiny) and script.max_seq_length == 256 and not fit_args.auto_fit
+    ns = parser.namespace
+    assert (ns["per_device_train_batch_size"], ns["gradient_accumulation_steps"], bool(ns["gradient_checkpointing"])) \
+        == (result["per_device_train_batch_size"], result["gradient_accumulation_steps"],
+            result["gradient_checkpointing"])
+    assert json.loads(Path(result["files"]["result"]).read_text())["strategy"] == strategy
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+# ----------------------------------------------------------------------------- fit_training_args
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny)
+
+
+@pytest.fixture(scope="module")
+def cpu_args(tmp_path_factory):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path_factory.mktemp("args")), use_cpu=True, report_to="none",
+                             per_device_train_batch_size=16)
+
+
+def test_fit_training_args_applies_the_search_winner(cpu_args, tiny_model):
+    from shardscope import fit_training_args
+    from shardscope.model_spec import spec_from_config
+
+    spec = spec_from_config(tiny_model.config)
+    budget = 4 * spec.params_total * 16  # states (16 B/param) and room for some activations
+    fitted = fit_training_args(cpu_args, tiny_model, global_batch_size=16, memory_budget=budget, seq_len=128)
+    found = search(spec, Setup(gpu_memory_bytes=budget, precision="fp32", seq_len=128), 16, H100, ("ddp",))
+    best = found["fitting"][0]
+    assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps, fitted.gradient_checkpointing) \
+        == (best.per_device_train_batch_size, best.gradient_accumulation_steps, best.gradient_checkpointing)
+    assert fitted.per_device_train_batch_size * fitted.gradient_accumulation_steps == 16
+    assert fitted.activation_checkpointing == fitted.gradient_checkpointing
+    assert cpu_args.per_device_train_batch_size == 16  # a copy: the caller's arguments are unchanged
+    record = fitted.shardscope_fit
+    assert record["budget_bytes"] == budget and record["predicted_peak_bytes"] == best.peak_bytes
+    assert "shardscope_fit" not in fitted.to_dict()  # not a Trainer argument
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({}, "give memory_budget"),
+    ({"memory_budget": 1000}, "below the model states"),
+    ({"memory_budget": "lots"}, "memory_budget 'lots' is not a size"),
+    ({"memory_budget": 10 ** 9, "global_batch_size": 0}, "global_batch_size must be a positive integer"),
+])
+def test_fit_training_args_bad_input_is_one_usage_error(cpu_args, tiny_model, kw, message):
+    from shardscope import fit_training_args
+
+    kw = {"global_batch_size": 16, **kw}
+    with pytest.raises(UsageError) as error:
+        fit_training_args(cpu_args, tiny_model, seq_len=128, **kw)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("env,strategy", [
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_VERSION": "2"}, "fsdp_shard_grad_op"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_VERSION": "2"}, "fsdp_full_shard"),
+    ({}, "ddp"),
+])
+def test_run_strategy_reads_the_launchers_environment(monkeypatch, cpu_args, tiny_model, env, strategy):
+    from shardscope.fit_training import run_strategy
+
+    for key in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_VERSION",
+                "PARALLELISM_CONFIG_TP_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert run_strategy(cpu_args, tiny_model)[0] == strategy
+
+
+def test_hardware_links_from_table_and_cuda_device_names():
+    assert hardware("NVIDIA H100 80GB HBM3", "bf16-mixed").nvlink_bytes_per_s == 450e9
+    assert hardware("NVIDIA H100 NVL", "bf16-mixed").nvlink_bytes_per_s == 300e9
+    assert hardware("A100-80", "bf16-mixed").peak_flops == 312e12
+    assert hardware("L4", "bf16-mixed").nvlink_bytes_per_s == hardware("L4", "bf16-mixed").pcie_bytes_per_s  # no NVLink
+
+
+def test_step_peak_survives_gradient_accumulation(tiny_model):
+    """MemTracker refuses a second outermost forward in one tracked step; StepPeak clears its per-module stats
+    between micro-batches (also under a wrapper, and with checkpointing), keeping the peak."""
+    import torch
+
+    from shardscope.peak import StepPeak
+
+    class Wrapper(torch.nn.Module):  # stands in for DDP's module wrapper
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    model = tiny_model.train()
+    wrapped, optimizer = Wrapper(model), torch.optim.AdamW(model.parameters())
+    batch = torch.randint(0, 100, (2, 16))
+
+    def step(accumulation):
+        for _ in range(accumulation):
+            wrapped(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(1)
+    hooks = len(torch.nn.modules.module._global_forward_pre_hooks)
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        with StepPeak(model, optimizer) as peak:
+            step(3)
+        result = peak.result()
+        # from the second micro-batch on, the first one's gradients are held through the step
+        assert result["peak_breakdown"]["gradients"] > 0 and result["peak_tensor_bytes"] > 0
+        assert checkpointing or result["peak_breakdown"]["activations"] > 0
+    model.gradient_checkpointing_disable()
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == hooks  # nothing left installed
