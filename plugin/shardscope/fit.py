@@ -200,13 +200,15 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
     return groups
 
 
-def rows_for(spec: ModelSpec, setup: Setup, names: tuple) -> tuple[list[dict], dict]:
-    """The planner's rows for `names` at this setup (`estimate`: what `fits` and `peak_bytes` come from)."""
-    result = estimate(spec, setup)
+def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None) -> tuple[list[dict], dict]:
+    """The planner's rows for `names` at this setup (`estimate`: what `fits` and `peak_bytes` come from);
+    `traces`: step_trace.tracer(config) when the model's config is at hand, else the formula."""
+    result = estimate(spec, setup, traces(setup) if traces else None)
     return [r for r in result["rows"] if r["strategy"] in names], result
 
 
-def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allowed=STRATEGIES) -> dict:
+def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allowed=STRATEGIES,
+           traces=None) -> dict:
     """Every (strategy, micro-batch, checkpointing, accumulation) that keeps `global_batch` exactly;
     fitting ones sorted by predicted step time. Larger micro-batches of a (mesh, checkpointing) are not
     tried once none of its strategies fits (activations grow with the micro-batch)."""
@@ -227,7 +229,7 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
             for micro in divisors(per_rank):
                 trial = replace(setup, micro_batch=micro, grad_accum_steps=per_rank // micro,
                                 activation_checkpointing=checkpointing, tp_size=tp_size)
-                rows, result = rows_for(spec, trial, names)
+                rows, result = rows_for(spec, trial, names, traces)
                 tokens, model = result["activations"]["tokens_per_sample"], result["model"]
                 any_fit = False
                 for row in rows:
@@ -300,21 +302,21 @@ def alternatives(fitting: list[Candidate], count: int = 4) -> list[dict]:
     return out
 
 
-def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed) -> str:
+def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=None) -> str:
     """One line naming the smallest need and what would meet it: more GPUs, offload, shorter sequences."""
     usable = usable_bytes(setup)
     best = min(found["smallest"].values(), key=lambda c: c.peak_bytes)
     ways = []
-    more = more_gpus(spec, setup, allowed)
+    more = more_gpus(spec, setup, allowed, traces=traces)
     if more:
         ways.append(more)
     if not any(s in allowed for s in OFFLOAD):
-        offload = fits_at_least_once(spec, setup, OFFLOAD)
+        offload = fits_at_least_once(spec, setup, OFFLOAD, traces)
         if offload:
             ways.append(f"offload ({offload})")
     if spec.kind == "text":
         seq = setup.seq_len // 2
-        while seq >= 64 and not fits_at_least_once(spec, replace(setup, seq_len=seq), allowed):
+        while seq >= 64 and not fits_at_least_once(spec, replace(setup, seq_len=seq), allowed, traces):
             seq //= 2
         if seq >= 64:
             ways.append(f"--seq-len {seq}")
@@ -323,30 +325,31 @@ def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed) -> str:
             f"is {gb(best.peak_bytes)} GB ({best.strategy}, micro-batch 1, checkpointing on){how}")
 
 
-def fits_at_least_once(spec: ModelSpec, setup: Setup, names) -> str | None:
+def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None) -> str | None:
     """The first of `names` that fits at micro-batch 1 with checkpointing, or None."""
     for tp_size, group, _ in strategy_groups(spec, setup, names):
         trial = replace(setup, micro_batch=1, grad_accum_steps=1, activation_checkpointing=True, tp_size=tp_size)
-        rows, _ = rows_for(spec, trial, group)
+        rows, _ = rows_for(spec, trial, group, traces)
         for row in rows:
             if row["fits"]:
                 return row["strategy"]
     return None
 
 
-def more_gpus(spec: ModelSpec, setup: Setup, allowed, max_nodes: int = 64) -> str | None:
+def more_gpus(spec: ModelSpec, setup: Setup, allowed, max_nodes: int = 64, traces=None) -> str | None:
     """The fewest GPUs (first filling a node up to 8, then more nodes) with which something fits."""
     shapes = [(g, 1) for g in range(setup.gpus_per_node + 1, 9)] if setup.nodes == 1 else []
     per_node = max(setup.gpus_per_node, 8) if setup.nodes == 1 else setup.gpus_per_node
     shapes += [(per_node, n) for n in range(setup.nodes + 1, max_nodes + 1)]
     for gpus, nodes in shapes:
-        name = fits_at_least_once(spec, replace(setup, gpus_per_node=gpus, nodes=nodes), allowed)
+        name = fits_at_least_once(spec, replace(setup, gpus_per_node=gpus, nodes=nodes), allowed, traces)
         if name:
             return f"{gpus * nodes} GPUs ({nodes} node{'s' * (nodes > 1)} x {gpus}, {name})"
     return None
 
 
-def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_batch: int, limit: int = 64) -> dict | None:
+def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_batch: int, limit: int = 64,
+                       traces=None) -> dict | None:
     """When the kept global batch forces a smaller micro-batch than fits (no divisor in between), the
     largest micro-batch that fits and the nearest global batches that allow it."""
     dp = winner.mesh["dp_replicate"] * winner.mesh["dp_shard"]
@@ -354,7 +357,7 @@ def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_
     for m in range(micro + 1, min(per_rank, micro + limit)):
         trial = replace(setup, micro_batch=m, grad_accum_steps=1, activation_checkpointing=winner.gradient_checkpointing,
                         tp_size=winner.tp if winner.strategy in TP_STRATEGIES else None)
-        rows, _ = rows_for(spec, trial, (winner.strategy,))
+        rows, _ = rows_for(spec, trial, (winner.strategy,), traces)
         if not rows or not rows[0]["fits"]:
             break
         best = m

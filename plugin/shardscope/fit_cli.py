@@ -7,8 +7,9 @@ from pathlib import Path
 from .errors import UsageError
 from .fit import Hardware, alternatives, below_model_states, hardware, larger_micro_batch, nothing_fits, search
 from .mesh import Setup
-from .model_spec import LORA_DEFAULT_TARGETS, model_spec, resolve_model, shipped_models
+from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, resolve_model, shipped_models, spec_from_config
 from .planner import usable_bytes
+from .step_trace import tracer
 from .strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
 
@@ -97,24 +98,28 @@ def fit_command(args) -> int:
     params = parse_count(args.params) if args.params is not None else None
     if args.model and params is not None:
         raise UsageError("give --model or --params, not both")
-    spec = model_spec(args.model, params=params)
+    if args.model:  # the model's own code, traced on fake tensors, gives its activations (else the formula)
+        config = load_model_config(args.model)
+        spec, traces = spec_from_config(config, name=args.model), tracer(config)
+    else:
+        spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)
-    found = search(spec, setup, args.global_batch, hw, allowed)
+    found = search(spec, setup, args.global_batch, hw, allowed, traces)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(below)
     if not found["fitting"]:
-        line = nothing_fits(spec, setup, found, allowed)
+        line = nothing_fits(spec, setup, found, allowed, traces)
         print(json.dumps({"strategy": None, "reason": line}) if args.json else line)
         return 1
-    result = fit_result(spec, setup, hw, found, args)
+    result = fit_result(spec, setup, hw, found, args, traces)
     if args.output_dir:
         result["files"] = write_files(result, args, spec, setup)
     print(json.dumps(result, indent=1) if args.json else format_fit(result))
     return 0
 
 
-def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args) -> dict:
+def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args, traces=None) -> dict:
     winner = found["fitting"][0]
     usable = usable_bytes(setup)
     out = {key: getattr(winner, key) for key in ("strategy", "per_device_train_batch_size",
@@ -129,7 +134,7 @@ def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args) -> dict:
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
                                f", checkpointing {'on' if c.gradient_checkpointing else 'off'}"}
                         for name, c in sorted(found["smallest"].items()) if name not in fitting},
-        "larger_micro_batch": larger_micro_batch(spec, setup, winner, args.global_batch),
+        "larger_micro_batch": larger_micro_batch(spec, setup, winner, args.global_batch, traces=traces),
         "model": {**found["model"], "source": args.model or f"--params {args.params}"},
         "setup": {"gpus_per_node": setup.gpus_per_node, "nodes": setup.nodes, "world_size": setup.world_size,
                   "precision": setup.precision, "optimizer": setup.optimizer, "lora_rank": setup.lora_rank,

@@ -119,6 +119,7 @@ def run_strategy(args, model) -> tuple[str, dict | None, dict]:
 def decide(args, model, global_batch: int, budget: int, seq_len, image_size, headroom: float) -> dict:
     """Rank 0's decision: the fastest fitting candidate of the run's own strategy."""
     from .model_spec import spec_from_config
+    from .step_trace import tracer
 
     base = _unwrap(model)
     peft = getattr(base, "peft_config", None)
@@ -153,13 +154,14 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         assumed = ""
     except UsageError:  # a CPU run or an unknown GPU: the ranking orders one strategy's candidates only
         hw, assumed = hardware("H100", precision), " (step times ranked with H100 figures: device peak unknown)"
-    found = search(spec, setup, global_batch, hw, (strategy,))
+    traces = tracer(config) if not peft else None  # LoRA: the formula (frozen weights are not traced)
+    found = search(spec, setup, global_batch, hw, (strategy,), traces)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(f"fit_training_args: memory_budget {gb(budget)} GB: " + below.replace(
             "every strategy searched", f"this run's strategy ({strategy})"))
     if not found["fitting"]:
-        raise UsageError("fit_training_args: " + nothing_fits(spec, setup, found, (strategy,)))
+        raise UsageError("fit_training_args: " + nothing_fits(spec, setup, found, (strategy,), traces))
     best = found["fitting"][0]
     return {"budget_bytes": budget, "per_device_train_batch_size": best.per_device_train_batch_size,
             "gradient_accumulation_steps": best.gradient_accumulation_steps,

@@ -56,6 +56,12 @@ class StepTrace:
     regime: str
     simulated: bool = False      # a full-depth run, not scaled from 1 and 2 layers
 
+    def times(self, k: int) -> "StepTrace":
+        """The same step with a k times larger micro-batch: activations and temporaries are per sample."""
+        scaled = {name: Moment(tuple(k * v for v in m.activations), tuple(k * v for v in m.temporaries),
+                               m.gradients) for name, m in self.moments.items()}
+        return StepTrace(scaled, self.trainable, self.regime, self.simulated)
+
     def at(self, layers: int) -> dict:
         """{moment: {activations, temporaries, gradient_fraction}} for a model of `layers` layers; the
         gradient fraction is the share of all gradients that exist at that moment."""
@@ -191,6 +197,22 @@ def _parts(snapshot: dict) -> tuple[int, int, int]:
     """(activations, temporaries, gradients) of a MemTracker snapshot, summed over devices."""
     return tuple(sum(per_device.get(category, 0) for per_device in snapshot.values())
                  for category in ("Activation", "Temp", "Gradient"))
+
+
+def tracer(config):
+    """`setup -> {regime: StepTrace}` for a search over many setups: each (checkpointing, precision,
+    sequence, attention) traced once at micro-batch 1 and scaled; {} when the model cannot be traced."""
+    from dataclasses import replace
+
+    cache = {}
+
+    def traces(setup) -> dict:
+        key = (setup.activation_checkpointing, setup.precision, setup.seq_len, setup.image_size, setup.attention,
+               setup.lora_rank)
+        if key not in cache:
+            cache[key] = traces_for(config, replace(setup, micro_batch=1))[0]
+        return {regime: trace.times(setup.micro_batch) for regime, trace in cache[key].items()}
+    return traces
 
 
 def traces_for(config, setup, simulate: bool = False) -> tuple[dict, str | None]:
