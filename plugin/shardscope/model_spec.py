@@ -74,6 +74,11 @@ def shipped_models() -> list[str]:
     return sorted(p.parent.name for p in MODEL_CONFIGS_DIR.glob("*/config.json"))
 
 
+def shipped_source(name: str) -> str:
+    """The hub id a shipped config was published under (its `_name_or_path`)."""
+    return str(load_json(MODEL_CONFIGS_DIR / name / "config.json", "model config").get("_name_or_path", ""))
+
+
 def shipped_hint(model: str) -> str:
     """For an error line: the shipped names close to `model` (difflib), or where to find them all."""
     close = difflib.get_close_matches(model.lower(), shipped_models(), n=3, cutoff=0.6)
@@ -191,7 +196,7 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
     tp_layout, tp_note = _tp_layout(model, params)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts, per_token = config_value(text, "num_local_experts", "num_experts"), config_value(text, "num_experts_per_tok")
-    moe = _experts(model) if experts and per_token else (0, "")
+    moe = routed_experts(model) if experts and per_token else (0, "")
     vocab = config_value(text, "vocab_size")
     vision = not vocab and bool(config_value(config, "image_size"))
     return ModelSpec(
@@ -220,7 +225,7 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
     )
 
 
-def _experts(model) -> tuple[int, str]:
+def routed_experts(model) -> tuple[int, str]:
     """(parameters of the routed experts, the MoE block's class when each expert is its own module, else "").
     The experts are the modules named `experts` (transformers' MoE families; a shared expert is always used)."""
     import torch
@@ -354,18 +359,24 @@ def model_spec(model=None, *, params: float | None = None, layers: int | None = 
 def _named_spec(model: str) -> ModelSpec:
     """`spec_from_config` of a name or folder, from `spec_cache` when this config.json was counted before
     under the same library versions (then neither torch nor transformers is imported)."""
-    try:
-        key = spec_cache.spec_key(read_bytes(os.path.join(resolve_model(model), "config.json")))
-    except UsageError:  # a hub id, or a file load_model_config will explain
-        key = None
-    names = tuple(f.name for f in fields(ModelSpec))
-    cached = spec_cache.load(key, names) if key else None
-    if cached is not None:
+    config = config_bytes(model)
+    key = spec_cache.cache_key(config, "model_spec.py", "spec") if config is not None else None
+    cached = spec_cache.load(key) if key else None
+    if isinstance(cached, dict) and tuple(cached) == tuple(f.name for f in fields(ModelSpec)):
         return ModelSpec(**{name: _tuples(value) for name, value in cached.items()} | {"name": model})
     spec = spec_from_config(load_model_config(model), name=model)
     if key:
         spec_cache.store(key, asdict(spec))
     return spec
+
+
+def config_bytes(model: str) -> bytes | None:
+    """The config.json bytes of a shipped name or local folder (None: a hub id, or a file `load_model_config`
+    will explain)."""
+    try:
+        return read_bytes(os.path.join(resolve_model(model), "config.json"))
+    except UsageError:
+        return None
 
 
 def _tuples(value):
