@@ -1,10 +1,13 @@
 import json
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Model specs are cached per config (shardscope.spec_cache): a fresh folder per session, never the user's.
+os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-spec-cache-"))
 
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.

@@ -141,29 +141,45 @@ def accelerate_multinode_launch(config_file, script, script_args, output_dir, nu
     """Start one `accelerate launch` per machine rank on this host (each in its own session), wait for all,
     and on `timeout` kill every process they started. `machine_ranks` picks which "nodes" start (default
     all), e.g. `[1]` for a node whose main node never comes up."""
-    import signal
-    import time
-
-    import psutil
-
     config = yaml.safe_load(Path(config_file).read_text())
     # accelerate reports a non-distributed state on CPU ranks of a MULTI_GPU/FSDP launch unless told it is
     # a CPU run; DeepSpeed must not get it (the Trainer would wrap the ZeRO-3 model in DDP instead).
     env = cpu_env(**({} if config.get("distributed_type") == "DEEPSPEED" else {"ACCELERATE_USE_CPU": "1"}))
     port = main_process_port or free_port()
+    ranks = list(range(num_machines)) if machine_ranks is None else list(machine_ranks)
+    cmds = {rank: [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
+                   *accelerate_multinode_flags(config_file, rank, num_machines, procs_per_machine, main_process_ip,
+                                               port), *map(str, launcher_flags), str(script), *map(str, script_args)]
+            for rank in ranks}
+    return multinode_launch(cmds, env, output_dir, timeout)
+
+
+def deepspeed_multinode_launch(hostfile, script, script_args, output_dir, num_machines=2, timeout=120) -> MultiNodeRun:
+    """DeepSpeed's own multi-node launch without ssh, one `deepspeed` launcher per host of `hostfile` on this
+    machine: `deepspeed --hostfile F --no_ssh --node_rank N --master_addr 127.0.0.1 --master_port P`."""
+    port = free_port()
+    cmds = {rank: [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, script_args)]
+            for rank in range(num_machines)}
+    return multinode_launch(cmds, cpu_env(), output_dir, timeout)
+
+
+def multinode_launch(cmds: dict, env: dict, output_dir, timeout) -> MultiNodeRun:
+    """Start each node's launcher command (node rank -> argv) on this host, each in its own session, wait for
+    all, and on `timeout` kill every process they started."""
+    import signal
+    import time
+
+    import psutil
+
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    ranks = list(range(num_machines)) if machine_ranks is None else list(machine_ranks)
-    cmds, launchers, logs = [], [], []
+    launchers, logs = [], []
     start = time.monotonic()
-    for rank in ranks:
-        cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
-               *accelerate_multinode_flags(config_file, rank, num_machines, procs_per_machine, main_process_ip, port),
-               *map(str, launcher_flags), str(script), *map(str, script_args)]
+    for rank, cmd in cmds.items():
         log = open(output_dir / f"launcher{rank}.log", "w+")
         launchers.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-        cmds.append(cmd)
         logs.append(log)
     seen = {}
 
@@ -211,5 +227,5 @@ def accelerate_multinode_launch(config_file, script, script_args, output_dir, nu
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    return MultiNodeRun(cmds, returncodes, outputs, output_dir, timed_out, time.monotonic() - start,
+    return MultiNodeRun(list(cmds.values()), returncodes, outputs, output_dir, timed_out, time.monotonic() - start,
                         list(seen.values()))

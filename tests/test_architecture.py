@@ -157,3 +157,18 @@ def test_world_size_above_one_with_each_process_alone_is_named(monkeypatch):
     assert (found["strategy"], found["world_size"], found["launched_world_size"]) == ("independent_copies", 1, 4)
     assert "4 unsynchronized copies" in found["problem"] and "use_cpu" in found["problem"]
     assert strategy_from_summary({"strategy": "independent_copies"}) is None  # nothing the planner can compare
+
+
+@pytest.mark.parametrize("env, nodes", [
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 2),     # torchrun / accelerate launch
+    ({"WORLD_SIZE": "8", "LOCAL_SIZE": "2"}, 4),           # the deepspeed launcher (launcher/launch.py)
+    ({"WORLD_SIZE": "8"}, 1),                              # no local size: one node assumed
+])
+def test_num_nodes_from_each_launchers_environment(monkeypatch, env, nodes):
+    from shardscope.strategy import num_nodes
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert num_nodes() == nodes

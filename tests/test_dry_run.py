@@ -207,17 +207,16 @@ def test_tp_planner_equals_transformers_sharding_on_every_rank(family, strategy,
     assert sum(x.params_elements for x in result.ranks) == r * (spec.params_total + (t - 1) * norms)
 
 
-def test_tp_dry_run_of_70b_on_64_ranks_is_fast_and_equal_to_the_formula(configs, specs):
+def test_tp_dry_run_of_70b_on_64_ranks_equals_the_formula_without_parameter_memory(configs, specs):
+    # How long it takes is benchmarks/dry_run_speed.py's question, not a unit test's.
     process = psutil.Process()
     for strategy, nodes, mesh in (("fsdp_tp", 8, (1, 8, 8)), ("hsdp_tp", 8, (8, 1, 8))):
-        rss, start = process.memory_info().rss, time.perf_counter()
+        rss = process.memory_info().rss
         result = dr.dry_run(configs["llama-2-70b"], strategy, 64, nodes=nodes, tp=8)
-        elapsed = time.perf_counter() - start
-        assert elapsed < 10 and process.memory_info().rss - rss < 300e6, (strategy, elapsed)
+        assert process.memory_info().rss - rss < 300e6, strategy  # a fp32 64th of 70B is 4.3 GB
         assert result.mesh == mesh and result.computed_matches_built and len(result.ranks) == 64
         compare = dr.compare_rows(result, specs["llama-2-70b"], Setup())
         assert compare["ranks"]["max"]["rel_diff"] == {k: 0.0 for k in compare["planned"]}
-        print(strategy, "70B on 64 ranks:", round(elapsed, 2), "s")
 
 
 def test_tp_dry_run_cli_on_a_tiny_model(tiny_llama, capsys):

@@ -12,9 +12,11 @@ import time
 
 import pytest
 
-from launch import ROOT, accelerate_multinode_launch
+from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch
 
 from shardscope.configs import find_config
+from shardscope.doctor import Inputs, diagnose
+from shardscope.doctor_rules import failing
 from shardscope.planner import plan_vs_run as compare
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
@@ -25,7 +27,10 @@ FP32 = 4  # the CPU runs train in fp32 (--mixed_precision no; DeepSpeed without 
 def _train(config, model, out):
     args = ["--model", model, "--max_steps", 2, "--logging_steps", 1, "--per_device_train_batch_size", 2,
             "--report_to", "none", "--save_strategy", "no", "--use_cpu", "--output_dir", out]
-    run = accelerate_multinode_launch(find_config(config).path, WORKER, args, out, timeout=150)
+    return _summary(accelerate_multinode_launch(find_config(config).path, WORKER, args, out, timeout=150), out)
+
+
+def _summary(run, out):
     assert run.survivors() == [], f"processes left behind: {run.survivors()}"
     assert len(run.processes) >= 2 + 4, "expected 2 launchers and 4 ranks among the tracked processes"
     run.check()
@@ -66,7 +71,27 @@ def test_fsdp_hybrid_shard_shards_within_a_node_replicates_across(strategy_model
 @pytest.mark.launch
 def test_zero3_multinode_shards_over_all_four_ranks(strategy_model, parameter_shapes, tmp_path):
     summary = _train("zero3_multinode", strategy_model("shard_llama"), tmp_path)
-    numels = [math.prod(s) for s in parameter_shapes("shard_llama")]
+    _zero3_over_four_ranks(summary, parameter_shapes("shard_llama"), tmp_path)
+
+
+@pytest.mark.launch
+def test_deepspeed_hostfile_launch_as_two_loopback_nodes(strategy_model, parameter_shapes, tmp_path):
+    """DeepSpeed's own multi-node launch: a hostfile of two hosts x 2 slots that doctor passes, one `deepspeed
+    --hostfile F --no_ssh --node_rank N --master_addr 127.0.0.1` launcher per "node" (no ssh on this machine)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    findings, _ = diagnose(Inputs(hostfile=hostfile, gpus=2, nodes=2))
+    assert failing(findings) == [], findings
+    out = tmp_path / "run"
+    args = ["--model", strategy_model("shard_llama"), "--max_steps", 2, "--logging_steps", 1,
+            "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no", "--output_dir", out,
+            "--deepspeed", find_config("ds/zero3").path]
+    summary = _summary(deepspeed_multinode_launch(hostfile, WORKER, args, out, timeout=150), out)
+    _zero3_over_four_ranks(summary, parameter_shapes("shard_llama"), out)
+
+
+def _zero3_over_four_ranks(summary, shapes, out):
+    numels = [math.prod(s) for s in shapes]
     threshold = summary["strategy_detail"]["stage3_param_persistence_threshold"]
     # Each tensor's ds_tensor partition is ceil(numel / 4); tensors at or below the persistence threshold
     # also keep their whole .data on every rank (on this tiny model: the attention projections and norms).
@@ -75,7 +100,7 @@ def test_zero3_multinode_shards_over_all_four_ranks(strategy_model, parameter_sh
     assert [r["params_bytes"] for r in summary["ranks"]] == [expected] * 4
     sharded = sum(n for n in numels if n > threshold) * FP32
     assert sharded > 0.9 * sum(numels) * FP32  # most bytes are in sharded tensors: a quarter each
-    row = compare(tmp_path / "shardscope_summary.json")
+    row = compare(out / "shardscope_summary.json")
     assert all(c["rel_diff"] == 0 for r in row["ranks"] for c in r["components"] if c["component"] == "params_bytes")
 
 

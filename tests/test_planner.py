@@ -60,7 +60,7 @@ def test_shipped_configs_have_the_real_parameter_counts():
     mistral = model_spec("mistral-7b")
     assert mistral.params_total == 7_241_732_096
     assert (mistral.num_kv_heads, mistral.intermediate_size, mistral.tied_embeddings) == (8, 14336, False)
-    assert specs.shipped_models() == ["llama-2-70b", "llama-2-7b", "mistral-7b"]
+    assert {"llama-2-70b", "llama-2-7b", "mistral-7b"} <= set(specs.shipped_models())
 
 
 def test_70b_plans_in_under_two_seconds_without_parameter_memory():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .configs import ConfigProblems, find_config, validate_config
+from .doctor_cluster import cluster_checks
 from .doctor_deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
                                check_deepspeed_precision, planner_settings)
 from .doctor_fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
@@ -44,6 +45,7 @@ class Inputs:
     accelerate_config: Path | None = None
     deepspeed: Path | None = None
     fsdp_config: Path | None = None
+    hostfile: Path | None = None    # DeepSpeed launcher's hostfile
     model: str | None = None
     model_from_args: bool = False   # taken from the recipe's model_name_or_path: an unloadable one is skipped
     trainer: dict | None = None     # parsed (not constructed) Trainer/recipe arguments
@@ -245,6 +247,12 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
         if validate:
             _validated(deepspeed, "deepspeed", findings, world or 8)
         findings += check_deepspeed(deepspeed, trainer, world, source, asked_for_offload(inputs.accelerate_config))
+    found, said, checked = cluster_checks(inputs.accelerate_config, acc, inputs.hostfile,
+                                          [p for p in (deepspeed, fsdp) if p is not None], inputs.gpus, inputs.nodes,
+                                          environment)
+    findings += found
+    notes += said
+    ran += checked
     found, said = precision_findings(inputs.accelerate_config, acc, deepspeed is not None, trainer, source)
     findings += found
     notes += said
@@ -365,7 +373,10 @@ def register(subparsers) -> None:
     p.add_argument("--deepspeed", help=f"DeepSpeed JSON (TrainingArguments(deepspeed=...)): {shipped} (ds/zero3)")
     p.add_argument("--fsdp-config", help=f"fsdp_config JSON (TrainingArguments(fsdp_config=...)): {shipped} "
                                          "(fsdp/llama_full_shard)")
-    p.add_argument("--model", help="shipped name, local folder or hub id (default: the recipe's model_name_or_path)")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile (deepspeed --hostfile): hosts, slots, ssh (example: "
+                                      "ds_configs/hostfile)")
+    p.add_argument("--model", help="shipped name (shardscope plan --list-models), local folder or hub id (default: "
+                                   "the recipe's model_name_or_path)")
     p.add_argument("--gpus", type=int, help="GPUs per node, for the fit check")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu", help="GPU name (see shardscope plan --help)")
@@ -384,7 +395,7 @@ def doctor_command(args) -> int:
     inputs = Inputs(accelerate_config=resolve_config(args.accelerate_config, "accelerate"),
                     deepspeed=resolve_config(args.deepspeed, "deepspeed"),
                     fsdp_config=resolve_config(args.fsdp_config, "fsdp"), model=args.model, gpus=args.gpus,
-                    nodes=args.nodes)
+                    nodes=args.nodes, hostfile=Path(args.hostfile) if args.hostfile else None)
     if args.gpu_memory or args.gpu:
         inputs.gpu_memory_bytes = parse_size(args.gpu_memory) if args.gpu_memory else gpu_memory(args.gpu)
     if rest:

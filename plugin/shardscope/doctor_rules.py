@@ -34,6 +34,10 @@ RULES = {  # code -> level
     "multinode": "error",
     "placeholder": "warning",
     "unresolved-host": "notice",
+    "hostfile": "error",         # DeepSpeed refuses the hostfile, or its hosts/slots are not the nodes/GPUs
+    "hostfile-ssh": "notice",    # `deepspeed --hostfile` needs ssh (and pdsh for several hosts) from here
+    "master-env": "warning",     # MASTER_ADDR/MASTER_PORT exported here, ignored for the yaml's values
+    "net-interface": "notice",   # NCCL_/GLOO_SOCKET_IFNAME names no interface of this machine
 }
 LEVELS = ("error", "warning", "notice")
 

@@ -1,18 +1,20 @@
 """A model's config -> `ModelSpec`: the numbers the planner's formulas need, counted on the meta device.
 
-Sources: a shipped name (`model_configs/NAME/config.json`), a local folder, a hub id, a
-`PretrainedConfig`, or a bare parameter count (`spec_from_count`, shapes assumed and listed).
-No weight is ever loaded.
+Sources: a shipped name (`model_configs/NAME/config.json`, the models' published configs), a local folder,
+a hub id, a `PretrainedConfig`, or a bare parameter count (`spec_from_count`, shapes assumed and listed).
+No weight is ever loaded. A name or folder is counted once per config.json and library versions (`spec_cache`).
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from . import spec_cache
 from .errors import UsageError
-from .safe_io import load_json
+from .safe_io import load_json, read_bytes
 
 MODEL_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for Llama/Mistral
@@ -48,6 +50,12 @@ class ModelSpec:
     tp_layout: tuple[tuple[tuple[int, ...], int, bool], ...] = ()
     tp_plan: bool = True
     tp_note: str = ""
+    # Mixture of experts: experts per layer, experts each token is routed to, and the parameters one token
+    # uses (`params_total` less the unrouted experts' share); 0 for a dense model. Memory holds every expert.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    params_active: int = 0
+    zero3_leaf_module: str = ""            # the MoE block class, when each expert is its own module
 
     @property
     def num_tensors(self) -> int:
@@ -55,7 +63,7 @@ class ModelSpec:
 
 
 def resolve_model(model: str) -> str:
-    """A shipped name (`llama-2-7b`, `mistral-7b`, `llama-2-70b`), a local folder, or a hub id."""
+    """A shipped name (`llama-3-8b`, `qwen2.5-7b`: `shipped_models()`), a local folder, or a hub id."""
     shipped = MODEL_CONFIGS_DIR / model.lower()
     if "/" not in model and (shipped / "config.json").is_file():
         return str(shipped)
@@ -64,6 +72,18 @@ def resolve_model(model: str) -> str:
 
 def shipped_models() -> list[str]:
     return sorted(p.parent.name for p in MODEL_CONFIGS_DIR.glob("*/config.json"))
+
+
+def shipped_source(name: str) -> str:
+    """The hub id a shipped config was published under (its `_name_or_path`)."""
+    return str(load_json(MODEL_CONFIGS_DIR / name / "config.json", "model config").get("_name_or_path", ""))
+
+
+def shipped_hint(model: str) -> str:
+    """For an error line: the shipped names close to `model` (difflib), or where to find them all."""
+    close = difflib.get_close_matches(model.lower(), shipped_models(), n=3, cutoff=0.6)
+    listing = "shardscope plan --list-models lists the shipped names"
+    return f" (close shipped names: {', '.join(close)}; {listing})" if close else f" ({listing})"
 
 
 HUB_TIMEOUT_S = 5
@@ -78,7 +98,7 @@ def load_model_config(model: str, trust_remote_code: bool = False):
     download. A repository's own code (`auto_map`) runs only with `trust_remote_code=True`, and transformers
     never stops to ask on a terminal."""
     path = resolve_model(model)
-    shipped = f" (shipped names: {', '.join(shipped_models())})"
+    shipped = shipped_hint(model)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UsageError(f"model '{model}' is a folder without config.json")
@@ -175,6 +195,8 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
             linears[key] = linears.get(key, 0) + 1
     tp_layout, tp_note = _tp_layout(model, params)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts, per_token = config_value(text, "num_local_experts", "num_experts"), config_value(text, "num_experts_per_tok")
+    moe = routed_experts(model) if experts and per_token else (0, "")
     vocab = config_value(text, "vocab_size")
     vision = not vocab and bool(config_value(config, "image_size"))
     return ModelSpec(
@@ -197,7 +219,25 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
         extra_tokens=(1 + config_value(config, "num_register_tokens")) if vision else 0,
         num_labels=config_value(config, "num_labels") if vision else 0,
         tp_layout=tp_layout or (), tp_plan=tp_layout is not None, tp_note=tp_note,
+        num_experts=experts if moe[0] else 0, experts_per_token=per_token if moe[0] else 0,
+        params_active=sum(p.numel() for p in params) - moe[0] // experts * (experts - per_token) if moe[0] else 0,
+        zero3_leaf_module=moe[1],
     )
+
+
+def routed_experts(model) -> tuple[int, str]:
+    """(parameters of the routed experts, the MoE block's class when each expert is its own module, else "").
+    The experts are the modules named `experts` (transformers' MoE families; a shared expert is always used)."""
+    import torch
+
+    total, leaf = 0, ""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        total += sum(p.numel() for p in module.parameters())
+        if isinstance(module, torch.nn.ModuleList):  # one module per expert: ZeRO-3 fetches only those called
+            leaf = type(model.get_submodule(name.rpartition(".")[0])).__name__
+    return total, leaf
 
 
 def _tp_style_dim(style, leaf: str, ndim: int) -> int | None:
@@ -312,5 +352,33 @@ def model_spec(model=None, *, params: float | None = None, layers: int | None = 
             raise UsageError("give a model (--model NAME|FOLDER|HUB_ID) or a parameter count (--params 7e9)")
         return spec_from_count(params, layers, hidden, vocab, heads)
     if isinstance(model, str):
-        return spec_from_config(load_model_config(model), name=model)
+        return _named_spec(model)
     return spec_from_config(model)
+
+
+def _named_spec(model: str) -> ModelSpec:
+    """`spec_from_config` of a name or folder, from `spec_cache` when this config.json was counted before
+    under the same library versions (then neither torch nor transformers is imported)."""
+    config = config_bytes(model)
+    key = spec_cache.cache_key(config, "model_spec.py", "spec") if config is not None else None
+    cached = spec_cache.load(key) if key else None
+    if isinstance(cached, dict) and tuple(cached) == tuple(f.name for f in fields(ModelSpec)):
+        return ModelSpec(**{name: _tuples(value) for name, value in cached.items()} | {"name": model})
+    spec = spec_from_config(load_model_config(model), name=model)
+    if key:
+        spec_cache.store(key, asdict(spec))
+    return spec
+
+
+def config_bytes(model: str) -> bytes | None:
+    """The config.json bytes of a shipped name or local folder (None: a hub id, or a file `load_model_config`
+    will explain)."""
+    try:
+        return read_bytes(os.path.join(resolve_model(model), "config.json"))
+    except UsageError:
+        return None
+
+
+def _tuples(value):
+    """JSON's lists back to the tuples a `ModelSpec` holds."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -8,8 +8,8 @@ from dataclasses import replace
 from .dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, tp_mesh_shape, check_mesh
 from .errors import UsageError
 from .mesh import Setup
-from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, spec_from_config
-from .step_trace import traces_for
+from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, shipped_source
+from .trace_cache import cached_traces_for
 from .planner import convention_table, estimate, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
@@ -23,12 +23,40 @@ def convention_name(value: str) -> str:
     return OLD_CONVENTIONS.get(value, value)
 
 
+def short_count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def list_models() -> list[dict]:
+    """The shipped names with their exact counts (MoE: total, and active per token) and hub ids."""
+    out = []
+    for name in shipped_models():
+        spec = model_spec(name)
+        out.append({"name": name, "params_total": spec.params_total, "hub_id": shipped_source(name),
+                    **({"params_active": spec.params_active, "num_experts": spec.num_experts,
+                        "experts_per_token": spec.experts_per_token} if spec.num_experts else {})})
+    return out
+
+
+def format_models(models: list[dict]) -> str:
+    lines = ["shipped models (--model NAME; config.json as published, counted on the meta device):",
+             f"{'name':<16}{'params':>9}  {'exact count':>17}  hub id"]
+    for m in models:
+        moe = (f"  (MoE: {short_count(m['params_active'])} active per token, {m['experts_per_token']} of "
+               f"{m['num_experts']} experts; memory holds all)") if "params_active" in m else ""
+        lines.append(f"{m['name']:<16}{short_count(m['params_total']):>9}  {m['params_total']:>17,}  "
+                     f"{m['hub_id']}{moe}")
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
     m, s = result["model"], result["setup"]
     gpu = gpu_size(s["gpu_memory_bytes"]) if s["gpu_memory_bytes"] else "no GPU memory given"
+    moe = (f", {m['params_active']:,} active per token ({m['experts_per_token']} of {m['num_experts']} experts; "
+           "memory holds all)") if "params_active" in m else ""
     lines = [
         f"model {m['name']}: {m['params_total']:,} params ({'exact, meta device' if m['exact'] else 'from --params'}"
-        + (f"; assumed {', '.join(m['assumed'])}" if m["assumed"] else "") + f"), trainable {m['trainable_params']:,}",
+        + (f"; assumed {', '.join(m['assumed'])}" if m["assumed"] else "") + f"){moe}, trainable {m['trainable_params']:,}",
         f"{s['world_size']} GPUs ({s['gpus_per_node']} x {s['nodes']} nodes, {gpu} each), {s['precision']}, "
         f"{s['optimizer']}, micro-batch {s['micro_batch']}, "
         f"{result['activations']['tokens_per_sample']} tokens/sample, checkpointing "
@@ -141,7 +169,10 @@ def build_parser(subparsers):
                               description="Per-GPU memory for every strategy, before launch, from a model's config only.",
                               epilog="Exit status: 0 ok, 1 when no strategy fits the GPUs given, 2 for bad input.")
     src = p.add_argument_group("model (one of)")
-    src.add_argument("--model", help=f"shipped name ({', '.join(shipped_models())}), local folder or hub id")
+    src.add_argument("--model", help="shipped name (llama-3-8b, qwen2.5-7b, ...: --list-models), local folder "
+                                      "or hub id")
+    src.add_argument("--list-models", action="store_true", help="print the shipped names with their parameter "
+                                                                "counts and exit")
     src.add_argument("--params", help="parameter count, e.g. 7e9 or 7B")
     src.add_argument("--layers", type=int)
     src.add_argument("--hidden", type=int)
@@ -201,6 +232,10 @@ def setup_from_args(args) -> Setup:
 
 
 def plan_command(args) -> int:
+    if args.list_models:
+        models = list_models()
+        print(json.dumps(models, indent=1) if args.json else format_models(models))
+        return 0
     setup = setup_from_args(args)  # validate cheap inputs before any model is loaded
     for key in ("layers", "hidden", "vocab", "heads"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
@@ -220,10 +255,9 @@ def plan_command(args) -> int:
         result = plan_vs_run(args.compare, spec, setup)
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
-    if args.model:
-        config = load_model_config(args.model)
-        spec = spec_from_config(config, name=args.model)
-        traces, note = traces_for(config, setup, simulate=args.simulate)
+    if args.model:  # both cached per config (spec_cache): a later run imports neither torch nor transformers
+        spec = model_spec(args.model)
+        traces, note = cached_traces_for(args.model, setup, simulate=args.simulate)
     else:
         if args.simulate:
             raise UsageError("--simulate needs --model (a config to run; --params has no layer code)")

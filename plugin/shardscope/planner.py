@@ -134,6 +134,8 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
     if setup.precision == "bf16-pure":
         notes.append("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
                      "zero* rows are planned as bf16-mixed")
+    if spec.num_experts:
+        notes.append(moe_note(spec))
     traces = traces or {}
     rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
                          traces.get(regime_for(s, setup.precision))) for s in strategies]
@@ -145,7 +147,9 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
         "model": {"name": spec.name, "params_total": c.total, "trainable_params": c.trainable,
                   "exact": spec.exact, "assumed": list(spec.assumed), "largest_layer_params": spec.largest_layer_params,
                   "largest_unit_params": max(c.units), "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
-                  "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings},
+                  "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings,
+                  **({"params_active": spec.params_active, "num_experts": spec.num_experts,
+                      "experts_per_token": spec.experts_per_token} if spec.num_experts else {})},
         "setup": {**asdict(setup), "world_size": setup.world_size},
         "activations": act,
         "tp": tp_info,
@@ -157,6 +161,20 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
                   "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
                   "comm_bytes_per_step is computed from ring-collective formulas, not measured", *notes],
     }
+
+
+def moe_note(spec: ModelSpec) -> str:
+    """What a mixture of experts changes: memory holds every expert; ZeRO-3 and the experts' modules."""
+    note = (f"mixture of experts: every GPU's model states hold all {spec.num_experts} experts per layer "
+            f"({spec.params_total:,} params) though a token uses {spec.experts_per_token} "
+            f"({spec.params_active:,} active); ZeRO-3: ")
+    if spec.zero3_leaf_module:
+        return note + (f"mark {spec.zero3_leaf_module} a leaf module (accelerate yaml deepspeed_config: "
+                       f"deepspeed_moe_layer_cls_names: {spec.zero3_leaf_module}, or deepspeed.utils."
+                       "set_z3_leaf_modules), else ranks routing tokens to different experts fetch different "
+                       "modules and the step can hang")
+    return note + ("this transformers keeps a layer's experts in one fused module, gathered whole in each forward, "
+                   "so no leaf-module setting is needed (deepspeed_moe_layer_cls_names is for per-expert modules)")
 
 
 def convention_table(params: float = 7e9, gpus: int = 4) -> dict:

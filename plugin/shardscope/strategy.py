@@ -152,11 +152,12 @@ def detect_strategy(model=None) -> dict:
 
 
 def num_nodes() -> int:
-    """Nodes in the run, from the launcher's environment (world size / local world size)."""
+    """Nodes in the run, from the launcher's environment: world size / local world size (torchrun and
+    accelerate set LOCAL_WORLD_SIZE; the `deepspeed` launcher sets LOCAL_SIZE instead)."""
     import os
 
-    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-    return max(1, world // local) if local else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 0)
+    return max(1, int(os.environ.get("WORLD_SIZE", 1)) // local) if local else 1
 
 
 def _mesh(dp_replicate: int, dp_shard: int, tp: int) -> dict:

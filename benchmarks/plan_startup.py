@@ -1,0 +1,72 @@
+"""Start-up of `shardscope plan --model NAME` against `python -c "import torch, transformers"` (issue 15: within
+1.5x). Each command runs as a fresh process, the arms interleaved, `--repeats` times; wall clock and the child's
+CPU time (user + sys, less disturbed by other jobs on a shared machine) are reported as medians and ratios.
+
+Arms: `import` (the yardstick), `plan cold` (an empty spec cache: the model is counted on the meta device, which
+imports transformers' config and modeling code), `plan warm` (the spec cache holds the model), and, with
+`--before PLUGIN_DIR`, `plan before` (another checkout's package, e.g. main before the cache).
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/plan_startup.py --model llama-2-7b --repeats 5 \\
+        --before /tmp/main/plugin --out benchmarks/results/plan_startup.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, child CPU seconds) of one run of `cmd`, which must succeed."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-2-7b")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--before", help="plugin folder of another checkout, timed as 'plan before'")
+    parser.add_argument("--out", help="also write the table here (Markdown)")
+    args = parser.parse_args()
+    base = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "plugin"))
+    plan = [sys.executable, "-m", "shardscope", "plan", "--model", args.model, "--gpus", "8", "--gpu", "H100"]
+    warm_cache = tempfile.mkdtemp(prefix="plan-startup-warm-")
+    subprocess.run(plan, env={**base, "SHARDSCOPE_CACHE": warm_cache}, check=True, stdout=subprocess.DEVNULL)
+    arms = {"import torch, transformers": ([sys.executable, "-c", "import torch, transformers"], lambda: base),
+            "plan cold (empty cache)": (plan, lambda: {**base, "SHARDSCOPE_CACHE": tempfile.mkdtemp()}),
+            "plan warm (cached spec)": (plan, lambda: {**base, "SHARDSCOPE_CACHE": warm_cache})}
+    if args.before:
+        arms["plan before"] = (plan, lambda: {**base, "PYTHONPATH": args.before, "SHARDSCOPE_CACHE": "off"})
+    runs = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, (cmd, env) in arms.items():
+            runs[name].append(timed(cmd, env()))
+    medians = {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r))
+               for name, r in runs.items()}
+    wall0, cpu0 = medians["import torch, transformers"]
+    lines = [f"`shardscope plan --model {args.model}` start-up, {args.repeats} interleaved runs each, medians "
+             f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU(s))", "",
+             "| command | wall s | CPU s | wall / import | CPU / import |", "| --- | --- | --- | --- | --- |"]
+    for name, (wall, cpu) in medians.items():
+        lines.append(f"| {name} | {wall:.2f} | {cpu:.2f} | {wall / wall0:.2f} | {cpu / cpu0:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

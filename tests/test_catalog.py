@@ -1,0 +1,191 @@
+"""The shipped model catalog (plugin/shardscope/model_configs) and the spec cache (shardscope.spec_cache).
+
+Counts are the planner's own (built on the meta device from the shipped config.json) held against the figure
+each model's publisher states: its model card, or the hub page's safetensors count where the card gives only
+the rounded name (Llama-2-70B's card says 70B; its weights hold 69.0B).
+"""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardscope.cli import main
+from shardscope.mesh import Setup
+from shardscope.model_spec import (MODEL_CONFIGS_DIR, ModelSpec, load_model_config, model_spec, routed_experts,
+                                   shipped_models, spec_from_config)
+from shardscope.planner import estimate, moe_note
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Published counts, in parameters. Cards and hub pages round to 2-3 significant figures (Qwen2.5-0.5B "0.49B",
+# Qwen2.5-32B "32.5B" for 32.76B), so the planner's exact count must be within this of the figure:
+PUBLISHED_TOLERANCE = 0.01
+PUBLISHED = {
+    "llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9,        # hub pages (safetensors)
+    "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9,                               # hub pages
+    "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 405e9,  # hub pages; 405B: the card
+    "mistral-7b": 7.24e9,                                                      # hub page (Mistral: "7.3B")
+    "mixtral-8x7b": 46.7e9,                                                    # Mistral's announcement: 46.7B total
+    "qwen2.5-0.5b": 0.49e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-3b": 3.09e9,     # Qwen2.5 model cards
+    "qwen2.5-7b": 7.61e9, "qwen2.5-14b": 14.7e9, "qwen2.5-32b": 32.5e9, "qwen2.5-72b": 72.7e9,
+    "gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-2-27b": 27.2e9,       # hub pages
+    "phi-3-mini": 3.8e9,                                                       # Phi-3 card: "3.8B parameters"
+    "dinov2-small": 22.1e6, "dinov2-base": 86.6e6, "dinov2-large": 304e6,     # hub pages (the paper: 21M, 86M,
+    "dinov2-giant": 1.14e9,                                                    # 300M, 1.1B, without pos. embeddings)
+}
+MIXTRAL_ACTIVE = 12.9e9  # Mistral's announcement: "only uses 12.9B parameters per token"
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return {name: model_spec(name) for name in shipped_models()}
+
+
+def test_every_shipped_model_has_its_published_parameter_count(catalog):
+    assert set(catalog) == set(PUBLISHED)  # a new config comes with its published figure
+    for name, spec in catalog.items():
+        assert spec.exact and spec.params_total > 0
+        assert abs(spec.params_total / PUBLISHED[name] - 1) < PUBLISHED_TOLERANCE, (name, spec.params_total)
+
+
+def test_shipped_configs_name_their_hub_model_and_load_without_remote_code():
+    for name in shipped_models():
+        raw = json.loads((MODEL_CONFIGS_DIR / name / "config.json").read_text())
+        assert "/" in raw["_name_or_path"] and "auto_map" not in raw, name
+        assert load_model_config(name).model_type == raw["model_type"]
+
+
+def test_mixtral_counts_every_expert_and_the_active_share_by_hand(catalog):
+    spec = catalog["mixtral-8x7b"]
+    h, i, kv, layers, vocab, experts, k = 4096, 14336, 1024, 32, 32000, 8, 2
+    expert = 3 * h * i  # gate, up and down projections of one expert
+    layer = 2 * h * h + 2 * h * kv + experts * h + experts * expert + 2 * h  # q, o; k, v; router; experts; 2 norms
+    assert spec.params_total == 2 * vocab * h + layers * layer + h
+    assert spec.params_active == spec.params_total - layers * (experts - k) * expert
+    assert abs(spec.params_active / MIXTRAL_ACTIVE - 1) < PUBLISHED_TOLERANCE
+    assert (spec.num_experts, spec.experts_per_token) == (8, 2)
+    dense = catalog["mistral-7b"]
+    assert (dense.num_experts, dense.params_active) == (0, 0)
+
+
+def test_moe_plan_says_total_vs_active_and_what_zero3_needs(catalog, capsys):
+    result = estimate(catalog["mixtral-8x7b"], Setup(gpus_per_node=8, gpu_memory_bytes=80 * 2 ** 30))
+    assert result["model"]["params_active"] == catalog["mixtral-8x7b"].params_active
+    note = next(n for n in result["notes"] if n.startswith("mixture of experts"))
+    # transformers 5 fuses a layer's experts into one module (MixtralExperts): nothing to mark for ZeRO-3
+    assert "all 8 experts" in note and "no leaf-module setting is needed" in note
+    assert "params_active" not in estimate(catalog["mistral-7b"], Setup())["model"]
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--gpu", "H100"]) == 0
+    assert "12,879,925,248 active per token (2 of 8 experts" in capsys.readouterr().out
+
+
+def test_per_expert_modules_get_the_zero3_leaf_advice():
+    import torch
+
+    class Block(torch.nn.Module):  # the shape of an MoE block with one module per expert (remote-code models)
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 3, bias=False)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+
+    model = torch.nn.Sequential(Block(), Block())
+    assert routed_experts(model) == (2 * 3 * 16, "Block")
+    spec = replace(model_spec(params=1e9), num_experts=3, experts_per_token=1, params_active=10,
+                   zero3_leaf_module="Block")
+    assert "deepspeed_moe_layer_cls_names: Block" in moe_note(spec)
+
+
+def test_list_models_prints_every_name_with_its_count(catalog, capsys):
+    assert main(["plan", "--list-models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, spec in catalog.items():
+        line = next(line for line in lines if line.startswith(name + " "))
+        assert f"{spec.params_total:,}" in line
+    assert "12.9B active per token, 2 of 8 experts" in next(line for line in lines if line.startswith("mixtral"))
+    assert main(["plan", "--list-models", "--json"]) == 0
+    listed = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert {n: m["params_total"] for n, m in listed.items()} == {n: s.params_total for n, s in catalog.items()}
+    assert listed["llama-3-8b"]["hub_id"] == "meta-llama/Meta-Llama-3-8B"
+
+
+@pytest.mark.parametrize("typed, close", [("llama-3-7b", "llama-3-8b"), ("qwen-7b", "qwen2.5-7b"),
+                                          ("Mixtral-8x7", "mixtral-8x7b"), ("gemma2-9b", "gemma-2-9b")])
+def test_unknown_name_is_one_line_with_the_close_shipped_names(typed, close, capsys):
+    assert main(["plan", "--model", typed]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"'{typed}'" in err
+    assert close in err.split("close shipped names: ")[1]
+
+
+def test_bare_names_resolve_case_insensitively(catalog):
+    assert model_spec("Qwen2.5-7B").params_total == catalog["qwen2.5-7b"].params_total
+
+
+# ----------------------------------------------------------------------------- the spec cache
+
+
+def _plan_json(args, capsys):
+    assert main(["plan", *args, "--json"]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--model", "llama-2-7b", "--gpus", "8", "--gpu", "H100"],
+                                  ["--model", "mixtral-8x7b", "--gpus", "4", "--nodes", "2", "--gpu", "A100-40",
+                                   "--checkpointing", "--lora-rank", "16"],
+                                  ["--model", "qwen2.5-0.5b", "--precision", "fp16-mixed", "--tp", "2", "--gpus", "2"],
+                                  ["--model", "dinov2-large", "--gpus", "2", "--gpu", "L4"]])
+def test_cached_plan_is_byte_identical_to_a_counted_one(args, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SHARDSCOPE_CACHE", "off")
+    counted = _plan_json(args, capsys)
+    monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
+    first, second = _plan_json(args, capsys), _plan_json(args, capsys)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert counted == first == second
+
+
+def test_a_warm_plan_imports_neither_torch_nor_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
+    model_spec("llama-2-7b")  # counted here: the cache now holds it
+    code = ("import sys; from shardscope.cli import main; code = main(['plan', '--model', 'llama-2-7b']); "
+            "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "plugin")}).stdout
+    assert out.splitlines()[-1] == "0 []"
+
+
+def test_an_edited_config_is_counted_again_not_served_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    raw = json.loads((MODEL_CONFIGS_DIR / "llama-2-7b" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(raw))
+    before = model_spec(str(folder))
+    (folder / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 16}))
+    after = model_spec(str(folder))
+    assert after.num_layers == 16 and after.params_total < before.params_total
+    assert after == spec_from_config(load_model_config(str(folder)), name=str(folder))
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "folder"])
+def test_an_unusable_cache_is_a_miss_never_an_error(damage, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SHARDSCOPE_CACHE", str(cache))
+    counted = model_spec("qwen2.5-0.5b")
+    (entry,) = cache.glob("*.json")
+    if damage == "truncated":
+        entry.write_text(entry.read_text()[:100])
+    elif damage == "foreign":
+        entry.write_text(json.dumps({"params_total": 1}))
+    else:  # the cache folder is a file: nothing can be written, the plan still comes
+        entry.unlink()
+        cache.rmdir()
+        cache.write_text("not a folder")
+    assert model_spec("qwen2.5-0.5b") == counted
+    if damage != "folder":
+        assert json.loads(entry.read_text())["params_total"] == counted.params_total  # rewritten whole
+    assert isinstance(counted, ModelSpec)
