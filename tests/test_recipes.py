@@ -56,6 +56,9 @@ SFT_RUNS = {  # name -> (launcher, config, extra args)
     "lora_fsdp": ("accelerate", "fsdp_full_shard", ["--use_lora", "true", "--learning_rate", "1e-2",
                                                     "--gradient_checkpointing", "true"]),
 }
+# The launcher's precision agrees with the recipe's --bf16 (the CPU overrides say "no"; the recipe's doctor
+# check refuses a launcher and Trainer that disagree).
+SFT_LAUNCHER_ARGS = {"fsdp1": ["--mixed_precision", "bf16"]}
 IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
     "ddp": ("ddp", [], []),
     # in bf16: ZeRO's 16-bit weights beside an fp32 master; it saves the 16-bit model it computes with
@@ -81,12 +84,14 @@ def runs(tmp_path_factory, sft_assets, image_assets):
                     run = deepspeed_launch(SFT, sft_args(sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json",
                                                          *extra), out)
                 else:
-                    run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), out)
+                    run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), out,
+                                            launcher_args=SFT_LAUNCHER_ARGS.get(name, []))
             elif kind == "resume":  # resume the uninterrupted run's step-SAVE_AT checkpoint in a new folder
                 first = get("sft", name)
                 _, config, extra = SFT_RUNS[name]
                 run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(
-                    sft_assets, *extra, "--resume_from_checkpoint", first.output_dir / f"checkpoint-{SAVE_AT}"), out)
+                    sft_assets, *extra, "--resume_from_checkpoint", first.output_dir / f"checkpoint-{SAVE_AT}"), out,
+                    launcher_args=SFT_LAUNCHER_ARGS.get(name, []))
             else:
                 config, extra, launcher_args = IMAGE_RUNS[name]
                 run = accelerate_launch(ACC / f"{config}.yaml", IMAGE, [
