@@ -313,3 +313,30 @@ def test_every_path_the_docs_name_exists(doc):
     base = (ROOT / doc).parent
     missing = [n for n in named_paths(doc) if not (base / n).exists() and not (ROOT / n).exists()]
     assert not missing, missing
+
+
+def test_configs_list_wraps_without_cutting_a_literal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["configs"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp_config='fsdp_configs/llama_full_shard.json')" in out  # whole on one line, copyable
+
+
+def test_output_cut_short_by_the_reader_is_no_traceback():
+    """`shardscope plan ... | head -1`: the closed pipe ends the command quietly (as a SIGPIPE'd tool)."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardscope", "plan", "--params", "7e9", "--gpus", "4"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the interpreter has even started: every write of the command meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == "", err
+
+
+def test_tiny_assets_print_only_their_paths(tmp_path, capfd):
+    from shardscope.tiny import _main
+
+    _main(["sft", str(tmp_path), "-n", "16"])
+    _main(["image", str(tmp_path)])
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [f"data: {tmp_path}/alpaca.json", f"model: {tmp_path}/tiny-llama",
+                                f"data: {tmp_path}/images", f"model: {tmp_path}/tiny-dinov2"]
+    assert err.strip() == "", err
