@@ -340,3 +340,14 @@ def test_tiny_assets_print_only_their_paths(tmp_path, capfd):
     assert out.splitlines() == [f"data: {tmp_path}/alpaca.json", f"model: {tmp_path}/tiny-llama",
                                 f"data: {tmp_path}/images", f"model: {tmp_path}/tiny-dinov2"]
     assert err.strip() == "", err
+
+
+def test_recipe_preflight_names_the_launcher_not_the_file(monkeypatch):
+    """`accelerate launch --mixed_precision no ... --bf16`: the value came from a flag, the yaml may say bf16."""
+    from shardscope.doctor import preflight
+    from shardscope.errors import UsageError
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(UsageError, match=r"accelerate launch \(--config_file or its flags\): mixed_precision: no "
+                                         r"here but bf16 in the recipe arguments"):
+        preflight({"bf16": True})
