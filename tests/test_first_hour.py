@@ -153,14 +153,15 @@ def test_configs_check_output_is_its_own():
 # --- The README and docs stay true: every command in their shell blocks parses, the cheap ones run ----------
 
 DOCS = ["README.md", "docs/planner.md", "docs/compare.md", "docs/doctor.md", "docs/cluster.md", "docs/precision.md",
-        "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md"]
+        "docs/fit.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md"]
 PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "python3", "make", "pytest", "export")
 # Inputs that stand for the user's own (a hub id, a folder, a finished run): offline here they must end in
 # one line naming them and exit 2; each stays in the docs as the example it is.
 USERS_OWN = {"meta-llama/Llama-2-7b-hf": "hub id", "./my_model_folder": "folder",
              "output/shardscope_summary.json": "summary"}
-# Parsed, not run here: they launch training (compare) or take a minute of CPU (--dry-run on 512 ranks).
-PARSE_ONLY = ("compare", "--dry-run")
+# Parsed, not run here: they launch training (compare), write files into the checkout (fit --output-dir; its
+# own tests run it) or take a minute of CPU (--dry-run on 512 ranks).
+PARSE_ONLY = ("compare", "fit", "--dry-run")
 # Folders named in the text that a run creates (outputs), not files the checkout must have.
 # What a user sets for the shell variables the docs use (multi-node launches).
 SHELL_VARIABLES = {"NODE_RANK": "0", "MAIN_NODE_IP": "10.0.0.1"}
@@ -188,6 +189,7 @@ def shell_commands(doc: str):
     comments dropped); `$(shardscope configs path NAME)` and $VARIABLES resolved as the shell would."""
     for block in fenced_blocks(doc):
         for line in block.replace("\\\n", " ").splitlines():
+            line = line.removeprefix("$ ")  # a shell prompt before a command shown with its output
             program = re.sub(r"^(?:[A-Z_]+=\S+\s+)*", "", line).split(" ")[0]  # after VAR=value words
             if program not in PROGRAMS or "[" in line:  # output, prose, or a usage synopsis ("[...]")
                 continue
