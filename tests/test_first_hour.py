@@ -353,3 +353,15 @@ def test_recipe_preflight_names_the_launcher_not_the_file(monkeypatch):
     with pytest.raises(UsageError, match=r"accelerate launch \(--config_file or its flags\): mixed_precision: no "
                                          r"here but bf16 in the recipe arguments"):
         preflight({"bf16": True})
+
+
+def test_plan_says_each_note_once(capsys):
+    from shardscope.plan_cli import FOOTNOTED
+    from shardscope.planner import estimate as plan_estimate
+
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len([l for l in lines if l]) == len({l for l in lines if l})
+    assert not [line for line in lines if line.startswith(FOOTNOTED)]  # the footnotes say them
+    notes = plan_estimate(model_spec("llama-2-7b"), Setup(gpus_per_node=4))["notes"]
+    assert all(any(n.startswith(prefix) for prefix in FOOTNOTED) for n in notes[:4]), notes

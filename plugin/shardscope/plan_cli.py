@@ -23,6 +23,11 @@ def convention_name(value: str) -> str:
     return OLD_CONVENTIONS.get(value, value)
 
 
+# estimate()'s notes that the table's footnotes (*, **, ~) already say
+FOOTNOTED = ("model states (params", "peak_bytes:", "optimizer_bytes includes", "comm_bytes_per_step",
+             "tp/fsdp_tp/hsdp_tp rows from --params")
+
+
 def format_table(result: dict) -> str:
     m, s = result["model"], result["setup"]
     gpu = gpu_size(s["gpu_memory_bytes"]) if s["gpu_memory_bytes"] else "no GPU memory given"
@@ -66,7 +71,7 @@ def format_table(result: dict) -> str:
               "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]
     if any(r.get("approximate") for r in result["rows"]):
         lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
-    lines += [n for n in result.get("notes", [])[3:] if not n.startswith("tp/fsdp_tp/hsdp_tp rows from --params")]
+    lines += [n for n in result.get("notes", []) if not n.startswith(FOOTNOTED)]
     return "\n".join(lines)
 
 
