@@ -39,7 +39,7 @@ def reload_logits(output_dir: Path, base_model: Path | None = None):
 
         model = AutoModelForCausalLM.from_pretrained(output_dir)
     with torch.no_grad():
-        return model.eval()(**batch).logits, saved["logits"]
+        return model.eval()(**batch).logits.float(), saved["logits"]  # a bf16 run saves (and reloads) bf16
 
 
 def param_count(folder: Path) -> int:

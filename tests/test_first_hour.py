@@ -1,7 +1,9 @@
 """What a new user meets in the first hour: words they can know, help that explains itself, a TP line that
 agrees with itself, GPU memory as sold, why alternatives lost, the CPU hint in compare, quiet output."""
+import importlib.util
 import math
 import re
+import shlex
 import subprocess
 import sys
 import warnings
@@ -146,3 +148,220 @@ def test_configs_check_output_is_its_own():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["ok  ds_configs/zero3.json", "ok  accelerate_configs/zero3.yaml"]
     assert "Setting accelerator" not in proc.stderr
+
+
+# --- The README and docs stay true: every command in their shell blocks parses, the cheap ones run ----------
+
+DOCS = ["README.md", "docs/planner.md", "docs/compare.md", "docs/doctor.md", "docs/cluster.md", "docs/precision.md",
+        "docs/fit.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md"]
+PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "python3", "make", "pytest", "export")
+# Inputs that stand for the user's own (a hub id, a folder, a finished run): offline here they must end in
+# one line naming them and exit 2; each stays in the docs as the example it is.
+USERS_OWN = {"meta-llama/Llama-2-7b-hf": "hub id", "./my_model_folder": "folder",
+             "output/shardscope_summary.json": "summary"}
+# Parsed, not run here: they launch training (compare), write files into the checkout (fit --output-dir; its
+# own tests run it) or take a minute of CPU (--dry-run on 512 ranks).
+PARSE_ONLY = ("compare", "fit", "--dry-run")
+# Folders named in the text that a run creates (outputs), not files the checkout must have.
+# What a user sets for the shell variables the docs use (multi-node launches).
+SHELL_VARIABLES = {"NODE_RANK": "0", "MAIN_NODE_IP": "10.0.0.1"}
+OUTPUTS = ("demo_out/", "compare_out/", "out/", "output/", "runs/", "assets/", "model_out", "pp.json", "single.json")
+
+
+def fenced_blocks(doc: str, languages=("bash", "sh", "shell", "")):
+    """The text of each fenced block in `doc` whose info string is one of `languages` (fences paired in order)."""
+    blocks, current, language = [], None, None
+    for line in (ROOT / doc).read_text().splitlines():
+        fence = re.match(r"^\s*```(\w*)\s*$", line)
+        if fence and current is None:
+            current, language = [], fence.group(1)
+        elif fence:
+            if language in languages:
+                blocks.append("\n".join(current) + "\n")
+            current = None
+        elif current is not None:
+            current.append(line.strip())
+    return blocks
+
+
+def shell_commands(doc: str):
+    """(doc, command as argv) for every command line in the doc's fenced shell blocks (continuations joined,
+    comments dropped); `$(shardscope configs path NAME)` and $VARIABLES resolved as the shell would."""
+    for block in fenced_blocks(doc):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.removeprefix("$ ")  # a shell prompt before a command shown with its output
+            program = re.sub(r"^(?:[A-Z_]+=\S+\s+)*", "", line).split(" ")[0]  # after VAR=value words
+            if program not in PROGRAMS or "[" in line:  # output, prose, or a usage synopsis ("[...]")
+                continue
+            line = re.sub(r"\$\(shardscope configs path (\S+)\)", lambda m: str(find_config(m.group(1)).path), line)
+            line = re.sub(r"\$([A-Z_]+)", lambda m: SHELL_VARIABLES[m.group(1)], line)
+            argv = shlex.split(line, comments=True)
+            yield doc, argv[argv.index(program):]
+
+
+def synopsis_flags(doc: str):
+    """(subcommand, --flags) of each usage synopsis (`shardscope doctor [--gpus N] ... [-- RECIPE ARGS]`)."""
+    for block in fenced_blocks(doc, languages=("",)):
+        if block.startswith("shardscope ") and "[" in block:
+            own = re.split(r"\[?-- ", block)[0]  # what follows a bare `--` is the recipe's
+            yield block.split()[1], re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", own)
+
+
+ALL_COMMANDS = [c for doc in DOCS for c in shell_commands(doc)]
+
+
+def recipe_parser(script: Path):
+    from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments
+
+    sys.path.insert(0, str(script.parent))
+    try:
+        module = __import__(script.stem)
+    finally:
+        sys.path.pop(0)
+    return RecipeParser(module.ScriptArguments, module.ModelArguments, training_type=RecipeTrainingArguments)
+
+
+def check_script(script: str, args: list[str]):
+    """The script exists; a recipe accepts its arguments (flags and the YAML's keys) as written."""
+    assert (ROOT / script).is_file(), script
+    if script.startswith("recipes/"):
+        recipe_parser(ROOT / script).parse(args)
+
+
+def test_docs_show_commands():
+    seen = {doc for doc, _ in ALL_COMMANDS}
+    assert {"README.md", "docs/planner.md", "docs/compare.md", "docs/cluster.md"} <= seen, seen
+    assert sum(argv[0] == "shardscope" for _, argv in ALL_COMMANDS) >= 12
+
+
+@pytest.mark.parametrize("doc,argv", [c for c in ALL_COMMANDS if c[1][0] != "shardscope"],
+                         ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v)
+def test_every_launch_command_in_the_docs_parses(doc, argv):
+    """Launcher flags are the launcher's own (accelerate, torchrun), scripts exist, recipe flags parse,
+    make targets exist: what a user pastes reaches the training script."""
+    if argv[:2] == ["accelerate", "launch"]:
+        from accelerate.commands.launch import launch_command_parser
+
+        parsed = launch_command_parser().parse_args(argv[2:])
+        check_script(parsed.training_script, parsed.training_script_args)
+        if parsed.config_file:
+            assert Path(parsed.config_file).is_file(), parsed.config_file
+    elif argv[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parsed = get_args_parser().parse_args(argv[1:])
+        check_script(parsed.training_script, parsed.training_script_args)
+    elif argv[0] == "deepspeed":
+        script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+        check_script(argv[script], argv[script + 1:])
+    elif argv[0] in ("python", "python3"):
+        if argv[1] == "-m":
+            assert importlib.util.find_spec(argv[2]), argv
+        else:
+            assert (ROOT / argv[1]).is_file(), argv
+    elif argv[0] == "make":
+        assert re.search(rf"^{argv[1]}:", (ROOT / "Makefile").read_text(), re.M), argv
+    else:  # export VAR=..., pytest ...
+        assert argv[0] in ("export", "pytest"), argv
+
+
+@pytest.mark.parametrize("doc,argv", [c for c in ALL_COMMANDS if c[1][0] == "shardscope"],
+                         ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v)
+def test_every_shardscope_command_in_the_docs_runs(doc, argv, capsys):
+    """Parsed by shardscope's own parser; run in process unless it launches training; exit 0, or for an
+    input that stands for the user's own, exit 2 with one line naming it."""
+    args = cli.build_parser().parse_args(argv[1:])  # an unknown flag exits here
+    if argv[1] == "compare":  # what it hands on: the recipe's arguments, the launcher's
+        from accelerate.commands.launch import launch_command_parser
+
+        check_script(str(args.recipe), args.recipe_args)
+        launch_command_parser().parse_args([*shlex.split(args.launcher_args), str(args.recipe)])
+    if argv[1] in PARSE_ONLY or any(flag in argv for flag in PARSE_ONLY):
+        return
+    code = cli.main(argv[1:])
+    out, err = capsys.readouterr()
+    own = [value for value in USERS_OWN if value in argv]
+    if own:
+        assert code == 2 and len(err.splitlines()) == 1 and own[0] in err, err
+    else:
+        assert code == 0, (out, err)
+        assert out.strip() and "Traceback" not in err
+
+
+def test_usage_synopses_name_real_flags():
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    checked = 0
+    for doc in DOCS:
+        for command, flags in synopsis_flags(doc):
+            known = {s for action in subparsers[command]._actions for s in action.option_strings}
+            assert set(flags) <= known, (doc, command, set(flags) - known)
+            checked += 1
+    assert checked >= 2
+
+
+def named_paths(doc: str) -> set[str]:
+    """Repository paths the doc names: link targets and backticked paths under the checkout's folders."""
+    text = (ROOT / doc).read_text()
+    tops = "|".join(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("."))
+    names = set(re.findall(r"\]\(([^)#\s]+)\)", text))
+    names |= set(re.findall(rf"`((?:{tops})/[\w./-]+)`", text))
+    names |= {a for _, argv in shell_commands(doc) for a in argv if re.match(rf"^(?:{tops})/[\w./-]+$", a)}
+    return {n for n in names if not n.startswith(("http", "mailto")) and not n.startswith(OUTPUTS)}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_path_the_docs_name_exists(doc):
+    base = (ROOT / doc).parent
+    missing = [n for n in named_paths(doc) if not (base / n).exists() and not (ROOT / n).exists()]
+    assert not missing, missing
+
+
+def test_configs_list_wraps_without_cutting_a_literal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["configs"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp_config='fsdp_configs/llama_full_shard.json')" in out  # whole on one line, copyable
+
+
+def test_output_cut_short_by_the_reader_is_no_traceback():
+    """`shardscope plan ... | head -1`: the closed pipe ends the command quietly (as a SIGPIPE'd tool)."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardscope", "plan", "--params", "7e9", "--gpus", "4"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the interpreter has even started: every write of the command meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == "", err
+
+
+def test_tiny_assets_print_only_their_paths(tmp_path, capfd):
+    from shardscope.tiny import _main
+
+    _main(["sft", str(tmp_path), "-n", "16"])
+    _main(["image", str(tmp_path)])
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [f"data: {tmp_path}/alpaca.json", f"model: {tmp_path}/tiny-llama",
+                                f"data: {tmp_path}/images", f"model: {tmp_path}/tiny-dinov2"]
+    assert err.strip() == "", err
+
+
+def test_recipe_preflight_names_the_launcher_not_the_file(monkeypatch):
+    """`accelerate launch --mixed_precision no ... --bf16`: the value came from a flag, the yaml may say bf16."""
+    from shardscope.doctor import preflight
+    from shardscope.errors import UsageError
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(UsageError, match=r"accelerate launch \(--config_file or its flags\): mixed_precision: no "
+                                         r"here but bf16 in the recipe arguments"):
+        preflight({"bf16": True})
+
+
+def test_plan_says_each_note_once(capsys):
+    from shardscope.plan_cli import FOOTNOTED
+    from shardscope.planner import estimate as plan_estimate
+
+    assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len([l for l in lines if l]) == len({l for l in lines if l})
+    assert not [line for line in lines if line.startswith(FOOTNOTED)]  # the footnotes say them
+    notes = plan_estimate(model_spec("llama-2-7b"), Setup(gpus_per_node=4))["notes"]
+    assert all(any(n.startswith(prefix) for prefix in FOOTNOTED) for n in notes[:4]), notes

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from shardscope.planner import plan_vs_run
+from precision_checks import BF16_OK, assert_bf16_mixed_ranks, assert_bytes_match_planner
 
 pytestmark = pytest.mark.launch
 
@@ -18,9 +18,6 @@ STEPS = 4
 # Loss after STEPS steps, bf16 against fp32: bf16 compute drifts the loss by ~1e-2 over a few steps, and
 # FSDP2 returns a bf16-rounded loss (at ~7 one bf16 step is 2^-5 = 0.031: rounding is up to 0.016).
 LOSS_TOL = 0.03
-# Counted bytes against the planner: Adam's step counters and ZeRO-3's persistent tensors are the only
-# bytes the planner's rows approximate, well under 1% on this model.
-BYTES_REL = 0.01
 
 BF16 = {  # config -> (strategy in the summary, ZeRO?)
     "ddp": ("ddp", False),
@@ -66,16 +63,6 @@ def precision_run(strategy_model, tmp_path_factory):
     return run
 
 
-def assert_bytes_match_planner(path):
-    """Each category's heaviest rank equals the planner's row for the run's precision (ZeRO-2's ranks
-    differ by the whole gradients straddling their partition edges; the planner gives the heaviest)."""
-    result = plan_vs_run(path)
-    for component in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-        rows = [c for r in result["ranks"] for c in r["components"] if c["component"] == component]
-        measured = max(c["measured"] for c in rows)
-        assert measured == pytest.approx(rows[0]["planned"], rel=BYTES_REL), (component, rows)
-
-
 def test_fp16_under_ddp_on_cpu_trains_fp32_and_says_so(precision_run):
     summary, _, _ = precision_run("ddp", "--fp16")
     assert summary["precision"] == "fp16"  # the existing label, unchanged
@@ -93,17 +80,8 @@ def test_bf16_holds_what_the_planner_says_and_trains_like_fp32(config, precision
     _, fp32_loss, _ = precision_run("ddp", "--fp16")
     strategy, zero = BF16[config]
     assert summary["strategy"] == strategy and summary["world_size"] == 2
-    assert summary["precision_verdict"] == {"configured": "bf16-mixed", "effective": "bf16-mixed", "ok": True,
-                                            "reason": None}
-    for rank in summary["ranks"]:
-        assert rank["compute_dtype"] == "bf16"
-        if zero:  # 16-bit weights and grads, fp32 master partition and moments
-            assert rank["dtypes"] == {"params": "bf16", "grads": "bf16", "optimizer": "fp32", "master_params": "fp32"}
-            # master 4 of the 12 optimizer bytes per trainable parameter (plus Adam's few step counters)
-            assert rank["master_params_bytes"] == pytest.approx(rank["optimizer_bytes"] / 3, rel=BYTES_REL)
-        else:  # fp32 weights are the master (accelerate upcasts FSDP's params: accelerate #3979 stays fixed)
-            assert rank["dtypes"] == {"params": "fp32", "grads": "fp32", "optimizer": "fp32", "master_params": None}
-            assert rank["master_params_bytes"] == 0
+    assert summary["precision_verdict"] == BF16_OK
+    assert_bf16_mixed_ranks(summary, zero)
     assert_bytes_match_planner(path)
     assert loss == pytest.approx(fp32_loss, abs=LOSS_TOL)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from launch import ROOT, Run, accelerate_launch, cpu_env, deepspeed_launch
+from precision_checks import BF16_OK, assert_bf16_mixed_ranks, assert_bytes_match_planner
 from recipe_checks import losses, param_count, reload_logits, run_lines
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
@@ -45,7 +46,9 @@ def sft_args(assets, *extra):
 SFT_RUNS = {  # name -> (launcher, config, extra args)
     "ddp": ("accelerate", "ddp", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
     "fsdp": ("accelerate", "fsdp_full_shard", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
-    "fsdp1": ("accelerate", "fsdp1_full_shard", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
+    # in bf16 (MixedPrecision): the recipe's bf16 run for a torch strategy, resumed like the fp32 ones
+    "fsdp1": ("accelerate", "fsdp1_full_shard", ["--save_strategy", "steps", "--save_steps", SAVE_AT,
+                                                 "--bf16", "true"]),
     "zero2": ("accelerate", "zero2", ["--gradient_checkpointing", "true"]),
     "zero3": ("accelerate", "zero3", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
     "ds_zero3": ("deepspeed", "zero3", []),
@@ -53,9 +56,13 @@ SFT_RUNS = {  # name -> (launcher, config, extra args)
     "lora_fsdp": ("accelerate", "fsdp_full_shard", ["--use_lora", "true", "--learning_rate", "1e-2",
                                                     "--gradient_checkpointing", "true"]),
 }
+# The launcher's precision agrees with the recipe's --bf16 (the CPU overrides say "no"; the recipe's doctor
+# check refuses a launcher and Trainer that disagree).
+SFT_LAUNCHER_ARGS = {"fsdp1": ["--mixed_precision", "bf16"]}
 IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
     "ddp": ("ddp", [], []),
-    "zero2": ("zero2", [], []),
+    # in bf16: ZeRO's 16-bit weights beside an fp32 master; it saves the 16-bit model it computes with
+    "zero2": ("zero2", ["--bf16", "true"], []),
     # accelerate 1.15's FSDP2 auto-wrap from `_no_split_modules` wraps Dinov2Embeddings, then shards its
     # patch embeddings a second time ("value was None" in DeviceMesh): name the layer class instead.
     "fsdp": ("fsdp_full_shard", [], ["--fsdp_transformer_layer_cls_to_wrap", "Dinov2Layer"]),
@@ -77,12 +84,14 @@ def runs(tmp_path_factory, sft_assets, image_assets):
                     run = deepspeed_launch(SFT, sft_args(sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json",
                                                          *extra), out)
                 else:
-                    run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), out)
+                    run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), out,
+                                            launcher_args=SFT_LAUNCHER_ARGS.get(name, []))
             elif kind == "resume":  # resume the uninterrupted run's step-SAVE_AT checkpoint in a new folder
                 first = get("sft", name)
                 _, config, extra = SFT_RUNS[name]
                 run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(
-                    sft_assets, *extra, "--resume_from_checkpoint", first.output_dir / f"checkpoint-{SAVE_AT}"), out)
+                    sft_assets, *extra, "--resume_from_checkpoint", first.output_dir / f"checkpoint-{SAVE_AT}"), out,
+                    launcher_args=SFT_LAUNCHER_ARGS.get(name, []))
             else:
                 config, extra, launcher_args = IMAGE_RUNS[name]
                 run = accelerate_launch(ACC / f"{config}.yaml", IMAGE, [
@@ -214,6 +223,20 @@ def test_dinov2_freeze_backbone_trains_only_the_head(runs, image_assets):
     assert not torch.equal(frozen["classifier.weight"], initial["classifier.weight"])
     assert any(not torch.equal(full[k], initial[k]) for k in backbone)  # without the flag the backbone trains
     assert "trainable params: 516" in runs("image", "zero3_frozen").output  # 4 x (2 x 64) + 4: the head only
+
+
+# --- bf16: the recipes' own runs hold what test_precision_runs proves for the strategies -----------------
+
+
+@pytest.mark.parametrize("kind,name,zero", [("sft", "fsdp1", False), ("image", "zero2", True)])
+def test_bf16_recipe_runs_hold_what_the_planner_says(runs, kind, name, zero):
+    run = runs(kind, name)
+    summary = json.loads((run.output_dir / "shardscope_summary.json").read_text())
+    assert summary["precision"] == "bf16" and summary["precision_verdict"] == BF16_OK
+    assert_bf16_mixed_ranks(summary, zero)
+    assert_bytes_match_planner(run.output_dir / "shardscope_summary.json")
+    logged = [line for line in run.output.splitlines() if "shardscope precision: " in line]
+    assert len(logged) == 1 and '"effective": "bf16-mixed"' in logged[0], logged  # once, at train begin
 
 
 # --- Prompt masking (in process, on a hand-built example) ---------------------------------------------

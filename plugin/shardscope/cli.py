@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"shardscope: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (`| head`): end quietly, as a tool killed by SIGPIPE does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception:  # a bug, not a finding: its traceback is for the report, and 2 keeps it apart from 1
         traceback.print_exc()
         print(f"shardscope: internal error in '{args.command}' (a bug: please report it with the traceback above)",

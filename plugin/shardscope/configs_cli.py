@@ -36,7 +36,8 @@ def _list(args) -> int:
     columns = max(shutil.get_terminal_size().columns, len(indent) + 40)
     for c in configs:
         line = f"{c.name:<{width}}  {c.kind:<10}  {c.description}{'  [multi-node]' if c.multinode else ''}"
-        print(textwrap.fill(line, columns, subsequent_indent=indent, break_on_hyphens=False))
+        print(textwrap.fill(line, columns, subsequent_indent=indent, break_on_hyphens=False,
+                            break_long_words=False))
     return 0
 
 

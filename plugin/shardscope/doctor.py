@@ -333,6 +333,10 @@ def _dedupe(findings: list[Finding]) -> list[Finding]:
 # ----------------------------------------------------------------------------- recipes
 
 
+# Where a launched recipe's accelerate settings come from: the yaml or a flag that overrides it.
+LAUNCHED = "accelerate launch (--config_file or its flags)"
+
+
 def preflight(namespace: dict, model: str | None = None) -> None:
     """The doctor's checks inside a launched recipe, before `TrainingArguments` exists: the DeepSpeed and
     fsdp_config files its arguments name (or accelerate's launcher passed on), the layer classes to wrap
@@ -348,11 +352,11 @@ def preflight(namespace: dict, model: str | None = None) -> None:
         launched = {"fsdp_transformer_layer_cls_to_wrap": env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")}
         spec_model = _model(Inputs(model=model, model_from_args=True), [])
         if spec_model is not None:
-            findings += check_wrap_class("accelerate config", "fsdp_transformer_layer_cls_to_wrap",
+            findings += check_wrap_class(LAUNCHED, "fsdp_transformer_layer_cls_to_wrap",
                                          wrap_classes(launched), env.get("FSDP_AUTO_WRAP_POLICY"), spec_model[1])
     mixed = env.get("ACCELERATE_MIXED_PRECISION")
     if mixed and env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
-        findings += check_precision("accelerate config", {"mixed_precision": mixed}, namespace, "the recipe arguments")
+        findings += check_precision(LAUNCHED, {"mixed_precision": mixed}, namespace, "the recipe arguments")
     findings = failing(findings)  # notices never stop a run
     if findings:
         raise UsageError("shardscope doctor found problems, refusing to start: "

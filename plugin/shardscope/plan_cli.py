@@ -49,6 +49,11 @@ def format_models(models: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# estimate()'s notes that the table's footnotes (*, **, ~) already say
+FOOTNOTED = ("model states (params", "peak_bytes:", "optimizer_bytes includes", "comm_bytes_per_step",
+             "tp/fsdp_tp/hsdp_tp rows from --params")
+
+
 def format_table(result: dict) -> str:
     m, s = result["model"], result["setup"]
     gpu = gpu_size(s["gpu_memory_bytes"]) if s["gpu_memory_bytes"] else "no GPU memory given"
@@ -94,7 +99,7 @@ def format_table(result: dict) -> str:
               "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]
     if any(r.get("approximate") for r in result["rows"]):
         lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
-    lines += [n for n in result.get("notes", [])[3:] if not n.startswith("tp/fsdp_tp/hsdp_tp rows from --params")]
+    lines += [n for n in result.get("notes", []) if not n.startswith(FOOTNOTED)]
     return "\n".join(lines)
 
 
@@ -108,13 +113,20 @@ def format_convention(table: dict) -> str:
     return "\n".join(lines + ["", table["explanation"]])
 
 
+PEAK_KINDS = {  # what a measured peak is, beside the planned total (states + activations + buffers, estimated)
+    "tensor_peak": "live tensors at the step's peak; the planned total is an estimate",
+    "cuda_max_allocated": "CUDA max allocated; the planned total is an estimate",
+    "cpu_peak_rss": "whole-process RSS, libraries included: not like for like",
+}
+
+
 def format_compare(result: dict) -> str:
     mesh = result.get("mesh") or {}
     where = f" (mesh {mesh['dp_replicate']}x{mesh['dp_shard']}x{mesh['tp']})" if mesh.get("tp", 1) > 1 else ""
     lines = [f"{result['summary']}: {result['strategy']}{where}, world size {result['world_size']}, "
              f"{result['precision']}, "
              f"model {result['model']} (planned {result['params_total_planned']:,} params, "
-             f"measured {result['params_total_measured'] or '?'})",
+             f"measured {format(result['params_total_measured'], ',') if result['params_total_measured'] else '?'})",
              f"{'rank':<5}{'component':<20}{'planned':>14}{'measured':>14}{'rel diff':>10}"]
     for rank in result["ranks"]:
         for comp in rank["components"]:
@@ -123,7 +135,7 @@ def format_compare(result: dict) -> str:
                          f"{comp['measured']:>14,}{diff:>10}")
         if rank.get("peak_memory_bytes"):
             lines.append(f"{'':<5}{'peak (' + str(rank['memory_kind']) + ')':<20}{result['planned_total_bytes']:>14,}"
-                         f"{int(rank['peak_memory_bytes']):>14,}   (whole-process; not like for like on CPU)")
+                         f"{int(rank['peak_memory_bytes']):>14,}   ({PEAK_KINDS.get(rank['memory_kind'], 'as measured')})")
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ def make_tokenizer(out_dir: str | Path, texts: list[str], vocab_size: int = 512)
     tok.decoder = decoders.ByteLevel()
     special = ["<s>", "</s>", "<pad>"]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(out_dir)
@@ -87,16 +87,20 @@ DINO_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 def make_dinov2(out_dir: str | Path, num_labels: int = 2, seed: int = 0, **sizes):
     """Save a tiny random `Dinov2ForImageClassification` and a 32x32 `BitImageProcessor` (DINOv2's) in `out_dir`."""
     import torch
-    from transformers import BitImageProcessor, Dinov2Config, Dinov2ForImageClassification
+    import transformers
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    # the PIL flavour needs no torchvision (and saves the same BitImageProcessor file); older transformers lack it
+    processor = getattr(transformers, "BitImageProcessorPil", None) or transformers.BitImageProcessor
 
     config = Dinov2Config(num_labels=num_labels, **{**DINO_SIZES, **sizes})
     torch.manual_seed(seed)
     model = Dinov2ForImageClassification(config)
     model.save_pretrained(out_dir)
     side = config.image_size
-    BitImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-                      do_convert_rgb=True, image_mean=[0.485, 0.456, 0.406],
-                      image_std=[0.229, 0.224, 0.225]).save_pretrained(out_dir)
+    processor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+              do_convert_rgb=True, image_mean=[0.485, 0.456, 0.406],
+              image_std=[0.229, 0.224, 0.225]).save_pretrained(out_dir)
     return model
 
 
@@ -133,6 +137,12 @@ def _main(argv=None) -> None:
     """`python -m shardscope.tiny sft|image ROOT`: build the demo/test assets (used by scripts/demo.sh)."""
     import argparse
 
+    from transformers.utils import logging as hf_logging
+
+    from .cli import quiet_library_notices
+
+    quiet_library_notices()  # the output is the two paths below, not the libraries' notices and progress bars
+    hf_logging.disable_progress_bar()
     parser = argparse.ArgumentParser(prog="python -m shardscope.tiny", description=_main.__doc__)
     parser.add_argument("kind", choices=["sft", "image"])
     parser.add_argument("root")
