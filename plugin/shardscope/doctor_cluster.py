@@ -119,7 +119,7 @@ def check_interfaces(env=os.environ) -> list[Finding]:
             if not any(p == wanted if exact else p.startswith(wanted) for p in present):
                 found.append(Finding("net-interface", f"${variable}", variable, f"{name!r} matches no network "
                                      f"interface of this machine ({', '.join(present)}); fine if this is not a node "
-                                     "of the cluster", f"set it to the interface the nodes reach each other on "
+                                     "of the cluster", "set it to the interface the nodes reach each other on "
                                      "(ip -brief address on a node)"))
     return found
 
