@@ -143,13 +143,15 @@ def test_cached_plan_is_byte_identical_to_a_counted_one(args, tmp_path, monkeypa
     counted = _plan_json(args, capsys)
     monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
     first, second = _plan_json(args, capsys), _plan_json(args, capsys)
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("*.json"))) == 2  # one entry for the counted spec, one for the traced step
     assert counted == first == second
 
 
 def test_a_warm_plan_imports_neither_torch_nor_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
-    model_spec("llama-2-7b")  # counted here: the cache now holds it
+    from shardscope import cli
+
+    assert cli.main(["plan", "--model", "llama-2-7b"]) == 0  # counted and traced here: the cache holds both
     code = ("import sys; from shardscope.cli import main; code = main(['plan', '--model', 'llama-2-7b']); "
             "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
