@@ -143,15 +143,25 @@ def test_cached_plan_is_byte_identical_to_a_counted_one(args, tmp_path, monkeypa
     counted = _plan_json(args, capsys)
     monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
     first, second = _plan_json(args, capsys), _plan_json(args, capsys)
-    assert len(list(tmp_path.glob("*.json"))) == 2  # one entry for the counted spec, one for the traced step
+    assert len(list(tmp_path.glob("*.json"))) == 2  # the spec and the step traces
     assert counted == first == second
+
+
+def test_traces_are_cached_per_step_shape_not_per_gpu_count(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
+    _plan_json(["--model", "qwen2.5-0.5b", "--gpus", "2"], capsys)
+    _plan_json(["--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu", "H100", "--prefer", "deepspeed"], capsys)
+    assert len(list(tmp_path.glob("*.json"))) == 2  # same step: the GPUs only change the formulas
+    traced = _plan_json(["--model", "qwen2.5-0.5b", "--seq-len", "512"], capsys)
+    assert len(list(tmp_path.glob("*.json"))) == 3  # another step shape: traced again
+    for entry in tmp_path.glob("*.json"):  # JSON of the right outline, wrong inside: counted and traced again
+        entry.write_text('{"traces": {"pure": {"moments": 1}}, "note": null}')
+    assert _plan_json(["--model", "qwen2.5-0.5b", "--seq-len", "512"], capsys) == traced
 
 
 def test_a_warm_plan_imports_neither_torch_nor_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDSCOPE_CACHE", str(tmp_path))
-    from shardscope import cli
-
-    assert cli.main(["plan", "--model", "llama-2-7b"]) == 0  # counted and traced here: the cache holds both
+    assert main(["plan", "--model", "llama-2-7b"]) == 0  # counted and traced here: the cache now holds both
     code = ("import sys; from shardscope.cli import main; code = main(['plan', '--model', 'llama-2-7b']); "
             "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
