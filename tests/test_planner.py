@@ -363,7 +363,7 @@ def test_cli_json_contract(capsys):
 def test_cli_table_and_rule_of_thumb_convention(capsys):
     assert cli.main(["plan", "--model", "mistral-7b", "--gpu", "A100-80"]) == 0
     out = capsys.readouterr().out
-    assert "fsdp_full_shard" in out and "recommendation:" in out and "estimate" in out
+    assert "fsdp_full_shard" in out and "recommendation:" in out and "activations at the peak:" in out
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "rule-of-thumb-12"]) == 0
     out = capsys.readouterr().out
     assert "84" in out and "31.5" in out and "112" in out and "38.5" in out and "master" in out
