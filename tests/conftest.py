@@ -74,21 +74,22 @@ def strategy_model(tmp_path_factory):
 def strategy_runs(strategy_model, tmp_path_factory):
     """Train tests/workers/train_tiny.py for 3 steps on 2 CPU ranks under a shipped config, through the
     launcher that config is for (accelerate yaml: `accelerate launch`; DeepSpeed JSON: `deepspeed`;
-    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments). Once per (config, model, lora_r);
+    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments). Once per (config, model, lora_r, grad_accum);
     returns (profiler summary, [independent count per rank])."""
     from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
     from shardscope.configs import find_config
 
     cache = {}
 
-    def run(config, model="shard_llama", lora_r=0):
-        key = (config, model, lora_r)
+    def run(config, model="shard_llama", lora_r=0, grad_accum=1):
+        key = (config, model, lora_r, grad_accum)
         if key not in cache:
             shipped = find_config(config)
-            out = tmp_path_factory.mktemp(f"{shipped.path.stem}-{model}-lora{lora_r}")
+            out = tmp_path_factory.mktemp(f"{shipped.path.stem}-{model}-lora{lora_r}-accum{grad_accum}")
             worker = ROOT / "tests" / "workers" / "train_tiny.py"
             args = ["--model", strategy_model(model), "--max_steps", 3, "--logging_steps", 1, "--lora_r", lora_r,
-                    "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no"]
+                    "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no",
+                    "--gradient_accumulation_steps", grad_accum]
             if shipped.kind == "accelerate":
                 launched = accelerate_launch(shipped.path, worker, [*args, "--use_cpu"], out)
             elif shipped.kind == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo

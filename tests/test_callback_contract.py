@@ -178,7 +178,7 @@ def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_pa
     """One warm step is instrumented (MemTracker): its peak is split by category, the model states in it
     agree with the callback's own counts (an independent walk), and the step is left out of throughput."""
     rows = token_rows(seq=256)  # long enough that activations, not the tiny weights, make the peak
-    trainer, summary = train(llama, rows, tmp_path / "plain", memory_step=2)
+    trainer, summary = train(llama, rows, tmp_path / "plain", memory_step=2, time_step=None)  # collectives: step 2 too
     rank = summary["ranks"][0]
     parts = rank["peak_breakdown"]
     assert sum(parts.values()) == rank["peak_tensor_bytes"] == rank["peak_memory_bytes"]

@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from . import __version__
+from . import __version__, comm_count, step_time  # [issue 21] collectives counted, step time broken down
 from .memory import read_memory, reset_peak
 from .peak import BREAKDOWN, PHASES, StepPeak
 from .precision import PrecisionWatch, gather_reports, run_verdict
@@ -36,7 +36,8 @@ PREFIX = "shardscope/"
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
                "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", "peak_tensor_bytes",
-               *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase")
+               *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase",
+               *comm_count.RANK_FIELDS, *step_time.RANK_FIELDS)  # [issue 21]
 REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_memory_bytes", "peak_tensor_bytes",
            "tokens_per_s", "tflops_per_device", "mfu")
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
@@ -108,11 +109,22 @@ class ShardingProfilerCallback(TrainerCallback):
         summary_file: file name written into `args.output_dir` (None to skip).
         memory_step: the optimizer step whose peak tensor memory is measured by category (None: none);
             the default 3 is a warm step after DDP's bucket rebuild, which allocates during step 2.
+        comm_step: the optimizer step whose collectives are counted (`comm_count.py`; None: none); by default
+            the memory step, so one step carries both dispatch modes.
+        time_step: the optimizer step whose time is broken down (`step_time.py`; None: none); by default the
+            step after them (an instrumented step's time is not a plain step's).
+        time_every_n_steps: also break down every N-th step (None: `time_step` only).
+    Summary only, per rank (issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`
+    and `comm_padded_tokens` on `comm_step`; `time_breakdown` {forward_s, backward_s, optimizer_s, comm_s,
+    exposed_comm_s, data_wait_s, other_s, step_s, timed_steps}; top level: `straggler`.
+    Instrumented steps are left out of throughput.
     """
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
-                 summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3):
-        for name, value in (("every_n_steps", every_n_steps), ("memory_step", memory_step)):
+                 summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3,
+                 comm_step: int | None = 3, time_step: int | None = 4, time_every_n_steps: int | None = None):
+        for name, value in (("every_n_steps", every_n_steps), ("memory_step", memory_step), ("comm_step", comm_step),
+                            ("time_step", time_step), ("time_every_n_steps", time_every_n_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or isinstance(peak_tflops, bool)
@@ -121,6 +133,7 @@ class ShardingProfilerCallback(TrainerCallback):
         if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
             raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")
         self.memory_step = memory_step
+        self.comm_step, self.time_step, self.time_every_n_steps = comm_step, time_step, time_every_n_steps  # [issue 21]
         self.every_n_steps = every_n_steps
         self.peak_tflops = peak_tflops
         self.summary_file = summary_file
@@ -173,10 +186,11 @@ class ShardingProfilerCallback(TrainerCallback):
         if self.memory_step is not None and next_step == min(self.memory_step, state.max_steps or next_step):
             with self._guard("peak tensor memory"):
                 self._step_peak = StepPeak(_unwrap(kwargs.get("model")), kwargs.get("optimizer")).__enter__()
+        self._start_instruments(next_step, state, kwargs.get("model"), kwargs.get("optimizer"))  # [issue 21]
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        instrumented = self._step_peak is not None
-        if instrumented:
+        instrumented = self._stop_instruments() or self._step_peak is not None  # [issue 21]
+        if self._step_peak is not None:
             with self._guard("peak tensor memory"):
                 self._step_peak.__exit__(None, None, None)
                 self.step_peak = self._step_peak.result()
@@ -184,15 +198,16 @@ class ShardingProfilerCallback(TrainerCallback):
         with self._guard("throughput"):
             self._windows_call("step_end", pause_after=control.should_evaluate or control.should_save,
                                count=not instrumented)
-        if not self._is_measure_step(state.global_step, state):
-            return
-        ranks = self._measure_all_ranks(model, optimizer, self._interval)  # guarded inside, collective
-        with self._guard("metric logging"):
-            self._pending = _log_metrics(ranks, self._tp)
-        with self._guard("throughput"):
-            self._interval.reset()
-        with self._guard("peak memory"):
-            reset_peak(self._device)
+        if self._is_measure_step(state.global_step, state):
+            ranks = self._measure_all_ranks(model, optimizer, self._interval)  # guarded inside, collective
+            with self._guard("metric logging"):
+                self._pending = _log_metrics(ranks, self._tp)
+            with self._guard("throughput"):
+                self._interval.reset()
+            with self._guard("peak memory"):
+                reset_peak(self._device)
+        if not (control.should_evaluate or control.should_save):  # [issue 21] the timed step starts here
+            self._start_timer(state.global_step + 1, state, model, optimizer)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._pending and logs is not None:
@@ -203,6 +218,7 @@ class ShardingProfilerCallback(TrainerCallback):
             self._pending = {}
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._stop_instruments(keep=False)  # [issue 21] a timer started for a step that never ran
         ranks = self._measure_all_ranks(model, optimizer, self._run)
         with self._guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
@@ -239,6 +255,8 @@ class ShardingProfilerCallback(TrainerCallback):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
                         tokens=_float(totals.tokens), flops=_float(totals.flops))
+        mine.update(comm_count.to_fields(self.comm))  # [issue 21]
+        mine.update(step_time.to_fields(step_time.mean_breakdown(self.timed)))  # [issue 21]
         gathered = [mine]
         with self._guard("cross-rank gather"):
             gathered = _all_gather(mine, self._device)
@@ -260,6 +278,10 @@ class ShardingProfilerCallback(TrainerCallback):
         totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "flops_convention": FLOPS_CONVENTION}
+        out.update(comm_count.from_fields(rank))  # [issue 21]
+        out["time_breakdown"] = step_time.from_fields(rank)  # [issue 21]
+        if out["time_breakdown"]:
+            out["time_breakdown"]["timed_steps"] = len(self.timed)
         return out
 
     def _install_hooks(self, model, optimizer):
@@ -284,7 +306,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._hooks = []
 
     def _count_batch(self, module, args, kwargs):
-        if not module.training or self._step_peak is not None:  # the instrumented step is not throughput
+        if not module.training or self._instrumented:  # the instrumented step is not throughput
             return
         with self._guard("batch counting"):
             patch_size = getattr(getattr(module, "config", None), "patch_size", None)
@@ -304,6 +326,8 @@ class ShardingProfilerCallback(TrainerCallback):
         self._precision, self._precision_ranks = None, []
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self._step_peak, self.step_peak = None, {}
+        self._counter = self._timer = None  # [issue 21]
+        self.comm, self.timed = None, []  # [issue 21]
 
     def _windows_call(self, method, *args, **kwargs):
         if method == "step_end" and self._device.type == "cuda":
@@ -319,6 +343,43 @@ class ShardingProfilerCallback(TrainerCallback):
     def _is_measure_step(self, step: int, state) -> bool:
         every = self.every_n_steps or state.logging_steps or 1
         return step > 0 and step % every == 0
+
+    # --- [issue 21] collectives counted on `comm_step`, time broken down on `time_step` ------------------
+    @property
+    def _instrumented(self) -> bool:
+        return self._step_peak is not None or self._counter is not None or self._timer is not None
+
+    def _is_timed_step(self, step: int, state) -> bool:
+        if state.max_steps and step > state.max_steps:
+            return False
+        every = self.time_every_n_steps
+        return step == self.time_step or bool(every and step % every == 0)
+
+    def _start_instruments(self, step: int, state, model, optimizer):
+        if self.comm_step is not None and step == min(self.comm_step, state.max_steps or step):
+            with self._guard("collective counting"):
+                self._counter = comm_count.CollectiveCounter(self._warn_once).__enter__()
+        self._start_timer(step, state, model, optimizer)  # no previous step's end started it (the first step)
+
+    def _start_timer(self, step: int, state, model, optimizer):
+        if self._timer is None and self._is_timed_step(step, state):
+            with self._guard("step time breakdown"):
+                self._timer = step_time.StepTimer(model, optimizer, self._device).start()
+
+    def _stop_instruments(self, keep: bool = True) -> bool:
+        """Stop what runs over this step; True when something did (the step is then not throughput)."""
+        counter, timer, self._counter, self._timer = self._counter, self._timer, None, None
+        if counter is not None:
+            with self._guard("collective counting"):
+                counter.__exit__(None, None, None)
+                if keep:
+                    self.comm = counter.result()
+        if timer is not None:
+            with self._guard("step time breakdown"):
+                result = timer.stop()
+                if keep:
+                    self.timed.append(result)
+        return counter is not None or timer is not None
 
     def _peak_flops(self, args):
         if self.peak_tflops:
@@ -379,8 +440,10 @@ class ShardingProfilerCallback(TrainerCallback):
             "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "precision_verdict": run_verdict(self._precision_ranks),
             "global_step": state.global_step,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,  # [issue 21] what plan --compare plans
             "state_locations": self.locations,
             "memory_details_rank0": self.memory,
+            "straggler": step_time.straggler([r.get("time_breakdown") for r in ranks]),  # [issue 21]
             "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r),
                        **{k: v for k, v in p.items() if k != "precision_verdict"}}
                       for i, (r, p) in enumerate(zip(ranks, self._precision_ranks or [{}] * len(ranks)))],

@@ -301,8 +301,9 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     per optimizer step of A = grad_accum_steps micro-batches, with ring collectives: all-reduce of X
     bytes over n ranks sends 2(n-1)/n*X, all-gather and reduce-scatter (n-1)/n*X. P, T in elements:
     ddp:              grad all-reduce 2(N-1)/N*T*g (once per step: the Trainer's no_sync)
-    zero1, zero2(_offload): grad reduce-scatter (N-1)/N*T*g (zero2: every micro-batch, x A) + all-gather
-                      of the updated 16-bit params (N-1)/N*P*p
+    zero1:            grad all-reduce 2(N-1)/N*T*g once per step (stage 1 reduces whole gradients, each
+                      rank then keeps its partition; counted) + all-gather of the updated params (N-1)/N*P*p
+    zero2(_offload):  grad reduce-scatter (N-1)/N*T*g every micro-batch (x A) + the params' all-gather
     zero3(_offload):  (N-1)/N * (2*A*P*p + A*T*g): params gathered in forward and in backward, grads
                       reduce-scattered in every backward
     fsdp_full_shard, fsdp_offload: (N-1)/N * (2*A*P*e + T*e); fsdp_shard_grad_op gathers once: A*P*e;
@@ -460,9 +461,10 @@ def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
     p, g, e = eb.param, eb.grad, eb.compute
     if fam == "torch":
         return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g}
-    if fam == "deepspeed" and strategy.startswith(("zero1", "zero2")):
-        return {"grad_reduce_scatter": _ring(N) * c.trainable * g * (A if strategy.startswith("zero2") else 1),
-                "param_all_gather": _ring(N) * c.total * p}
+    if fam == "deepspeed" and strategy.startswith("zero1"):  # stage 1 all-reduces whole gradients once per step
+        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g, "param_all_gather": _ring(N) * c.total * p}
+    if fam == "deepspeed" and strategy.startswith("zero2"):
+        return {"grad_reduce_scatter": _ring(N) * c.trainable * g * A, "param_all_gather": _ring(N) * c.total * p}
     if fam == "deepspeed":
         return {"param_all_gather": 2 * A * _ring(N) * c.total * p,
                 "grad_reduce_scatter": A * _ring(N) * c.trainable * g}

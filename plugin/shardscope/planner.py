@@ -218,6 +218,11 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
             raise UsageError(f"summary '{summary_path}': key 'model.name_or_path' is not a local folder; "
                              f"pass --model")
     setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision)
+    accum = summary.get("gradient_accumulation_steps", setup.grad_accum_steps)
+    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        raise UsageError(f"summary '{summary_path}': key 'gradient_accumulation_steps' must be a positive integer, "
+                         f"got {accum!r}")
+    setup = replace(setup, grad_accum_steps=accum)
     mesh = summary.get("mesh")
     if strategy in TP_STRATEGIES:
         if not isinstance(mesh, dict) or not all(isinstance(mesh.get(k), int) and mesh[k] >= 1
@@ -247,9 +252,12 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
         ranks.append({"rank": rank.get("rank"), "components": [
             {"component": k, "planned": planned[k], "measured": measured[k],
              "rel_diff": (measured[k] - planned[k]) / planned[k] if planned[k] else None} for k in planned],
-            "peak_memory_bytes": rank.get("peak_memory_bytes"), "memory_kind": rank.get("memory_kind")})
+            "peak_memory_bytes": rank.get("peak_memory_bytes"), "memory_kind": rank.get("memory_kind"),
+            "comm_sent_bytes_per_step": rank.get("comm_sent_bytes_per_step"), "comm": rank.get("comm")})
     trainable = info.get("trainable_params")
     return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
             "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": row.total_bytes,
+            "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
+            "planned_comm_bytes_per_step": row.comm_bytes_per_step,
             "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
             "trainable_params_measured": trainable, "ranks": ranks}

@@ -36,10 +36,13 @@ FIELDS = {
     "precision": "fp32, bf16 or fp16, as the Trainer was configured",
     "precision_verdict": "{configured, effective, ok, reason}: the configured mode against what the tensors are",
     "global_step": "optimizer steps taken",
+    "gradient_accumulation_steps": "optional: micro-batches per optimizer step",
     "state_locations": "devices each state category was found on",
     "memory_details_rank0": "rank 0's memory readings at the end",
     "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, "
-             "dtypes {params, grads, optimizer, master_params}, master_params_bytes, compute_dtype, ...",
+             "dtypes {params, grads, optimizer, master_params}, master_params_bytes, compute_dtype, "
+             "comm {kind: {calls, bytes, sent_bytes}}, comm_sent_bytes_per_step, time_breakdown (optional, issue 21), ...",
+    "straggler": "optional: {slowest_rank, step_s, busy_s, spread} across ranks on the timed step",
 }
 REQUIRED = ("world_size", "strategy", "ranks")
 
