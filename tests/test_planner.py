@@ -438,7 +438,8 @@ def test_comm_per_step_is_the_documented_ring_formula():
     r = rows(estimate(spec, setup))
     P, N, e, b, s = spec.params_total, 16, 2, 1, 2048
     h, L, V, t = spec.hidden_size, spec.num_layers, spec.vocab_size, 8
-    assert r["fsdp_full_shard"]["comm"] == {"param_all_gather": int(2 * (N - 1) / N * P * e),
+    once = spec.unit_numels[-1] - V * h  # not resharded after forward: final norm and head (FSDP2 via accelerate)
+    assert r["fsdp_full_shard"]["comm"] == {"param_all_gather": int((N - 1) / N * (2 * P - once) * e),
                                             "grad_reduce_scatter": int((N - 1) / N * P * e)}
     assert r["ddp"]["comm_bytes_per_step"] == int(2 * (N - 1) / N * P * 4)  # autocast: fp32 grads
     tp_terms = {"tp_all_reduce": int(2 * (t - 1) / t * (4 * L + 2) * b * s * h * e),

@@ -49,7 +49,7 @@ KIND_OF = {
     **dict.fromkeys(("recv_", "recv_any_source_"), "recv"),
     **dict.fromkeys(("barrier", "monitored_barrier_"), "barrier"),
 }
-NOT_COLLECTIVES = {"wait_tensor", "wait"}  # waiting on a collective already counted
+NOT_COLLECTIVES = {"wait_tensor", "wait", "_wrap_tensor_autograd"}  # waits and wrappers of collectives counted
 FIELDS = ("calls", "bytes", "sent_bytes")
 PLAIN = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's own: subclasses without a dispatch of their own
 # Flat per-rank figures for the callback's one cross-rank all_gather (NaN where not counted).

@@ -303,11 +303,20 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     ddp:              grad all-reduce 2(N-1)/N*T*g (once per step: the Trainer's no_sync)
     zero1:            grad all-reduce 2(N-1)/N*T*g once per step (stage 1 reduces whole gradients, each
                       rank then keeps its partition; counted) + all-gather of the updated params (N-1)/N*P*p
-    zero2(_offload):  grad reduce-scatter (N-1)/N*T*g every micro-batch (x A) + the params' all-gather
-    zero3(_offload):  (N-1)/N * (2*A*P*p + A*T*g): params gathered in forward and in backward, grads
-                      reduce-scattered in every backward
-    fsdp_full_shard, fsdp_offload: (N-1)/N * (2*A*P*e + T*e); fsdp_shard_grad_op gathers once: A*P*e;
-                      fsdp_hybrid_shard: N = GPUs per node, + 2(R-1)/R*s(T)*e across nodes
+    zero2(_offload):  grad all-reduce 2(N-1)/N*T*g every micro-batch (x A): DeepSpeed's default
+                      use_multi_rank_bucket_allreduce all-reduces each bucket and keeps its partition (counted)
+                      + the params' all-gather
+    zero3(_offload):  (N-1)/N * ((A*(1+r)*G + Q)*p + A*T*g), Q = persistent elements (<= the persistence
+                      threshold: never gathered for compute, all-gathered once after the step), G = P - Q gathered
+                      in every forward; backward re-gathers only what was released since: kept when its reuse
+                      distance is within stage3_max_reuse_distance D (1e9), modelled r = max(0, 1 - D/(2G)) (counted
+                      r = 0 on small models; the large-model end is not measured); grads reduce-scattered each backward
+    fsdp_full_shard, fsdp_offload: (N-1)/N * (A*(2*P - O)*e + T*e), O = parameters gathered once per
+                      micro-batch: the root unit (outside the wrapped blocks) is not resharded after forward; with
+                      FSDP2 accelerate gives an untied input embedding its own resharded unit, so O = root - V*h
+                      (final norm, output head). Grads reduce-scattered once (no_sync in earlier micro-batches).
+                      fsdp_shard_grad_op gathers once: A*P*e; fsdp_hybrid_shard: N = GPUs per node,
+                      + 2(R-1)/R*s(T)*e across nodes
     tp:               A * [2(t-1)/t * ((4 + 2*ckpt)*L + 2) * b*s*h*e + (t-1)/t * b*s*V*e]: per layer 2
                       all-reduces of b*s*h*e in forward (after o_proj, down_proj) and 2 in backward
                       (input grads of q/k/v and gate/up), 2 more with activation checkpointing (the
@@ -396,8 +405,7 @@ def _zero3_states(strategy, spec, setup, c, eb, mesh):
     """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent).
     zero3_offload moves what `setup.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
     n, p, g = setup.world_size, eb.param, eb.grad
-    threshold = (setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None
-                 else 10 * spec.hidden_size)
+    threshold = _zero3_threshold(spec, setup)
     pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
     optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
     detail = {"gathered_layer": spec.largest_layer_params * (p + g), "reduce_bucket": _bucket(spec, setup) * g}
@@ -450,6 +458,14 @@ def _tp_states(strategy, spec, setup, c, eb, mesh):
     return row, 0, detail, t * S
 
 
+def _zero3_threshold(spec: ModelSpec, setup: Setup) -> int:
+    """stage3_param_persistence_threshold: tensors at or below it stay whole on every rank."""
+    return setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None else 10 * spec.hidden_size
+
+
+ZERO3_REUSE_DISTANCE = 10 ** 9  # DeepSpeed's stage3_max_reuse_distance default (elements)
+
+
 def _ring(k: int) -> float:
     """Bytes each rank sends per byte all-gathered / reduce-scattered over k ranks (ring algorithm)."""
     return (k - 1) / k
@@ -463,14 +479,20 @@ def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
         return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g}
     if fam == "deepspeed" and strategy.startswith("zero1"):  # stage 1 all-reduces whole gradients once per step
         return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g, "param_all_gather": _ring(N) * c.total * p}
-    if fam == "deepspeed" and strategy.startswith("zero2"):
-        return {"grad_reduce_scatter": _ring(N) * c.trainable * g * A, "param_all_gather": _ring(N) * c.total * p}
+    if fam == "deepspeed" and strategy.startswith("zero2"):  # all-reduced buckets (use_multi_rank_bucket_allreduce)
+        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g * A, "param_all_gather": _ring(N) * c.total * p}
     if fam == "deepspeed":
-        return {"param_all_gather": 2 * A * _ring(N) * c.total * p,
+        persistent = sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, setup))
+        gathered = c.total - persistent
+        regather = max(0.0, 1 - ZERO3_REUSE_DISTANCE / (2 * gathered)) if gathered else 0.0
+        return {"param_all_gather": _ring(N) * (A * (1 + regather) * gathered + persistent) * p,
                 "grad_reduce_scatter": A * _ring(N) * c.trainable * g}
     if fam == "fsdp":
-        gathers = 1 if strategy == "fsdp_shard_grad_op" else 2
-        comm = {"param_all_gather": gathers * A * _ring(n) * c.total * e,
+        root = c.units[-1] if len(c.units) > 1 else 0
+        untied_embedding = spec.vocab_size * spec.hidden_size if spec.vocab_size and not spec.tied_embeddings else 0
+        once = root - (untied_embedding if setup.fsdp_version == 2 else 0)
+        gathered = c.total if strategy == "fsdp_shard_grad_op" else 2 * c.total - once
+        comm = {"param_all_gather": A * _ring(n) * gathered * e,
                 "grad_reduce_scatter": _ring(n) * c.trainable * e}
         if strategy == "fsdp_hybrid_shard" and setup.nodes > 1:
             comm["grad_all_reduce"] = 2 * _ring(setup.nodes) * ceil_div(c.trainable, n) * e
