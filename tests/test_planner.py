@@ -442,7 +442,7 @@ def test_comm_per_step_is_the_documented_ring_formula():
     assert r["fsdp_full_shard"]["comm"] == {"param_all_gather": int((N - 1) / N * (2 * P - once) * e),
                                             "grad_reduce_scatter": int((N - 1) / N * P * e)}
     assert r["ddp"]["comm_bytes_per_step"] == int(2 * (N - 1) / N * P * 4)  # autocast: fp32 grads
-    tp_terms = {"tp_all_reduce": int(2 * (t - 1) / t * (4 * L + 2) * b * s * h * e),
+    tp_terms = {"tp_all_reduce": int(2 * (t - 1) / t * ((2 + 5) * L + 2) * b * s * h * e),  # 5 colwise: q k v gate up
                 "tp_logits_all_gather": int((t - 1) / t * b * s * V * e)}
     assert r["tp"]["comm"] == tp_terms
     S = r["fsdp_tp"]["mesh"]["dp_shard"]

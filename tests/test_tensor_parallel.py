@@ -136,6 +136,26 @@ def test_planner_rows_equal_the_measured_bytes(runs, name):
 
 
 @pytest.mark.launch
+def test_planned_tp_communication_matches_counted_collectives(runs):
+    """The planner's TP terms for the counted step's own tokens (batch x padded length: the recipe pads each
+    batch to its longest example) against the all-reduces and the logits all-gather each rank issued."""
+    from dataclasses import replace
+
+    from shardscope.planner import plan_vs_run as compare
+    from shardscope.mesh import Setup
+
+    summary = json.loads((runs("tp") / "shardscope_summary.json").read_text())
+    tokens = summary["ranks"][0]["comm_padded_tokens"]
+    result = compare(runs("tp") / "shardscope_summary.json", setup=replace(Setup(), micro_batch=1, seq_len=tokens))
+    planned = result["planned_comm"]
+    for rank in summary["ranks"]:
+        assert rank["comm_padded_tokens"] == tokens  # a TP group shares its batch
+        sent = {kind: rank["comm"].get(kind, {}).get("sent_bytes", 0) for kind in ("all_reduce", "all_gather")}
+        assert sent["all_reduce"] == pytest.approx(planned["tp_all_reduce"], rel=0.05), (rank["comm"], planned)
+        assert sent["all_gather"] == pytest.approx(planned["tp_logits_all_gather"], rel=0.05), (rank["comm"], planned)
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize("name", list(RUNS))
 def test_saved_model_reloads_with_from_pretrained(runs, name):
     reloaded, trained = reload_logits(runs(name))

@@ -306,7 +306,13 @@ class ShardingProfilerCallback(TrainerCallback):
         self._hooks = []
 
     def _count_batch(self, module, args, kwargs):
-        if not module.training or self._instrumented:  # the instrumented step is not throughput
+        if not module.training:
+            return
+        if self._instrumented:  # the instrumented step is not throughput
+            if self._counter is not None:  # [issue 21] the counted step's padded tokens (TP traffic scales with them)
+                with self._guard("batch counting"):
+                    samples, _, seq_len = batch_counts(args, kwargs)
+                    self._padded_tokens += samples * seq_len
             return
         with self._guard("batch counting"):
             patch_size = getattr(getattr(module, "config", None), "patch_size", None)
@@ -327,6 +333,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self._step_peak, self.step_peak = None, {}
         self._counter = self._timer = None  # [issue 21]
+        self._padded_tokens = 0  # [issue 21]
         self.comm, self.timed = None, []  # [issue 21]
 
     def _windows_call(self, method, *args, **kwargs):
@@ -373,7 +380,7 @@ class ShardingProfilerCallback(TrainerCallback):
             with self._guard("collective counting"):
                 counter.__exit__(None, None, None)
                 if keep:
-                    self.comm = counter.result()
+                    self.comm = {**counter.result(), "comm_padded_tokens": self._padded_tokens}
         if timer is not None:
             with self._guard("step time breakdown"):
                 result = timer.stop()

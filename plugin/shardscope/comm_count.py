@@ -53,7 +53,8 @@ NOT_COLLECTIVES = {"wait_tensor", "wait", "_wrap_tensor_autograd"}  # waits and 
 FIELDS = ("calls", "bytes", "sent_bytes")
 PLAIN = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's own: subclasses without a dispatch of their own
 # Flat per-rank figures for the callback's one cross-rank all_gather (NaN where not counted).
-RANK_FIELDS = (*(f"comm_{kind}_{field}" for kind in KINDS for field in FIELDS), "comm_sent_bytes_per_step")
+RANK_FIELDS = (*(f"comm_{kind}_{field}" for kind in KINDS for field in FIELDS), "comm_sent_bytes_per_step",
+               "comm_padded_tokens")
 
 
 def sent_share(kind: str, n: int) -> float:
@@ -153,16 +154,21 @@ def to_fields(counted: dict | None) -> dict:
         return dict.fromkeys(RANK_FIELDS, math.nan)
     out = {f"comm_{k}_{f}": float(counted["comm"].get(k, {}).get(f, 0)) for k in KINDS for f in FIELDS}
     out["comm_sent_bytes_per_step"] = float(counted["comm_sent_bytes_per_step"])
+    out["comm_padded_tokens"] = float(counted.get("comm_padded_tokens", math.nan))
     return out
 
 
 def from_fields(rank: dict) -> dict:
-    """The summary keys `comm` and `comm_sent_bytes_per_step` from one rank's gathered fields (None: not counted)."""
+    """The summary keys `comm`, `comm_sent_bytes_per_step` and `comm_padded_tokens` (the counted step's batch x
+    padded length, summed over micro-batches: what tensor-parallel traffic scales with) from one rank's
+    gathered fields (None: not counted)."""
     total = rank.get("comm_sent_bytes_per_step", math.nan)
     if total is None or math.isnan(total):
-        return {"comm": None, "comm_sent_bytes_per_step": None}
+        return {"comm": None, "comm_sent_bytes_per_step": None, "comm_padded_tokens": None}
     comm = {k: {f: int(rank[f"comm_{k}_{f}"]) for f in FIELDS} for k in KINDS if rank.get(f"comm_{k}_calls")}
-    return {"comm": comm, "comm_sent_bytes_per_step": int(total)}
+    tokens = rank.get("comm_padded_tokens", math.nan)
+    return {"comm": comm, "comm_sent_bytes_per_step": int(total),
+            "comm_padded_tokens": None if tokens is None or math.isnan(tokens) else int(tokens)}
 
 
 _warned: set[str] = set()

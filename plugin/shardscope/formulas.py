@@ -317,9 +317,10 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
                       (final norm, output head). Grads reduce-scattered once (no_sync in earlier micro-batches).
                       fsdp_shard_grad_op gathers once: A*P*e; fsdp_hybrid_shard: N = GPUs per node,
                       + 2(R-1)/R*s(T)*e across nodes
-    tp:               A * [2(t-1)/t * ((4 + 2*ckpt)*L + 2) * b*s*h*e + (t-1)/t * b*s*V*e]: per layer 2
-                      all-reduces of b*s*h*e in forward (after o_proj, down_proj) and 2 in backward
-                      (input grads of q/k/v and gate/up), 2 more with activation checkpointing (the
+    tp:               A * [2(t-1)/t * ((2 + C + 2*ckpt)*L + 2) * b*s*h*e + (t-1)/t * b*s*V*e]: per layer 2
+                      all-reduces of b*s*h*e in forward (after o_proj, down_proj) and, in backward, one per
+                      column-parallel Linear, C (q, k, v, gate, up: 5 for Llama; each module all-reduces its
+                      input's gradient on its own, counted), 2 more with activation checkpointing (the
                       recomputed forward); the embedding's forward all-reduce and lm_head's backward
                       input-grad all-reduce; lm_head's all-gather of the logits
     fsdp_tp, hsdp_tp: tp + (S-1)/S * (2*A*s_t(P)*p + s_t(T)*g) (FSDP2 over the TP shards, param
@@ -508,13 +509,21 @@ def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
     return comm
 
 
+def _colwise_per_layer(spec: ModelSpec) -> int:
+    """Column-parallel Linears per block (dim 0 split, embedding and head left out), from the TP layout;
+    5 (q, k, v, gate, up: Llama-like) without one."""
+    head = (spec.vocab_size, spec.hidden_size)
+    colwise = [shape for shape, dim, _ in spec.tp_layout if dim == 0 and len(shape) == 2 and shape != head]
+    return len(colwise) // spec.num_layers if colwise and spec.num_layers else 5
+
+
 def _tp_comm(spec: ModelSpec, setup: Setup, t: int, e: int) -> dict:
     """Tensor-parallel traffic per rank per optimizer step (see `strategy_row`): activation
     all-reduces of b*s*h*e bytes and lm_head's all-gather of the b*s*V*e logits, over t ranks."""
     if t == 1:
         return {}
     tokens = setup.micro_batch * activation_bytes(spec, setup)["tokens_per_sample"] * setup.grad_accum_steps
-    per_layer = 4 + (2 if setup.activation_checkpointing else 0)
+    per_layer = 2 + _colwise_per_layer(spec) + (2 if setup.activation_checkpointing else 0)
     all_reduces = per_layer * spec.num_layers + 2
     out = {"tp_all_reduce": 2 * (t - 1) / t * all_reduces * tokens * spec.hidden_size * e}
     if spec.vocab_size:
