@@ -9,12 +9,12 @@ its combined output in OUTPUT_DIR/<config>/launch.log; a run that fails (non-zer
 summary) is a result, not an error: it is reported as failed with the last error line of its log and
 the other runs still go. Then it writes the report, exactly as `report` does from existing run folders.
 
-Report (OUTPUT/report.md, report.json, memory.png, throughput.png): per run the profiler's per-rank
+Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png): per run the profiler's per-rank
 model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
 throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
 measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
-tensor peak, MemTracker).
+tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_report.py`.
 
 Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (`load_run`, `collect`)
 -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
@@ -36,6 +36,7 @@ from .configs import find_config
 from .errors import UsageError
 from .safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from .summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
+from .time_report import markdown_lines, plot_time, row_facts
 
 LOG_FILE = "launch.log"
 MAX_LOG_BYTES = 16 * 2 ** 20  # the end of a launch log (its exit-code footer and last errors) is what is read
@@ -231,7 +232,7 @@ def _load_run(run_dir: Path, row: dict) -> dict:
         **{k: spread([r.get(k) for r in ranks]) for k in (*COMPONENTS, "peak_memory_bytes")},
         tokens_per_s=rates["global_tokens_per_s"], samples_per_s=rates["global_samples_per_s"],
         tflops_per_device=(rates.get("tflops_per_device") or {}).get("mean"), mfu=(rates.get("mfu") or {}).get("mean"),
-        **_trainer_facts(run_dir),
+        **_trainer_facts(run_dir), **row_facts(summary),
     )
     try:
         planned = plan_vs_run(summary_path)
@@ -328,6 +329,7 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
             if cells:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines.append("")
+    lines += markdown_lines(runs, human_bytes)
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 
@@ -405,12 +407,14 @@ def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
         raise UsageError(f"--output '{output}' is {'a file' if output.exists() else 'a dangling symlink'}, "
                          "not a folder")
     output.mkdir(parents=True, exist_ok=True)
-    for name, plot in (("memory.png", plot_memory), ("throughput.png", plot_throughput)):
+    plots = {"memory.png": plot_memory, "throughput.png": plot_throughput,
+             "time.png": lambda rows, image: plot_time(rows, image, caption(rows))}
+    for name, plot in plots.items():
         image = io.BytesIO()
         plot(runs, image)
         atomic_write_bytes(output / name, image.getvalue(), "report")
     atomic_write_text(output / "report.json", json.dumps(runs, indent=2, allow_nan=False), "report")
-    atomic_write_text(output / "report.md", markdown(runs, images=("memory.png", "throughput.png")), "report")
+    atomic_write_text(output / "report.md", markdown(runs, images=tuple(plots)), "report")
     return runs
 
 
