@@ -94,6 +94,8 @@ def collective_size(kind: str, func, args, kwargs) -> tuple[int, int]:
     n = _group_size(bound)
     if kind == "other":
         return _nbytes(list(bound.values())), n
+    if kind == "barrier":  # its tensor is a placeholder
+        return 0, n
     outputs = [v for k, v in bound.items() if k.startswith("output")]
     inputs = [v for k, v in bound.items() if k.startswith(("input", "tensor", "self"))]
     if kind == "all_gather" and outputs:

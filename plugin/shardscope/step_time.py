@@ -47,6 +47,8 @@ class StepTimer:
     def start(self) -> "StepTimer":
         from torch.profiler import ProfilerActivity, profile
 
+        if torch._C._autograd._profiler_enabled():  # a second profiler would end the user's session
+            raise RuntimeError("a torch profiler is already running; the step is not broken down")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._profiler = profile(activities=activities)
         self._profiler.__enter__()

@@ -1,0 +1,131 @@
+"""Collectives counted (comm_count.py) and the step's time broken down (step_time.py), in one process.
+
+The 2-rank runs (test_comm_agreement.py, test_tensor_parallel.py) hold the counts against the planner; here a
+1-rank gloo group checks each kind's logical size, and synthetic profiler spans check the breakdown's arithmetic.
+"""
+import json
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardscope import comm_count, step_time
+from shardscope.comm_count import CollectiveCounter, sent_share
+
+# Parts are built to partition the step exactly; float rounding is all that may differ.
+SUM_REL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A real 1-rank gloo process group (a collective over one rank sends nothing, but is issued and sized)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_each_kind_is_sized_by_its_logical_tensor(group):
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.ones(10, 4)  # 160 bytes
+    with CollectiveCounter() as counter:
+        dist.all_reduce(x)
+        dist.all_reduce(x.double())  # 320 bytes: the dtype counts
+        dist.all_gather_into_tensor(torch.empty(10, 4), x)
+        dist.all_gather([torch.empty(10, 4)], x)
+        dist.reduce_scatter_tensor(torch.empty(10, 4), x)
+        dist.broadcast(x, 0)
+        dist.barrier()
+        funcol.all_reduce(x, "sum", group)
+        funcol.all_gather_tensor(x, 0, group)  # functional: sized as input x group size
+    comm = counter.result()["comm"]
+    assert comm["all_reduce"] == {"calls": 3, "bytes": 160 + 320 + 160, "sent_bytes": 0}  # one rank sends nothing
+    assert comm["all_gather"]["calls"] == 3 and comm["all_gather"]["bytes"] == 3 * 160
+    assert comm["reduce_scatter"]["bytes"] == 160 and comm["broadcast"]["bytes"] == 160
+    assert comm["barrier"] == {"calls": 1, "bytes": 0, "sent_bytes": 0}
+    assert counter.result()["comm_sent_bytes_per_step"] == 0
+
+
+def test_unknown_collective_is_other_with_one_warning(group, caplog):
+    """An operator in a collective namespace the table does not know: counted as `other`, warned once."""
+    library = torch.library.Library("c10d", "FRAGMENT")
+    library.define("shardscope_test_collective(Tensor x) -> Tensor")
+    library.impl("shardscope_test_collective", lambda x: x.clone(), "CompositeExplicitAutograd")
+    with caplog.at_level(logging.WARNING, logger="shardscope"), CollectiveCounter() as counter:
+        for _ in range(2):
+            torch.ops.c10d.shardscope_test_collective(torch.ones(8))
+    assert counter.result()["comm"] == {"other": {"calls": 2, "bytes": 2 * 32, "sent_bytes": 0}}
+    assert sum("shardscope_test_collective" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("kind, n, share", [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_gather", 4, 0.75),
+                                            ("reduce_scatter", 2, 0.5), ("broadcast", 1, 0.0), ("send", 4, 1.0),
+                                            ("recv", 4, 0.0), ("other", 4, 0.0)])
+def test_sent_bytes_follow_the_ring_convention(kind, n, share):
+    assert sent_share(kind, n) == share
+
+
+def test_fields_round_trip_through_the_cross_rank_gather():
+    counted = {"comm": {"all_gather": {"calls": 3, "bytes": 600, "sent_bytes": 300}}, "comm_sent_bytes_per_step": 300,
+               "comm_padded_tokens": 64}
+    fields = comm_count.to_fields(counted)
+    assert set(fields) == set(comm_count.RANK_FIELDS)
+    assert comm_count.from_fields(fields) == counted
+    assert comm_count.from_fields(comm_count.to_fields(None))["comm"] is None
+
+
+def test_breakdown_partitions_the_step_and_takes_exposed_comm_out_of_its_phase():
+    """step 0-100 us; forward 10-30, backward 30-70, optimizer 75-90; collectives 40-60 and 80-85; compute ops
+    10-25, 30-45, 55-70, 75-90. Exposed: 45-55 (in backward); 80-85 is hidden under the optimizer's compute."""
+    spans = {"step": [(0, 100)], "forward": [(10, 30)], "backward": [(30, 70)], "optimizer": [(75, 90)],
+             "comm": [(40, 60), (80, 85)], "compute": [(10, 25), (30, 45), (55, 70), (75, 90)]}
+    out = {k: round(v * 1e6, 6) for k, v in step_time.breakdown(spans).items()}
+    assert out == {"forward_s": 20, "backward_s": 30, "optimizer_s": 15, "comm_s": 25, "exposed_comm_s": 10,
+                   "data_wait_s": 10, "other_s": 15, "step_s": 100}
+    assert sum(out[k] for k in step_time.PARTS) == out["step_s"]
+
+
+def test_straggler_is_the_rank_that_waits_least():
+    fast = dict.fromkeys(step_time.BREAKDOWN, 0.0) | {"step_s": 1.0, "exposed_comm_s": 0.4}
+    slow = fast | {"step_s": 1.1, "exposed_comm_s": 0.05}
+    result = step_time.straggler([fast, slow])
+    assert result["slowest_rank"] == 1 and result["step_s"] == [1.0, 1.1]
+    assert result["spread"] == pytest.approx(0.1 / 1.05)
+    assert step_time.straggler([fast, None]) is None
+
+
+def _train(tiny_llama, tmp_path, steps, **callback_kwargs):
+    from test_callback_contract import token_rows, train
+    from transformers import AutoModelForCausalLM
+
+    return train(AutoModelForCausalLM.from_pretrained(tiny_llama), token_rows(), tmp_path, steps=steps,
+                 **callback_kwargs)
+
+
+def test_one_process_run_reports_a_breakdown_that_sums_to_its_step(tiny_llama, tmp_path):
+    trainer, summary = _train(tiny_llama, tmp_path, steps=6, time_every_n_steps=2)
+    rank = summary["ranks"][0]
+    assert rank["comm"] == {} and rank["comm_sent_bytes_per_step"] == 0  # one process issues no collective
+    timed = rank["time_breakdown"]
+    assert timed["timed_steps"] == 4  # step 3 (the default) and every 2nd: 2, 4, 6
+    assert sum(timed[k] for k in step_time.PARTS) == pytest.approx(timed["step_s"], rel=SUM_REL)
+    assert min(timed["forward_s"], timed["backward_s"], timed["optimizer_s"]) > 0 and timed["comm_s"] == 0
+    assert summary["straggler"]["slowest_rank"] == 0 and summary["straggler"]["spread"] == 0
+    assert summary["gradient_accumulation_steps"] == 1
+    callback = trainer.callback_handler.callbacks[1]
+    # steps 2 (memory and collectives), 3, 4 and 6 (timed) are instrumented: only 1 and 5 are throughput
+    assert callback._run.totals().samples == 2 * 2
+
+
+def test_a_profiler_already_running_costs_the_breakdown_not_the_training(tiny_llama, tmp_path, caplog):
+    """The user profiles the whole run: a second torch profiler would end their session (torch keeps one), so
+    the breakdown is left out with one warning, their profile keeps its events and training finishes."""
+    with caplog.at_level(logging.WARNING, logger="shardscope"), torch.profiler.profile() as users:
+        _, summary = _train(tiny_llama, tmp_path, steps=4)
+    assert any(e.name == "aten::mm" for e in users.events())
+    assert summary["global_step"] == 4 and summary["ranks"][0]["time_breakdown"] is None
+    assert summary["straggler"] is None
+    assert sum("step time breakdown" in r.message for r in caplog.records) == 1
+    json.dumps(summary)  # still a complete summary
