@@ -89,7 +89,8 @@ def main():
     print("## Full report (`shardscope compare`'s report.md)\n")
     report = (args.out / "report.md").read_text().split("\n", 2)[2]  # without its title
     print(report.replace("](memory.png)", "](../docs/img/strategies_cpu_memory.png)")
-          .replace("](throughput.png)", "](../docs/img/strategies_cpu_throughput.png)"))
+          .replace("](throughput.png)", "](../docs/img/strategies_cpu_throughput.png)")
+          .replace("](time.png)", "](../docs/img/strategies_cpu_time.png)"))
 
 
 if __name__ == "__main__":

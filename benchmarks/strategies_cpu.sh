@@ -21,9 +21,10 @@ cmd=(shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp fsdp_ful
      --dataset "$OUT/assets/alpaca.json" --packing true --max_seq_length 128 --per_device_train_batch_size 2
      --learning_rate 3e-4 --max_steps 30 --logging_steps 1)
 { printf "PYTHONPATH=tests/cpu_shim"; printf " %q" "${cmd[@]}"; echo; } > "$OUT/command.txt"
-PYTHONPATH=tests/cpu_shim "${cmd[@]}"
+PYTHONPATH=tests/cpu_shim${PYTHONPATH:+:$PYTHONPATH} "${cmd[@]}"
 
 python benchmarks/strategies_cpu.py "$OUT" > benchmarks/strategies_cpu.md
 cp "$OUT/memory.png" docs/img/strategies_cpu_memory.png
 cp "$OUT/throughput.png" docs/img/strategies_cpu_throughput.png
+cp "$OUT/time.png" docs/img/strategies_cpu_time.png
 echo "wrote benchmarks/strategies_cpu.md"

@@ -23,7 +23,7 @@ from . import __version__, comm_count, step_time  # [issue 21] collectives count
 from .memory import read_memory, reset_peak
 from .peak import BREAKDOWN, PHASES, StepPeak
 from .precision import PrecisionWatch, gather_reports, run_verdict
-from .state_bytes import base_optimizer, count_state, held_gradients, zero_optimizer
+from .state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from .strategy import detect_strategy, num_nodes
 from .summary import COMPONENTS, SUMMARY_FILE, reduce_ranks, write_summary
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
@@ -156,6 +156,7 @@ class ShardingProfilerCallback(TrainerCallback):
             self._device = torch.device(args.device)
         with self._guard("strategy"):
             self.preflight.update(detect_strategy(_unwrap(model)))
+        forget(model)  # [issue 21] state_bytes caches the module walk per model: a new run walks it afresh
         with self._guard("parameter counts"):
             if self._flops_model is None:
                 self._flops_model = _flops_model(model)

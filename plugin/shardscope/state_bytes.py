@@ -18,6 +18,7 @@ Bytes are also split by device type, so offloaded state shows up under "cpu".
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -53,12 +54,35 @@ def local_tensor(tensor):
 def storage_entry(tensor):
     """`(key, nbytes, device_type)` of the storage behind `tensor`'s local part, or None."""
     tensor = local_tensor(tensor)
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    device = tensor.device
+    if device.type == "meta":
         return None
     storage = tensor.untyped_storage()
-    if storage.data_ptr() == 0:
-        return None
-    return (tensor.device, storage.data_ptr()), storage.nbytes(), tensor.device.type
+    pointer = storage.data_ptr()
+    return None if pointer == 0 else ((device, pointer), storage.nbytes(), device.type)
+
+
+# id(tensor) -> (weak reference, data pointer, entry) for tensors that live across steps (parameters, optimizer
+# state): the same tensor at the same address still has the same storage (a storage that is resized or freed
+# moves or drops its pointer), so its entry is reused; anything else is read afresh.
+_ENTRIES: dict = {}
+
+
+def cached_entry(tensor):
+    """`storage_entry(tensor)`, reused while the tensor object and its data pointer are unchanged."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # DTensor & co: their local shard is a new object
+        return storage_entry(tensor)
+    hit = _ENTRIES.get(id(tensor))
+    pointer = tensor.data_ptr()
+    if hit is not None and hit[0]() is tensor and hit[1] == pointer:
+        return hit[2]
+    entry = storage_entry(tensor)
+    if len(_ENTRIES) > 1_000_000:  # models are far smaller; a bound, not a policy
+        _ENTRIES.clear()
+    _ENTRIES[id(tensor)] = (weakref.ref(tensor), pointer, entry)
+    return entry
 
 
 class StorageTally:
@@ -78,10 +102,31 @@ class StorageTally:
             self.result.trainable_params += nbytes
 
 
+# model -> the modules that hold parameters: walking every module is most of a measurement's cost and the
+# module tree does not change between steps (the parameters themselves may: FSDP swaps them, so they are read
+# fresh from these modules each time). `forget(model)` drops the entry (the callback does at train begin).
+_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def forget(model) -> None:
+    _OWNERS.pop(model, None)
+
+
+def _owners(model) -> tuple:
+    owners = _OWNERS.get(model)
+    if owners is None:
+        owners = _OWNERS[model] = tuple(m for m in model.modules()
+                                        if m._parameters or isinstance(getattr(m, "_flat_param", None), torch.Tensor))
+    return owners
+
+
 def model_parameters(model):
     """Unique parameters of `model`, plus FSDP1 flat parameters hidden behind `use_orig_params=True`."""
-    params = {id(p): p for p in model.parameters()}
-    for module in model.modules():
+    params = {}
+    for module in _owners(model):
+        for p in module._parameters.values():
+            if p is not None:
+                params.setdefault(id(p), p)
         flat = getattr(module, "_flat_param", None)  # torch FSDP1 FullyShardedDataParallel
         if isinstance(flat, torch.Tensor):
             params.setdefault(id(flat), flat)
@@ -143,7 +188,8 @@ def held_gradients(model, optimizer=None) -> list:
 
     Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    grads = [p.grad for p in [*model_parameters(model), *master_weights(optimizer)]] + zero_grad_buffers(optimizer)
+    owners = {id(p): p for p in [*model_parameters(model), *master_weights(optimizer)]}
+    grads = [p.grad for p in owners.values()] + zero_grad_buffers(optimizer)
     return [storage_entry(g) for g in grads if g is not None]
 
 
@@ -161,14 +207,17 @@ def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
         # A ZeRO-3 parameter keeps its partition in `ds_tensor`; its `.data` is empty unless the
         # parameter is persistent (below `stage3_param_persistence_threshold`) or gathered.
         for stored in (p, getattr(p, "ds_tensor", None)):
-            live.add("params", storage_entry(stored), trainable=p.requires_grad)
+            if stored is not None:
+                live.add("params", cached_entry(stored), trainable=p.requires_grad)
+    claimed = {id(p) for p in params}
     for copy in master_weights(optimizer):
-        live.add("optimizer", storage_entry(copy))  # model parameters were claimed first
+        if id(copy) not in claimed:  # model parameters were claimed first
+            live.add("optimizer", cached_entry(copy))
     base = base_optimizer(optimizer)
     if base is not None:
         for state in base.state.values():
             for value in state.values():
-                live.add("optimizer", storage_entry(value))
+                live.add("optimizer", cached_entry(value))
     grads = StorageTally(result)
     for entry in held_gradients(model, optimizer) if grad_entries is None else grad_entries:
         grads.add("grads", entry)
