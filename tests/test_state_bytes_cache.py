@@ -1,0 +1,36 @@
+"""state_bytes caches what does not change between steps (the module walk, long-lived tensors' storage entries):
+the counts must still follow every change a strategy makes to the live tensors."""
+import torch
+
+from shardscope import state_bytes
+from shardscope.state_bytes import count_state
+
+
+def test_counts_follow_swapped_resized_and_added_tensors():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    first = count_state(model, optimizer)
+    assert first.total("params") == 4 * (8 * 8 + 8 + 8 * 4 + 4)
+    assert count_state(model, optimizer).by_device == first.by_device  # cached: same answer
+
+    # FSDP swaps a module's parameter object (sharded <-> unsharded): the new one is counted
+    model[1].weight = torch.nn.Parameter(torch.ones(4, 16))
+    assert count_state(model, optimizer).total("params") == first.total("params") + 4 * 4 * 8
+    # `.data` replaced on the same object (ZeRO-3 gathering, offload): a new pointer, counted afresh
+    model[0].bias.data = torch.ones(100)
+    assert count_state(model, optimizer).total("params") == first.total("params") + 4 * 4 * 8 + 4 * (100 - 8)
+    # an optimizer state tensor replaced (a reloaded checkpoint): counted afresh
+    before = count_state(model, optimizer).total("optimizer")
+    optimizer.state[model[0].weight]["exp_avg"] = torch.zeros(3)
+    assert count_state(model, optimizer).total("optimizer") == before - 4 * (64 - 3)
+
+
+def test_a_new_module_is_seen_after_forget():
+    """The module tree is cached per model until `forget` (the callback calls it at each train begin)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = count_state(model).total("params")
+    model.append(torch.nn.Linear(4, 4))  # e.g. adapters added between two train() calls
+    state_bytes.forget(model)
+    assert count_state(model).total("params") == 2 * before
