@@ -96,7 +96,8 @@ def format_table(result: dict) -> str:
               "* activations at the peak: " + _activation_source(result["rows"]) + "; params/grads/optimizer are "
               "exact counts (optimizer includes fp32 master weights). peak = the worst moment of a step (phase "
               "in --json), not the sum of the columns. Formulas: docs/planner.md",
-              "** GB each GPU sends per optimizer step: computed from ring-collective formulas, not measured"]
+              "** GB each GPU sends per optimizer step: computed from ring-collective formulas (held against counted "
+              "collectives, docs/planner.md)"]
     if any(r.get("approximate") for r in result["rows"]):
         lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
     lines += [n for n in result.get("notes", []) if not n.startswith(FOOTNOTED)]

