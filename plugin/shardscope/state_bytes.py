@@ -113,21 +113,21 @@ def forget(model) -> None:
 
 
 def _owners(model) -> tuple:
+    """(modules holding parameters, FSDP1 modules holding a flat parameter) of `model`, walked once."""
     owners = _OWNERS.get(model)
     if owners is None:
-        owners = _OWNERS[model] = tuple(m for m in model.modules()
-                                        if m._parameters or isinstance(getattr(m, "_flat_param", None), torch.Tensor))
+        modules = list(model.modules())
+        owners = _OWNERS[model] = (tuple(m._parameters for m in modules if m._parameters),
+                                   tuple(m for m in modules if isinstance(getattr(m, "_flat_param", None), torch.Tensor)))
     return owners
 
 
 def model_parameters(model):
     """Unique parameters of `model`, plus FSDP1 flat parameters hidden behind `use_orig_params=True`."""
-    params = {}
-    for module in _owners(model):
-        for p in module._parameters.values():
-            if p is not None:
-                params.setdefault(id(p), p)
-        flat = getattr(module, "_flat_param", None)  # torch FSDP1 FullyShardedDataParallel
+    holders, fsdp1 = _owners(model)
+    params = {id(p): p for held in holders for p in held.values() if p is not None}
+    for module in fsdp1:  # torch FSDP1 FullyShardedDataParallel
+        flat = module._flat_param
         if isinstance(flat, torch.Tensor):
             params.setdefault(id(flat), flat)
     return list(params.values())
