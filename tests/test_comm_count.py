@@ -108,6 +108,8 @@ def test_one_process_run_reports_a_breakdown_that_sums_to_its_step(tiny_llama, t
     trainer, summary = _train(tiny_llama, tmp_path, steps=6, time_every_n_steps=2)
     rank = summary["ranks"][0]
     assert rank["comm"] == {} and rank["comm_sent_bytes_per_step"] == 0  # one process issues no collective
+    assert not [key for key in rank if key.startswith("comm_") and key not in ("comm_sent_bytes_per_step",
+                                                                                "comm_padded_tokens")]
     timed = rank["time_breakdown"]
     assert timed["timed_steps"] == 3  # step 4 (the default) and every 2nd: 2, 4, 6
     assert sum(timed[k] for k in step_time.PARTS) == pytest.approx(timed["step_s"], rel=SUM_REL)

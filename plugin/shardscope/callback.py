@@ -270,7 +270,8 @@ class ShardingProfilerCallback(TrainerCallback):
 
     def _complete(self, rank: dict) -> dict:
         """Turn one rank's raw counts into reported figures."""
-        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith("peak_")}
+        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS
+               if k.endswith("_bytes") and not k.startswith(("peak_", "comm_"))}  # [issue 21] comm_: below
         out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
         out["peak_tensor_bytes"] = _int_or_none(rank["peak_tensor_bytes"])
         out["peak_breakdown"] = ({k: _int_or_none(rank[f"peak_{k}_bytes"]) for k in BREAKDOWN}
