@@ -19,7 +19,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from . import __version__, comm_count, step_time  # [issue 21] collectives counted, step time broken down
+from . import __version__
+from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # [issue 21]
 from .memory import read_memory, reset_peak
 from .peak import BREAKDOWN, PHASES, StepPeak
 from .precision import PrecisionWatch, gather_reports, run_verdict
@@ -37,7 +38,7 @@ RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_para
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
                "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", "peak_tensor_bytes",
                *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase",
-               *comm_count.RANK_FIELDS, *step_time.RANK_FIELDS)  # [issue 21]
+               *SAMPLED_FIELDS)  # [issue 21]
 REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_memory_bytes", "peak_tensor_bytes",
            "tokens_per_s", "tflops_per_device", "mfu")
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
@@ -153,7 +154,7 @@ class ShardingProfilerCallback(TrainerCallback):
         with self._guard("callback order"):
             self._run_before_reporters()
         with self._guard("device"):
-            self._device = torch.device(args.device)
+            self._device = self._sampled.device = torch.device(args.device)  # [issue 21] the timer's too
         with self._guard("strategy"):
             self.preflight.update(detect_strategy(_unwrap(model)))
         forget(model)  # [issue 21] state_bytes caches the module walk per model: a new run walks it afresh
@@ -187,10 +188,10 @@ class ShardingProfilerCallback(TrainerCallback):
         if self.memory_step is not None and next_step == min(self.memory_step, state.max_steps or next_step):
             with self._guard("peak tensor memory"):
                 self._step_peak = StepPeak(_unwrap(kwargs.get("model")), kwargs.get("optimizer")).__enter__()
-        self._start_instruments(next_step, state, kwargs.get("model"), kwargs.get("optimizer"))  # [issue 21]
+        self._sampled.begin(next_step, state.max_steps, kwargs.get("model"), kwargs.get("optimizer"))  # [issue 21]
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        instrumented = self._stop_instruments() or self._step_peak is not None  # [issue 21]
+        instrumented = self._sampled.end() or self._step_peak is not None  # [issue 21]
         if self._step_peak is not None:
             with self._guard("peak tensor memory"):
                 self._step_peak.__exit__(None, None, None)
@@ -208,7 +209,7 @@ class ShardingProfilerCallback(TrainerCallback):
             with self._guard("peak memory"):
                 reset_peak(self._device)
         if not (control.should_evaluate or control.should_save):  # [issue 21] the timed step starts here
-            self._start_timer(state.global_step + 1, state, model, optimizer)
+            self._sampled.next(state.global_step + 1, state.max_steps, model, optimizer)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._pending and logs is not None:
@@ -219,7 +220,7 @@ class ShardingProfilerCallback(TrainerCallback):
             self._pending = {}
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._stop_instruments(keep=False)  # [issue 21] a timer started for a step that never ran
+        self._sampled.end(keep=False)  # [issue 21] a timer started for a step that never ran
         ranks = self._measure_all_ranks(model, optimizer, self._run)
         with self._guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
@@ -256,8 +257,7 @@ class ShardingProfilerCallback(TrainerCallback):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
                         tokens=_float(totals.tokens), flops=_float(totals.flops))
-        mine.update(comm_count.to_fields(self.comm))  # [issue 21]
-        mine.update(step_time.to_fields(step_time.mean_breakdown(self.timed)))  # [issue 21]
+        mine.update(self._sampled.fields())  # [issue 21]
         gathered = [mine]
         with self._guard("cross-rank gather"):
             gathered = _all_gather(mine, self._device)
@@ -280,10 +280,7 @@ class ShardingProfilerCallback(TrainerCallback):
         totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "flops_convention": FLOPS_CONVENTION}
-        out.update(comm_count.from_fields(rank))  # [issue 21]
-        out["time_breakdown"] = step_time.from_fields(rank)  # [issue 21]
-        if out["time_breakdown"]:
-            out["time_breakdown"]["timed_steps"] = len(self.timed)
+        out.update(self._sampled.complete(rank))  # [issue 21]
         return out
 
     def _install_hooks(self, model, optimizer):
@@ -310,11 +307,11 @@ class ShardingProfilerCallback(TrainerCallback):
     def _count_batch(self, module, args, kwargs):
         if not module.training:
             return
-        if self._instrumented:  # the instrumented step is not throughput
-            if self._counter is not None:  # [issue 21] the counted step's padded tokens (TP traffic scales with them)
+        if self._step_peak is not None or self._sampled.active:  # the instrumented step is not throughput
+            if self._sampled.active:  # [issue 21] the counted step's padded tokens
                 with self._guard("batch counting"):
                     samples, _, seq_len = batch_counts(args, kwargs)
-                    self._padded_tokens += samples * seq_len
+                    self._sampled.add_batch(samples, seq_len)
             return
         with self._guard("batch counting"):
             patch_size = getattr(getattr(module, "config", None), "patch_size", None)
@@ -334,9 +331,8 @@ class ShardingProfilerCallback(TrainerCallback):
         self._precision, self._precision_ranks = None, []
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self._step_peak, self.step_peak = None, {}
-        self._counter = self._timer = None  # [issue 21]
-        self._padded_tokens = 0  # [issue 21]
-        self.comm, self.timed = None, []  # [issue 21]
+        self._sampled = SampledSteps(self.comm_step, self.time_step, self.time_every_n_steps, self._device,
+                                     self._guard, self._warn_once)  # [issue 21]
 
     def _windows_call(self, method, *args, **kwargs):
         if method == "step_end" and self._device.type == "cuda":
@@ -352,43 +348,6 @@ class ShardingProfilerCallback(TrainerCallback):
     def _is_measure_step(self, step: int, state) -> bool:
         every = self.every_n_steps or state.logging_steps or 1
         return step > 0 and step % every == 0
-
-    # --- [issue 21] collectives counted on `comm_step`, time broken down on `time_step` ------------------
-    @property
-    def _instrumented(self) -> bool:
-        return self._step_peak is not None or self._counter is not None or self._timer is not None
-
-    def _is_timed_step(self, step: int, state) -> bool:
-        if state.max_steps and step > state.max_steps:
-            return False
-        every = self.time_every_n_steps
-        return step == self.time_step or bool(every and step % every == 0)
-
-    def _start_instruments(self, step: int, state, model, optimizer):
-        if self.comm_step is not None and step == min(self.comm_step, state.max_steps or step):
-            with self._guard("collective counting"):
-                self._counter = comm_count.CollectiveCounter(self._warn_once).__enter__()
-        self._start_timer(step, state, model, optimizer)  # no previous step's end started it (the first step)
-
-    def _start_timer(self, step: int, state, model, optimizer):
-        if self._timer is None and self._is_timed_step(step, state):
-            with self._guard("step time breakdown"):
-                self._timer = step_time.StepTimer(model, optimizer, self._device).start()
-
-    def _stop_instruments(self, keep: bool = True) -> bool:
-        """Stop what runs over this step; True when something did (the step is then not throughput)."""
-        counter, timer, self._counter, self._timer = self._counter, self._timer, None, None
-        if counter is not None:
-            with self._guard("collective counting"):
-                counter.__exit__(None, None, None)
-                if keep:
-                    self.comm = {**counter.result(), "comm_padded_tokens": self._padded_tokens}
-        if timer is not None:
-            with self._guard("step time breakdown"):
-                result = timer.stop()
-                if keep:
-                    self.timed.append(result)
-        return counter is not None or timer is not None
 
     def _peak_flops(self, args):
         if self.peak_tflops:
@@ -452,7 +411,7 @@ class ShardingProfilerCallback(TrainerCallback):
             "gradient_accumulation_steps": args.gradient_accumulation_steps,  # [issue 21] what plan --compare plans
             "state_locations": self.locations,
             "memory_details_rank0": self.memory,
-            "straggler": step_time.straggler([r.get("time_breakdown") for r in ranks]),  # [issue 21]
+            "straggler": straggler(ranks),  # [issue 21]
             "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r),
                        **{k: v for k, v in p.items() if k != "precision_verdict"}}
                       for i, (r, p) in enumerate(zip(ranks, self._precision_ranks or [{}] * len(ranks)))],
