@@ -243,7 +243,8 @@ class ShardingProfilerCallback(TrainerCallback):
             mine["trainable_params_bytes"] = counted.trainable_params
             self.locations = {c: sorted(counted.by_device[c]) for c in ("params", "grads", "optimizer")}
         with self._guard("peak memory"):
-            self.memory = read_memory(self._device)
+            if window is self._run or self._device.type == "cuda":  # [issue 21] RSS is for the summary only
+                self.memory = read_memory(self._device)
             mine["cpu_peak_rss_bytes"] = self.memory.get("cpu_peak_rss_bytes", math.nan)
             if self._device.type == "cuda":
                 mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
