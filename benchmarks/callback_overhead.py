@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-import shardscope.callback as sc
+import shardscope.profiler as sp
 from shardscope import ShardingProfilerCallback
 from shardscope.tiny import make_causal_lm
 
@@ -67,11 +67,15 @@ def run_setting(a, model_dir, interval, tmp):
     # The once-per-run instrumented steps (peak memory, collectives, time breakdown) are left out: every block is
     # a new train(), where they would recur every block instead of once per run. This measures the recurring cost.
     callback = TrainerCallback() if a.aa else ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)
-    times, means, acc, held = {}, {}, [0.0, 0.0], sc.held_gradients
-    for name in ("on_step_begin", "on_step_end", "on_log", "_count_batch"):
+    times, means, acc, held = {}, {}, [0.0, 0.0], sp.held_gradients
+    for name in ("on_step_begin", "on_step_end", "on_log"):
         if hasattr(callback, name):
             setattr(callback, name, timed(getattr(callback, name), acc))
-    sc.held_gradients = timed(held, acc)
+    hooks = {name: getattr(sp.ShardingProfiler, name) for name in ("add_batch", "_on_forward")}
+    if not a.aa:  # the profiler's per-batch work runs outside the events: a training_step wrapper, a forward hook
+        for name, method in hooks.items():
+            setattr(sp.ShardingProfiler, name, timed(method, acc))
+    sp.held_gradients = timed(held, acc)
     try:
         for pair in range(a.pairs):
             for with_cb in ((False, True) if pair % 2 == 0 else (True, False)):  # ABBA cancels drift
@@ -82,7 +86,9 @@ def run_setting(a, model_dir, interval, tmp):
                     times.setdefault((clock, with_cb), []).extend(timer.steps(clock))
                     means.setdefault((clock, with_cb), []).append(statistics.fmean(timer.steps(clock)))
     finally:
-        sc.held_gradients = held
+        sp.held_gradients = held
+        for name, method in hooks.items():
+            setattr(sp.ShardingProfiler, name, method)
     inside = [t / (a.pairs * (steps + 2)) for t in acc]
     return [summarise({w: times[clock, w] for w in (0, 1)}, {w: means[clock, w] for w in (0, 1)}, inside[clock],
                       a.seed) | {"interval": interval, "clock": ("wall", "cpu")[clock], "steps": len(times[clock, 1])}

@@ -11,7 +11,7 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.
-LAUNCHING_FIXTURES = {"strategy_runs", "runs", "comparison", "trained"}
+LAUNCHING_FIXTURES = {"strategy_runs", "runs", "comparison", "trained", "trl_runs", "fsdp2_run"}
 
 
 def pytest_collection_modifyitems(items):

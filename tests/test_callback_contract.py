@@ -1,4 +1,5 @@
 """Contract: the callback never breaks training, whatever the model, inputs or failures (1 process)."""
+import importlib
 import json
 import logging
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-import shardscope.callback as callback_module
-from shardscope import ShardingProfilerCallback
+import shardscope.profiler as profiler_module
+from shardscope import ShardingProfiler, ShardingProfilerCallback
 from shardscope.memory import read_memory
 
 
@@ -99,7 +100,7 @@ def test_a_failing_measurement_warns_once_and_training_finishes(llama, tmp_path,
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(callback_module, "count_state", broken)
+    monkeypatch.setattr(profiler_module, "count_state", broken)
     with caplog.at_level(logging.WARNING, logger="shardscope"):
         trainer, summary = train(llama, token_rows(), tmp_path)
     assert trainer.state.global_step == 4
@@ -134,14 +135,12 @@ def test_preflight_warns_with_the_planners_advice_when_the_strategy_will_not_fit
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu_bytes))
-    callback = ShardingProfilerCallback()
-    callback._device = torch.device("cuda", 0)
-    callback.preflight = {"strategy": "ddp", "world_size": 1}
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
-    state = SimpleNamespace(is_world_process_zero=True)
+    profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
+    profiler._device = torch.device("cuda", 0)
+    profiler.preflight = {"strategy": "ddp", "world_size": 1}
     with caplog.at_level(logging.WARNING, logger="shardscope"):
-        callback._plan_preflight(llama, args, state)
-    plan = callback.preflight["plan"]
+        profiler._plan_preflight()
+    plan = profiler.preflight["plan"]
     assert plan["strategy"] == "ddp" and plan["fits"] is fits and plan["gpu_memory_bytes"] == gpu_bytes
     warned = [r.getMessage() for r in caplog.records if "will not fit" in r.getMessage() or "needs" in r.getMessage()]
     assert bool(warned) is (not fits)
@@ -161,17 +160,16 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    callback = ShardingProfilerCallback()
-    callback._device = torch.device("cuda", 0)
-    callback.preflight = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
-    callback._plan_preflight(llama, args, SimpleNamespace(is_world_process_zero=True))
-    _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=2, gpu_memory_bytes=80 * 10**9), mesh)
+    profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
+    profiler._device = torch.device("cuda", 0)
+    profiler.preflight = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
+    profiler._plan_preflight()
+    _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=1, gpu_memory_bytes=80 * 10**9), mesh)
     row = next(r for r in estimate(spec_from_config(llama.config), setup)["rows"] if r["strategy"] == "fsdp_tp")
     default = estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
     assert row["mesh"] == mesh and mesh not in [r["mesh"] for r in default]  # only the mesh gives this row
-    assert callback.preflight["plan"]["strategy"] == "fsdp_tp"
-    assert callback.preflight["plan"]["total_bytes"] == row["total_bytes"]
+    assert profiler.preflight["plan"]["strategy"] == "fsdp_tp"
+    assert profiler.preflight["plan"]["total_bytes"] == row["total_bytes"]
 
 
 def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_path):
@@ -187,8 +185,7 @@ def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_pa
     assert parts["parameters"] == rank["params_bytes"] + buffers and parts["optimizer"] == rank["optimizer_bytes"]
     # The peak falls in backward, while activations are still live and not every gradient exists yet.
     assert rank["peak_phase"] == "backward" and parts["gradients"] < rank["params_bytes"] and parts["activations"] > 0
-    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ShardingProfilerCallback))
-    assert callback._run.totals().samples == 2 * 3  # 4 steps of 2 samples, the instrumented one left out
+    assert rank["throughput"]["samples"] == 2 * 3  # 4 steps of 2 samples, the instrumented one left out
 
     llama.gradient_checkpointing_enable()
     _, ckpt = train(llama, rows, tmp_path / "ckpt", memory_step=2)
@@ -211,21 +208,25 @@ def _broken(*args, **kwargs):
     raise RuntimeError("simulated failure")
 
 
-# (what to break, where it lives) -> the warning that names it; each piece the callback relies on
+# ("module:" where it is looked up, the profiler unless named; what to break) -> the warning that names it; each
+# piece the callback relies on
 FAULTS = {
     "count_state": "model-state bytes", "held_gradients": "gradient bytes", "read_memory": "peak memory",
-    "reset_peak": "peak memory", "batch_counts": "batch counting", "rates": "reported figures",
-    "_all_gather": "cross-rank gather", "write_summary": "summary file", "StepPeak": "peak tensor memory",
+    "reset_peak": "peak memory", "count_batch": "batch counting", "rates": "reported figures",
+    "all_gather_figures": "cross-rank gather", "write_summary": "summary file", "StepPeak": "peak tensor memory",
     "PrecisionWatch": "precision", "gather_reports": "precision", "detect_strategy": "strategy",
-    "_log_metrics": "metric logging", "_flops_model": "parameter counts",
-    "ThroughputWindow.step_end": "throughput", "ShardingProfilerCallback._run_before_reporters": "callback order",
+    "log_metrics": "metric logging", "callback:describe_flops": "parameter counts",
+    "ThroughputWindow.step_end": "throughput", "callback:ShardingProfilerCallback._run_before_reporters": "callback order",
+    "callback:frozen_models_of": "frozen models",
 }
 
 
 @pytest.mark.parametrize("target", sorted(FAULTS))
 def test_each_piece_failing_warns_once_and_training_finishes(llama, tmp_path, monkeypatch, caplog, target):
-    owner, _, name = target.rpartition(".")
-    monkeypatch.setattr(getattr(callback_module, owner) if owner else callback_module, name, _broken)
+    module, _, target_name = target.rpartition(":")
+    module = importlib.import_module(f"shardscope.{module or 'profiler'}")
+    owner, _, name = target_name.rpartition(".")
+    monkeypatch.setattr(getattr(module, owner) if owner else module, name, _broken)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
                              use_cpu=True, report_to=[], save_strategy="no")
     trainer = Trainer(model=llama, args=args, train_dataset=token_rows(), callbacks=[ShardingProfilerCallback()])
@@ -252,10 +253,11 @@ def test_an_unwritable_summary_path_warns_once_and_training_finishes(llama, tmp_
 
 def test_an_event_that_fails_outside_every_guard_still_never_raises(llama, tmp_path, monkeypatch, caplog):
     """The net around each event: a failure no inner guard covers is one warning per event, not a crash."""
-    monkeypatch.setattr(ShardingProfilerCallback, "_is_measure_step", _broken)
+    monkeypatch.setattr(ShardingProfiler, "begin_step", _broken)  # the profiler's own net bypassed
+    monkeypatch.setattr(ShardingProfiler, "step", _broken)
     with caplog.at_level(logging.WARNING, logger="shardscope"):
         trainer, _ = train(llama, token_rows(), tmp_path)
     assert trainer.state.global_step == 4
     warnings = sorted(r.getMessage().split(" failed")[0] for r in caplog.records
                       if "simulated failure" in r.getMessage())
-    assert warnings == ["shardscope: on_step_begin", "shardscope: on_step_end"]
+    assert warnings == ["shardscope: on_step_begin", "shardscope: on_step_end", "shardscope: on_train_begin"]

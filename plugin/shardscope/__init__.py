@@ -2,11 +2,11 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardingProfilerCallback", "fit_training_args", "__version__"]
+__all__ = ["ShardingProfiler", "ShardingProfilerCallback", "fit_training_args", "__version__"]
 
 
 def __getattr__(name):
-    # The callback pulls in transformers; keep `import shardscope` (and the CLI) light.
+    # The profiler pulls in torch, the callback transformers; keep `import shardscope` (and the CLI) light.
     if name == "ShardingProfilerCallback":
         from .callback import ShardingProfilerCallback
 
@@ -15,4 +15,8 @@ def __getattr__(name):
         from .fit_training import fit_training_args
 
         return fit_training_args
+    if name == "ShardingProfiler":
+        from .profiler import ShardingProfiler
+
+        return ShardingProfiler
     raise AttributeError(f"module 'shardscope' has no attribute {name!r}")

@@ -38,6 +38,9 @@ from .safe_io import atomic_write_bytes, atomic_write_text, load_json, read_byte
 from .summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
 from .time_report import markdown_lines, plot_time, row_facts
 
+# Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
+HELD = (*COMPONENTS, "frozen_models_bytes")
+
 LOG_FILE = "launch.log"
 MAX_LOG_BYTES = 16 * 2 ** 20  # the end of a launch log (its exit-code footer and last errors) is what is read
 _FOOTER = re.compile(r"^\[shardscope compare\] exit code (-?\d+) after ([\d.]+) s$", re.MULTILINE)
@@ -228,8 +231,9 @@ def _load_run(run_dir: Path, row: dict) -> dict:
         strategy=summary["strategy"], world_size=summary["world_size"], device=summary.get("device"),
         precision=summary.get("precision"), memory_kind=ranks[0].get("memory_kind"),
         model=(summary.get("model") or {}).get("name_or_path"),
-        ranks=[{k: r.get(k) for k in (*COMPONENTS, "peak_memory_bytes")} for r in ranks],
-        **{k: spread([r.get(k) for r in ranks]) for k in (*COMPONENTS, "peak_memory_bytes")},
+        ranks=[{**{k: r.get(k) for k in (*COMPONENTS, "peak_memory_bytes")},
+                "frozen_models_bytes": r.get("frozen_models_bytes") or 0} for r in ranks],
+        **{k: spread([r.get(k) for r in ranks]) for k in (*HELD, "peak_memory_bytes")},
         tokens_per_s=rates["global_tokens_per_s"], samples_per_s=rates["global_samples_per_s"],
         tflops_per_device=(rates.get("tflops_per_device") or {}).get("mean"), mfu=(rates.get("mfu") or {}).get("mean"),
         **_trainer_facts(run_dir), **row_facts(summary),
@@ -282,18 +286,19 @@ def caption(runs: list[dict]) -> str:
     return f"{where}, {'/'.join(map(str, ranks)) or '?'} ranks"
 
 
-HEADER = ("run", "strategy", "params/rank", "grads/rank", "optimizer/rank", "peak memory/rank", "tokens/s",
+HEADER = ("run", "strategy", "params/rank", "grads/rank", "optimizer/rank", "frozen models/rank", "peak memory/rank",
+          "tokens/s",
           "samples/s", "TFLOP/s/rank", "MFU", "wall time", "final loss", "status")
 
 
 def _cells(row: dict) -> list[str]:
     if "ranks" not in row:
-        return [row["run"], "-", *["-"] * 10, f"failed: {row['reason']}"]
+        return [row["run"], "-", *["-"] * 11, f"failed: {row['reason']}"]
     wall = f"{_num(row.get('train_runtime_s'))} s" if row.get("train_runtime_s") is not None else "-"
     if row.get("launch_s") is not None:
         wall += f" (launch {row['launch_s']:.0f} s)"
     status = "ok" if row["status"] == "ok" else f"failed: {row['reason']}"
-    return [row["run"], row["strategy"], *(human_range(row[k]) for k in COMPONENTS),
+    return [row["run"], row["strategy"], *(human_range(row[k]) for k in HELD),
             human_range(row["peak_memory_bytes"]), _num(row["tokens_per_s"]), _num(row["samples_per_s"]),
             _num(row["tflops_per_device"]), "-" if row["mfu"] is None else f"{row['mfu']:.1%}", wall,
             _num(row.get("final_loss"), 4), status]
@@ -304,12 +309,13 @@ def _planner_cells(row: dict) -> list[str] | None:
     if not planned:
         return None
     if "error" in planned:
-        return ["↳ planner", "-", *["-"] * 10, f"no estimate: {planned['error']}"]
+        return ["↳ planner", "-", *["-"] * 11, f"no estimate: {planned['error']}"]
     measured = sum(row[k]["max"] for k in COMPONENTS)
     states = sum(planned[k] for k in COMPONENTS)
     diff = f"model states {round((measured - states) / states, 3) + 0.0:+.1%} vs plan" if states else ""
     return ["↳ planner", planned["strategy"], *(human_bytes(planned[k]) for k in COMPONENTS),
-            f"{human_bytes(planned['total_bytes'])} (est. total)", *["-"] * 6, diff]
+            human_bytes(planned.get("frozen_models_bytes")), f"{human_bytes(planned['total_bytes'])} (est. total)",
+            *["-"] * 6, diff]
 
 
 def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
@@ -319,7 +325,8 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
         lines += ["**CPU figures** (gloo ranks on CPU): peak memory is the peak of live tensors in one instrumented "
                   "step (torch's MemTracker), not GPU memory and not the process RSS; MFU is omitted (no CPU peak FLOP/s). Use them to compare "
                   "strategies' bytes per rank, not as GPU throughput.", ""]
-    lines += ["Bytes are per rank (min–max across ranks, 1 kB = 1000 B); optimizer includes fp32 master copies. "
+    lines += ["Bytes are per rank (min–max across ranks, 1 kB = 1000 B); optimizer includes fp32 master copies; "
+              "frozen models are models held but not trained (a DPO reference; `-`: not counted by that summary). "
               "tokens/s and samples/s are summed over ranks (whole run); TFLOP/s and MFU are per rank (mean). "
               "Wall time is the Trainer's train_runtime (launch: the whole launch, start-up included). "
               "Each `↳ planner` row is `shardscope plan`'s estimate for that run's strategy, world size and model.",
@@ -351,9 +358,9 @@ def plot_memory(runs: list[dict], path):
     for i, r in enumerate(runs):
         if "ranks" not in r:
             continue
-        worst = max(r["ranks"], key=lambda rank: sum(rank[k] for k in COMPONENTS))
+        worst = max(r["ranks"], key=lambda rank: sum(rank[k] for k in HELD))
         bottom = 0
-        for k, colour in zip(COMPONENTS, ("tab:blue", "tab:orange", "tab:green")):
+        for k, colour in zip(HELD, ("tab:blue", "tab:orange", "tab:green", "tab:gray")):
             states.bar(i, worst[k] / 1e6, bottom=bottom / 1e6, color=colour, label=k.split("_")[0] if i == first else None)
             bottom += worst[k]
         planned = r.get("planned") or {}

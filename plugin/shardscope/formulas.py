@@ -220,6 +220,7 @@ class Row:
     optimizer_bytes: int
     activations_bytes: int
     buffers_bytes: int
+    frozen_bytes: int = 0                     # a frozen copy of the model (`Setup.reference_model`): its params
     total_bytes: int = 0                      # = peak_bytes (the name plan --json used before peak_bytes)
     peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
     peak_breakdown: dict = field(default_factory=dict)  # peak_plan.PARTS at that moment
@@ -342,7 +343,15 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     else:
         moments, source = formula_moments(act, setup.activation_checkpointing), "formula"
     peak = step_peak(row, detail, moments, *_gathered(strategy, spec, c, eb, detail))
-    return Row(strategy=strategy, activations_bytes=peak["peak_breakdown"]["activations"], per_param=per_param(eb),
+    # A frozen reference is built and sharded like the trained model, in the dtype its parameters are held in
+    # (fp32 under torch mixed precision, 16-bit DeepSpeed partitions), with no grads or optimizer state; it is
+    # held through the whole step, so it adds to the worst moment.
+    frozen = row["params_bytes"] if setup.reference_model else 0
+    if frozen:
+        peak["peak_bytes"] += frozen
+        peak["peak_breakdown"] = {**peak["peak_breakdown"], "frozen": frozen}
+    return Row(strategy=strategy, frozen_bytes=frozen, activations_bytes=peak["peak_breakdown"]["activations"],
+               per_param=per_param(eb),
                buffers_bytes=int(sum(detail.values())), cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n,
                mesh=mesh, comm_bytes_per_step=sum(comm.values()), comm=comm,
                approximate=fam == "tp" and not c.tensors, peak_bytes=peak["peak_bytes"],

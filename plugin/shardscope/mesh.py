@@ -43,6 +43,7 @@ class Setup:
     cpu_memory_bytes: int | None = None    # per node; checked for offload rows when given
     prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
     tp_size: int | None = None             # tensor-parallel degree of tp/fsdp_tp/hsdp_tp; None: `tp_degree` default
+    reference_model: bool = False          # a frozen copy of the model (DPO's reference), held like its parameters
 
     @property
     def world_size(self) -> int:

@@ -12,8 +12,9 @@ strategy's own long-lived buffers allocated at set-up and not reachable from the
 - `peak_breakdown`: {parameters (buffers included), gradients, optimizer, activations, temporaries} at that moment
   (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
 - `peak_phase`: forward, backward or optimizer step: where the peak was first reached.
-Instrumenting costs several times a plain step: use it for one warm step. Models with frozen
-parameters (LoRA) and FSDP1's flat parameters are refused: MemTracker hooks every parameter's gradient and
+Instrumenting costs several times a plain step: use it for one warm step. Other models run in the step
+(a frozen reference) are tracked without gradient hooks. Trained models with frozen parameters (LoRA) and
+FSDP1's flat parameters are refused: MemTracker hooks every parameter's gradient and
 torch refuses a hook on a frozen one or on the non-leaf views FSDP1 puts in place during forward.
 """
 from __future__ import annotations
@@ -45,7 +46,15 @@ class StepPeak:
             # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses the same hook there
             raise ValueError("FSDP1 flat parameters cannot be tracked by MemTracker")
 
-        self.tracker = MemTracker()
+        class FrozenSafeTracker(MemTracker):
+            """MemTracker that hooks no gradient of a module holding frozen parameters (a reference model run in
+            the tracked step): torch refuses such a hook, and the refusal would surface in the user's forward."""
+
+            def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+                frozen = any(not p.requires_grad for p in module.parameters())
+                return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
+        self.tracker = FrozenSafeTracker()
         self.model, self.optimizer = model, optimizer
         self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
         self._handles = []

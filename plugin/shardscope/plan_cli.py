@@ -65,7 +65,8 @@ def format_table(result: dict) -> str:
         f"{s['world_size']} GPUs ({s['gpus_per_node']} x {s['nodes']} nodes, {gpu} each), {s['precision']}, "
         f"{s['optimizer']}, micro-batch {s['micro_batch']}, "
         f"{result['activations']['tokens_per_sample']} tokens/sample, checkpointing "
-        f"{'on' if s['activation_checkpointing'] else 'off'}" + (f", LoRA r={s['lora_rank']}" if s["lora_rank"] else ""),
+        f"{'on' if s['activation_checkpointing'] else 'off'}" + (f", LoRA r={s['lora_rank']}" if s["lora_rank"] else "")
+        + (", a frozen reference copy of the model" if s.get("reference_model") else ""),
     ]
     tp = result.get("tp")
     if tp:
@@ -73,12 +74,15 @@ def format_table(result: dict) -> str:
         lines.append(f"tensor parallel degree {tp['degree']} ({tp['source']}); dp_replicate x dp_shard x tp: "
                      + ", ".join(f"{n} {m['dp_replicate']}x{m['dp_shard']}x{m['tp']}" for n, m in meshes.items()
                                  if n in TP_STRATEGIES) + ("; approximate (--params)" if tp["approximate"] else ""))
-    lines += ["", "per GPU, GB (1e9 B)   params   grads  optim  activ*  buffers    peak  | CPU/rank  fits  comm/step**"]
+    frozen = s.get("reference_model")  # the frozen copy's column, only when one is planned
+    lines += ["", "per GPU, GB (1e9 B)   params   grads  optim  activ*  buffers" + ("  frozen" if frozen else "")
+              + "    peak  | CPU/rank  fits  comm/step**"]
     for r in result["rows"]:
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         lines.append(f"{r['strategy'] + ('~' if r.get('approximate') else ''):<20} {gb(r['params_bytes']):>8} "
                      f"{gb(r['grads_bytes']):>7} {gb(r['optimizer_bytes']):>6} {gb(r['activations_bytes']):>7} "
-                     f"{gb(r['buffers_bytes']):>8} {gb(r['total_bytes']):>7}  | "
+                     f"{gb(r['buffers_bytes']):>8}" + (f" {gb(r['frozen_bytes']):>7}" if frozen else "")
+                     + f" {gb(r['total_bytes']):>7}  | "
                      f"{gb(r['cpu_bytes']) if r['cpu_bytes'] else '':>8}  {fits:<4}  "
                      f"{gb(r['comm_bytes_per_step']):>10}")
     lines += ["", "bytes per trainable parameter (weights + grads + master + moments = total):"]
@@ -210,6 +214,9 @@ def build_parser(subparsers):
     tr.add_argument("--simulate", action="store_true",
                     help="trace the full-depth model on fake tensors (exact for one rank; seconds per layer) "
                          "instead of 1 and 2 layers scaled")
+    tr.add_argument("--reference-model", action="store_true",
+                    help="a frozen copy of the model is held too (DPO's reference): its parameters, sharded as the "
+                         "strategy shards parameters")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
     tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp",
@@ -241,6 +248,7 @@ def setup_from_args(args) -> Setup:
                  attention=args.attention, lora_rank=args.lora_rank,
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
                  fp32_grads=args.fp32_grads, headroom=args.headroom, prefer=args.prefer, tp_size=args.tp,
+                 reference_model=args.reference_model,
                  cpu_memory_bytes=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None).validate()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import UsageError
 from .formulas import Row, activation_bytes, counts, strategy_row
 from .mesh import Setup, setup_for_mesh, tp_degree
-from .model_spec import ModelSpec, model_spec, resolve_model, spec_from_count
+from .model_spec import ModelSpec, model_spec, resolve_model, spec_from_config, spec_from_count
 from .step_trace import regime_for
 from .strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, family, strategy_from_summary
 from .summary import COMPONENTS, read_summary
@@ -243,13 +243,20 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
         setup = replace(setup, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
     if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
         setup = replace(setup, fsdp_version=int(detail["fsdp_version"]))
+    # A run that held a frozen copy of the model (DPO's reference) is planned with one: compared as its own part.
+    reference = [_count_or_none((r.get("frozen_models") or {}).get("reference")) for r in summary["ranks"]]
+    setup = replace(setup, reference_model=all(v is not None for v in reference))
     row = strategy_row(strategy, spec, setup)
     planned = {k: getattr(row, k) for k in COMPONENTS}
     planned["model_states_bytes"] = row.model_states_bytes
+    if setup.reference_model:
+        planned["frozen_models_bytes"] = row.frozen_bytes
     ranks = []
-    for rank in summary["ranks"]:
+    for rank, frozen in zip(summary["ranks"], reference):
         measured = {k: rank[k] for k in COMPONENTS}
         measured["model_states_bytes"] = sum(measured.values())
+        if setup.reference_model:
+            measured["frozen_models_bytes"] = frozen
         ranks.append({"rank": rank.get("rank"), "components": [
             {"component": k, "planned": planned[k], "measured": measured[k],
              "rel_diff": (measured[k] - planned[k]) / planned[k] if planned[k] else None} for k in planned],
@@ -262,3 +269,26 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
             "planned_comm_bytes_per_step": row.comm_bytes_per_step,
             "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
             "trainable_params_measured": trainable, "ranks": ranks}
+
+
+def _count_or_none(value):
+    """A byte count read from a summary, or None (missing, not a number)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def preflight_plan(config, strategy: str | None, mesh: dict | None, world: int, nodes: int, precision: str | None,
+                   gpu_memory_bytes: int) -> dict | None:
+    """The planner's row for a live run, before training: its strategy, world size, precision ("bf16", "fp16",
+    "fp32") and TP mesh, at sequence length 0 (batches not seen yet: model states and buffers, a lower bound).
+    {strategy, total_bytes, fits, gpu_memory_bytes, recommendation}, or None for a strategy it has no row for."""
+    precision = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(precision, "fp32")
+    setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision, seq_len=0, micro_batch=1,
+                  gpu_memory_bytes=gpu_memory_bytes)
+    if mesh and mesh.get("tp", 1) > 1:
+        strategy, setup = setup_for_mesh(setup, mesh)
+    plan = estimate(spec_from_config(config), setup)
+    row = next((r for r in plan["rows"] if r["strategy"] == strategy), None)
+    if row is None:
+        return None
+    return {"strategy": strategy, "total_bytes": row["total_bytes"], "fits": row["fits"],
+            "gpu_memory_bytes": setup.gpu_memory_bytes, "recommendation": plan["recommendation"]}

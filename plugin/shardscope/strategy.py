@@ -151,6 +151,42 @@ def detect_strategy(model=None) -> dict:
     return {"strategy": "single", "world_size": world_size, "mesh": _mesh(1, 1, 1)}
 
 
+def wrapper_strategy(model) -> dict | None:
+    """What the model's own wrapper says (a loop that wrapped it itself, without accelerate): DeepSpeed's engine,
+    torch DDP, FSDP1, or FSDP2 `fully_shard` modules; None for a bare module (no wrapper to read)."""
+    import torch
+
+    name = type(model).__name__
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if name == "DeepSpeedEngine":
+        stage = int(model.zero_optimization_stage())
+        offload = getattr(model.zero_offload_optimizer(), "device", None)
+        offload = getattr(offload, "value", offload) or "none"
+        details = {"strategy": f"zero{stage}" + ("_offload" if offload != "none" else ""), "zero_stage": stage,
+                   "offload_optimizer": offload}
+        if stage == 3:
+            details["stage3_param_persistence_threshold"] = model.zero_param_persistence_threshold()
+        return {"world_size": world, "mesh": _mesh(1, world, 1), "wrapper": name, **details}
+    if name == "DistributedDataParallel":
+        return {"strategy": "ddp", "world_size": world, "mesh": _mesh(world, 1, 1), "wrapper": name}
+    if name == "FullyShardedDataParallel":
+        sharding = model.sharding_strategy.name
+        offload = bool(getattr(model.cpu_offload, "offload_params", False))
+        return {"strategy": "fsdp_offload" if offload else f"fsdp_{sharding.lower()}", "world_size": world,
+                "mesh": _mesh(1, world, 1), "wrapper": name, "fsdp_version": 1, "sharding_strategy": sharding}
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(model, torch.nn.Module) else []
+    if units:  # a layer's unit says whether parameters are resharded after forward (the root never is)
+        unit = next((m for m in units if m is not model), units[0])
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+        sharding = "SHARD_GRAD_OP" if group is not None and group.post_forward_mesh_info is None else "FULL_SHARD"
+        return {"strategy": f"fsdp_{sharding.lower()}", "world_size": world, "mesh": _mesh(1, world, 1),
+                "wrapper": "fully_shard", "fsdp_version": 2, "sharding_strategy": sharding}
+    return None
+
+
 def num_nodes() -> int:
     """Nodes in the run, from the launcher's environment: world size / local world size (torchrun and
     accelerate set LOCAL_WORLD_SIZE; the `deepspeed` launcher sets LOCAL_SIZE instead)."""

@@ -1,7 +1,8 @@
 """The run summary (`shardscope_summary.json`): its name, schema, atomic writing, safe reading, and the
 reduction of per-rank figures over ranks.
 
-Written by the profiler (rank 0, at the end of training); read by `compare`, `report` and
+Written by the profiler (rank 0, at the end of training; `profiler.ShardingProfiler`, the callback's too); read by
+`compare`, `report` and
 `plan --compare`. A reader never sees a half-written file: the writer renames a complete temporary
 file into place. A missing, truncated or foreign file is one `UsageError` naming the file and key.
 """
@@ -32,6 +33,8 @@ FIELDS = {
     "world_size": "ranks in the run",
     "num_nodes": "nodes in the run",
     "model": "{name_or_path, params_total, trainable_params}",
+    "frozen_models": "optional: {name: {params_total}} of models held but not trained (DPO's reference, reward and "
+                     "teacher models); per rank `frozen_models` {name: bytes} and `frozen_models_bytes`",
     "device": "cpu, or the CUDA device name",
     "precision": "fp32, bf16 or fp16, as the Trainer was configured",
     "precision_verdict": "{configured, effective, ok, reason}: the configured mode against what the tensors are",

@@ -6,8 +6,10 @@ where N counts the parameters that take part in matrix multiplies (the input-emb
 excluded unless it is tied to the output head), 6 = forward 2 + backward 4 (activation and weight
 gradients), a frozen parameter needs no weight gradient (2 + 2), and the last term is attention's
 QK^T and AV matmuls, forward and backward (d_attn = heads * head_dim, seq_len = the padded length of
-the batch). Tokens are non-padding tokens (attention-mask sum). For vision transformers a "token"
-is a patch (plus the CLS token). References: Kaplan et al. 2020; Korthikanti et al. 2022;
+the batch). Tokens are non-padding tokens (attention-mask sum) of the training inputs, once per step.
+Forwards that do not train (a DPO reference model, an adapter-disabled pass, generation, no_grad
+forwards) add their forward work, 2 * N_model + 4 * n_layers * d_attn * seq_len per token they
+process, to the FLOPs but no tokens. For vision transformers a "token" is a patch (plus the CLS token). References: Kaplan et al. 2020; Korthikanti et al. 2022;
 torchtitan `get_num_flop_per_token`.
 """
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-FLOPS_CONVENTION = "6*N_trainable + 4*N_frozen + 12*layers*d_attn*seq per non-padding token; recompute not counted"
+FLOPS_CONVENTION = ("6*N_trainable + 4*N_frozen + 12*layers*d_attn*seq per non-padding training token, plus "
+                    "2*N + 4*layers*d_attn*seq per token of each forward that does not train (reference models, "
+                    "adapter-disabled passes); recompute not counted")
 
 # Dense (not 2:4-sparse) peak tensor-core TFLOP/s per device, from NVIDIA's datasheets.
 # Matched against torch.cuda.get_device_name() in order: first key contained in the name wins.
@@ -61,6 +65,10 @@ class FlopsModel:
 
     def per_token(self, seq_len: int) -> float:
         return 6 * self.trainable_params + 4 * self.frozen_params + 12 * self.n_layers * self.d_attn * seq_len
+
+    def forward_per_token(self, seq_len: int) -> float:
+        """A forward that does not train: every matmul parameter once (2 FLOPs each), attention forward."""
+        return 2 * (self.trainable_params + self.frozen_params) + 4 * self.n_layers * self.d_attn * seq_len
 
 
 @dataclass

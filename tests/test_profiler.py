@@ -1,0 +1,236 @@
+"""`ShardingProfiler` in a custom loop, one process: what it counts, where metrics go, and bad input."""
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shardscope import ShardingProfiler
+from shardscope.summary import read_summary
+
+
+def padded(vocab=500, rows=2, seq=12, seed=0):
+    """A batch of `rows` rows right-padded to `seq`: every row has its own number of real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, seq + 1, (rows,), generator=g)
+    ids = torch.randint(3, vocab, (rows, seq), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def train(model, optimizer, profiler, batches, extra_forward=None):
+    fed = []
+    for batch in batches:
+        model(**batch).loss.backward()
+        if extra_forward is not None:
+            extra_forward(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+        profiler.step(batch)
+        fed.append(int(batch["attention_mask"].sum()))
+    return fed
+
+
+@pytest.fixture()
+def llama(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama)
+
+
+def test_a_custom_loop_counts_what_it_fed_and_logs_through_the_accelerator(llama, tmp_path):
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory, logged = "recorder", False, []
+
+        def __init__(self):
+            super().__init__()
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((step, dict(values)))
+
+    accelerator = Accelerator(cpu=True, log_with=[Recorder()])
+    accelerator.init_trackers("test")
+    optimizer = torch.optim.AdamW(llama.parameters(), lr=1e-4)
+    llama, optimizer = accelerator.prepare(llama, optimizer)
+    batches = [padded(seed=i) for i in range(6)]
+    with ShardingProfiler(llama, optimizer, accelerator, output_dir=tmp_path, every_n_steps=2, memory_step=3) as prof:
+        fed = train(llama, optimizer, prof, batches)
+    summary = read_summary(tmp_path / "shardscope_summary.json")
+    rank = summary["ranks"][0]
+    n_params = sum(p.numel() for p in llama.parameters())
+    assert summary["strategy"] == "single" and summary["global_step"] == 6 and summary["precision"] == "fp32"
+    assert rank["params_bytes"] == 4 * n_params and rank["optimizer_bytes"] >= 8 * n_params
+    assert rank["grads_bytes"] == 4 * n_params  # snapshotted as the optimizer stepped, before zero_grad
+    # every non-padding token fed, once; the instrumented memory step (3) is left out of throughput
+    assert rank["throughput"]["tokens"] == sum(fed) - fed[2] and rank["throughput"]["samples"] == 2 * 5
+    parts = rank["peak_breakdown"]  # one instrumented step, measured as in the callback
+    assert sum(parts.values()) == rank["peak_tensor_bytes"] and parts["parameters"] >= rank["params_bytes"]
+    assert rank["frozen_models"] == {} and rank["frozen_models_bytes"] == 0
+    logged = Recorder.logged
+    assert [step for step, _ in logged] == [2, 4, 6]
+    assert logged[-1][1]["shardscope/params_bytes_max"] == 4 * n_params and logged[-1][1]["shardscope/tokens_per_s"] > 0
+
+
+def test_micro_batches_and_explicit_counts(llama, tmp_path):
+    optimizer = torch.optim.SGD(llama.parameters(), lr=1e-3)
+    micro = [padded(seed=1), padded(seed=2)]
+    with ShardingProfiler(llama, optimizer, output_dir=tmp_path, memory_step=None) as profiler:
+        for batch in micro:
+            llama(**batch).loss.backward()
+        optimizer.step()
+        profiler.step(micro)  # a list: the step's micro-batches
+        llama(**micro[0]).loss.backward()
+        optimizer.step()
+        profiler.step(tokens=1000, samples=7)  # counts given: they win over the forwards seen
+    throughput = read_summary(tmp_path / "shardscope_summary.json")["ranks"][0]["throughput"]
+    assert throughput["samples"] == 4 + 7
+    assert throughput["tokens"] == sum(int(b["attention_mask"].sum()) for b in micro) + 1000
+
+
+def test_passes_that_do_not_train_add_flops_but_no_tokens(tiny_llama, tmp_path):
+    """A frozen reference model's forward, and the trained model run with its LoRA adapter disabled (TRL's
+    reference pass), add forward FLOPs; tokens and samples stay those of the training forward."""
+    from peft import LoraConfig, get_peft_model
+
+    def run(name, extra):
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4))
+        reference = AutoModelForCausalLM.from_pretrained(tiny_llama).eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        with ShardingProfiler(model, optimizer, output_dir=tmp_path / name, memory_step=None,
+                              frozen_models={"reference": reference}) as profiler:
+            for seed in range(3):
+                batch = padded(seed=seed)
+                model(**batch).loss.backward()
+                extra(model, reference, batch)
+                optimizer.step()
+                optimizer.zero_grad()
+                profiler.step()  # no batch: the training forwards the profiler saw count
+        summary = read_summary(tmp_path / name / "shardscope_summary.json")
+        rank = summary["ranks"][0]
+        ref_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+        assert rank["frozen_models"] == {"reference": ref_bytes} == {"reference": rank["frozen_models_bytes"]}
+        t = rank["throughput"]
+        return t["tokens"], t["samples"], t["tflops_per_device"] * 1e12 * t["seconds"]
+
+    def nothing(model, reference, batch):
+        pass
+
+    def adapter_disabled(model, reference, batch):
+        with model.disable_adapter():  # grad enabled, adapter off: not training
+            model(**batch)
+
+    def reference_pass(model, reference, batch):
+        with torch.no_grad():
+            reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    plain, disabled, referenced = run("plain", nothing), run("disabled", adapter_disabled), run("ref", reference_pass)
+    tokens = sum(int(padded(seed=s)["attention_mask"].sum()) for s in range(3))
+    assert plain[:2] == disabled[:2] == referenced[:2] == (tokens, 6)
+    # forward work = 2 FLOPs per matmul parameter per token (+ attention): about a third of the training step's
+    # 6 FLOPs per trainable / 4 per frozen parameter; the same for both kinds of reference pass (same model)
+    assert disabled[2] / plain[2] == pytest.approx(1.5, rel=0.02)
+    # (1%: the adapter-disabled pass is charged for the adapter's own parameters too, r*(in+out) per target)
+    assert referenced[2] == pytest.approx(disabled[2], rel=0.01)
+
+
+def test_images_without_input_ids_count_samples_and_note_once(tmp_path, caplog):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        with ShardingProfiler(model, optimizer, output_dir=tmp_path, every_n_steps=1, memory_step=None) as profiler:
+            for _ in range(3):
+                batch = {"pixel_values": torch.randn(5, 3, 8, 8), "labels": torch.randint(0, 4, (5,))}
+                torch.nn.functional.cross_entropy(model(batch["pixel_values"]), batch["labels"]).backward()
+                optimizer.step()
+                profiler.step(batch)
+    rank = read_summary(tmp_path / "shardscope_summary.json")["ranks"][0]
+    assert rank["throughput"]["samples"] == 15 and rank["throughput"]["tokens"] is None
+    assert rank["throughput"]["tokens_per_s"] is None and rank["throughput"]["samples_per_s"] > 0
+    notes = [r.getMessage() for r in caplog.records if "no input_ids" in r.getMessage()]
+    assert len(notes) == 1 and "tokens" in notes[0]
+    assert not [r for r in caplog.records if "warned once" in r.getMessage()]  # a note, not a failure
+
+
+def test_an_unknown_wrapper_counts_what_it_sees_with_one_warning(tmp_path, caplog):
+    class Wrapper:  # not a torch module: something the profiler has never heard of
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, x):
+            return self.module(x)
+
+    inner = torch.nn.Linear(16, 16)
+    model = Wrapper(inner)
+    optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        with ShardingProfiler(model, optimizer, output_dir=tmp_path, every_n_steps=1, memory_step=None) as profiler:
+            for _ in range(3):
+                model(torch.randn(4, 16)).sum().backward()
+                optimizer.step()
+                profiler.step(samples=4)
+    summary = read_summary(tmp_path / "shardscope_summary.json")
+    assert summary["strategy"] == "unknown" and summary["ranks"][0]["params_bytes"] == (16 * 16 + 16) * 4
+    warnings = [r.getMessage() for r in caplog.records if "warned once" in r.getMessage()]
+    assert len(warnings) == 1 and "Wrapper" in warnings[0] and "unknown" in warnings[0]
+    assert summary["ranks"][0]["throughput"]["samples"] == 12
+
+
+def test_instruments_bracket_each_step_and_report_per_rank(llama, tmp_path, caplog):
+    class Counter:
+        name = "counter"
+
+        def __init__(self):
+            self.calls = []
+
+        def start(self, step):
+            self.calls.append(("start", step))
+
+        def stop(self, step):
+            self.calls.append(("stop", step))
+
+        def result(self):
+            return {"steps": sum(1 for c in self.calls if c[0] == "stop")}
+
+    class Broken:
+        name = "broken"
+
+        def start(self, step):
+            raise RuntimeError("simulated failure")
+
+        stop = start
+
+        def result(self):
+            return {}
+
+    counter = Counter()
+    optimizer = torch.optim.SGD(llama.parameters(), lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        with ShardingProfiler(llama, optimizer, output_dir=tmp_path, memory_step=None,
+                              instruments=[counter, Broken()]) as profiler:
+            train(llama, optimizer, profiler, [padded(seed=i) for i in range(2)])
+    assert counter.calls == [("start", 1), ("stop", 1), ("start", 2), ("stop", 2), ("start", 3)]
+    rank = read_summary(tmp_path / "shardscope_summary.json")["ranks"][0]
+    assert rank["counter"] == {"steps": 2} and rank["broken"] == {}
+    assert len([r for r in caplog.records if "simulated failure" in r.getMessage()]) == 1
+
+
+def test_step_after_close_and_a_second_close_do_nothing(llama, tmp_path, caplog):
+    optimizer = torch.optim.SGD(llama.parameters(), lr=1e-3)
+    profiler = ShardingProfiler(llama, optimizer, output_dir=tmp_path, memory_step=None)
+    train(llama, optimizer, profiler, [padded()])
+    assert profiler.close() == tmp_path / "shardscope_summary.json"
+    first = (tmp_path / "shardscope_summary.json").read_text()
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        assert profiler.step(padded()) == {} and profiler.close() is None
+    assert (tmp_path / "shardscope_summary.json").read_text() == first
+    assert json.loads(first)["global_step"] == 1 and not llama._forward_pre_hooks
