@@ -234,3 +234,26 @@ def test_step_after_close_and_a_second_close_do_nothing(llama, tmp_path, caplog)
         assert profiler.step(padded()) == {} and profiler.close() is None
     assert (tmp_path / "shardscope_summary.json").read_text() == first
     assert json.loads(first)["global_step"] == 1 and not llama._forward_pre_hooks
+
+
+def test_a_reference_forward_inside_the_instrumented_step(llama, tiny_llama, tmp_path, caplog):
+    """DPO's order, policy forward, reference forward (no_grad), then backward, in the step MemTracker tracks: the
+    loop runs on, the peak is measured, the reference counted as held."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(llama.parameters(), lr=1e-4)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        with ShardingProfiler(llama, optimizer, output_dir=tmp_path, memory_step=2,
+                              frozen_models={"reference": reference}) as profiler:
+            for seed in range(3):
+                batch = padded(seed=seed)
+                loss = llama(**batch).loss
+                with torch.no_grad():
+                    reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                profiler.step(batch)
+    rank = read_summary(tmp_path / "shardscope_summary.json")["ranks"][0]
+    assert rank["peak_tensor_bytes"] > 0 and sum(rank["peak_breakdown"].values()) == rank["peak_tensor_bytes"]
+    assert rank["frozen_models_bytes"] == sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert not [r for r in caplog.records if "warned once" in r.getMessage()]

@@ -71,7 +71,10 @@ class StepPeak:
         depth, forwards = [0], []
 
         def next_micro_batch(module, _args):
-            if depth[0] == 0 and torch._C._current_graph_task_id() == -1:  # torch ModTracker's own is_bw test
+            # Only the tracked model's own training forward starts a micro-batch: another model run in the step (a
+            # frozen reference, under no_grad) must not clear the stats the pending backward still needs.
+            ours = module is self.model or getattr(module, "module", None) is self.model
+            if depth[0] == 0 and torch._C._current_graph_task_id() == -1 and ours and torch.is_grad_enabled():
                 if forwards:
                     self.tracker.reset_mod_stats()
                 forwards.append(True)
