@@ -261,3 +261,20 @@ def test_an_event_that_fails_outside_every_guard_still_never_raises(llama, tmp_p
     warnings = sorted(r.getMessage().split(" failed")[0] for r in caplog.records
                       if "simulated failure" in r.getMessage())
     assert warnings == ["shardscope: on_step_begin", "shardscope: on_step_end", "shardscope: on_train_begin"]
+
+
+def test_frozen_models_are_the_modules_a_trainer_holds_besides_the_trained_one():
+    from types import SimpleNamespace
+
+    from shardscope.callback import frozen_models_of
+
+    def tiny():
+        return torch.nn.Linear(4, 4)
+
+    model, ref, teacher, reward = tiny(), tiny(), tiny(), tiny()
+    wrapper = torch.nn.Sequential(model)  # shares the trained parameters, as DDP or a DeepSpeed engine does
+    trainer = SimpleNamespace(model=model, model_wrapped=wrapper, ref_model=ref, teacher_model=teacher,
+                              reward_funcs=[reward, "a reward function by name"], loss_fn=torch.nn.MSELoss(),
+                              _value_model=None)
+    assert frozen_models_of(trainer, model) == {"reference": ref, "teacher": teacher, "reward_funcs_0": reward}
+    assert frozen_models_of(None, model) == {}

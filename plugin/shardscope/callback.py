@@ -101,8 +101,9 @@ class ShardingProfilerCallback(TrainerCallback):
             self._trainer = self._find_trainer()
             frozen = frozen_models_of(self._trainer, model)
         memory_step = self.memory_step and min(self.memory_step, state.max_steps or self.memory_step)
+        every = self.every_n_steps or max(1, int(state.logging_steps or 1))  # the Trainer keeps it as a float too
         self.profiler = ShardingProfiler(
-            model, optimizer, output_dir=args.output_dir, every_n_steps=self.every_n_steps or state.logging_steps or 1,
+            model, optimizer, output_dir=args.output_dir, every_n_steps=every,
             frozen_models=frozen, peak_tflops=self.peak_tflops, summary_file=self.summary_file,
             memory_step=memory_step, **self.sampled, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             flops_model=self._flops_model, start_step=state.global_step, last_step=state.max_steps,
@@ -189,16 +190,19 @@ class ShardingProfilerCallback(TrainerCallback):
 
 def frozen_models_of(trainer, model) -> dict:
     """{name: module} of the models `trainer` holds as attributes besides the trained `model` (TRL's ref_model,
-    reward_model, teacher_model, ...): torch modules, DeepSpeed engines included, sharing no parameter with it."""
+    reward_model, teacher_model, a list of reward models as `reward_funcs_0`, ...): torch modules, DeepSpeed
+    engines included, sharing no parameter with it."""
     if trainer is None:
         return {}
     trained = {id(p) for p in model.parameters()}
     found = {}
     for attr, value in vars(trainer).items():
-        if not isinstance(value, torch.nn.Module):
-            continue
-        first = next(iter(value.parameters()), None)
-        if first is None or id(first) in trained or any(id(p) in trained for p in value.parameters()):
-            continue  # no parameters, or the trained model itself (model_wrapped, the DeepSpeed engine, ...)
-        found[FROZEN_NAMES.get(attr, attr.strip("_").removesuffix("_model"))] = value
+        name = FROZEN_NAMES.get(attr, attr.strip("_").removesuffix("_model"))
+        held = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, module in held:
+            if not isinstance(module, torch.nn.Module) or next(iter(module.parameters()), None) is None:
+                continue
+            if any(id(p) in trained for p in module.parameters()):
+                continue  # the trained model itself (model_wrapped, the DeepSpeed engine, ...)
+            found[name if i is None else f"{name}_{i}"] = module
     return found
