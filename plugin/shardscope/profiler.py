@@ -415,8 +415,8 @@ class ShardingProfiler:
         if isinstance(model, torch.nn.Module):
             wrapped = wrapper_strategy(model)
             if PartialState._shared_state:
-                configured = detect_strategy(self._module)
-                if wrapped is None or family(configured["strategy"]) == family(wrapped["strategy"]):
+                configured = detect_strategy(self._module)  # TP meshes (FSDP2 over TP shards too) are read there
+                if wrapped is None or family(configured["strategy"]) in ("tp", family(wrapped["strategy"])):
                     return configured
             if wrapped is not None:
                 return wrapped
