@@ -39,7 +39,7 @@ def preference_pairs(n: int, seed: int = 0):
 
 def tiny_model(root: Path) -> Path:
     """A tiny random Llama with its tokenizer; its MLP is wide enough for ZeRO-3 to shard (> 1e5 elements).
-    Each rank builds the same one (fixed random seed) in its own folder, so no rank reads a half-written file."""
+    Each rank builds the same one (same random initialisation) in its own folder: no rank reads a half-written file."""
     from shardscope.tiny import make_sft_assets
 
     return make_sft_assets(Path(root) / f"rank{os.environ.get('LOCAL_RANK', 0)}", "llama", n=64,
