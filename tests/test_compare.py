@@ -100,9 +100,10 @@ def test_report_values_equal_the_summaries(comparison):
         measured, planned = md_rows[i], md_rows[i + 1]
         assert measured[2:5] == [compare.human_bytes(ranks[0][k]) for k in ("params_bytes", "grads_bytes",
                                                                             "optimizer_bytes")]
-        assert measured[6] == f"{sum(r['throughput']['tokens_per_s'] for r in ranks):,.0f}"
-        assert measured[9] == "-"  # MFU: no CPU peak, omitted
-        assert measured[11] == f"{row['final_loss']:.4g}" and measured[-1] == "ok"
+        assert measured[5] == "0 B"  # frozen models/rank: the Trainer holds no other model here
+        assert measured[7] == f"{sum(r['throughput']['tokens_per_s'] for r in ranks):,.0f}"
+        assert measured[10] == "-"  # MFU: no CPU peak, omitted
+        assert measured[12] == f"{row['final_loss']:.4g}" and measured[-1] == "ok"
         assert planned[0] == "↳ planner" and planned[2:5] == measured[2:5]
         assert planned[-1] == "model states +0.0% vs plan"
     # FSDP really sharded (not accelerate's silent DDP fallback): each rank holds about half of everything
