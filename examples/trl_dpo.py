@@ -47,8 +47,9 @@ def tiny_model(root: Path) -> Path:
 
 
 def build_trainer(model_path, output_dir, max_steps=8, lora=False, use_cpu=False, callbacks=(), samples=64,
-                  memory_step=2):
-    """A `DPOTrainer` with the shardscope callback attached (plus `callbacks`)."""
+                  profiler=None):
+    """A `DPOTrainer` with the shardscope callback attached (`profiler`, default `ShardingProfilerCallback()`),
+    plus `callbacks`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
@@ -65,7 +66,7 @@ def build_trainer(model_path, output_dir, max_steps=8, lora=False, use_cpu=False
     model = AutoModelForCausalLM.from_pretrained(model_path)
     return DPOTrainer(model=model, args=config, train_dataset=preference_pairs(samples), processing_class=tokenizer,
                       peft_config=peft_config,
-                      callbacks=[ShardingProfilerCallback(memory_step=memory_step), *callbacks])
+                      callbacks=[profiler or ShardingProfilerCallback(), *callbacks])
 
 
 def main(argv=None):

@@ -19,7 +19,14 @@ BYTES_TOLERANCE = 0.01  # the issue's bound; the counts agree exactly today (bot
 # Trainer's train_samples_per_second also times its set-up before the first step (callbacks' on_train_begin,
 # the profiler's included); the profiler's window starts at that first step. A few % at this run length.
 RATE_TOLERANCE = 0.05
-MEMORY_STEP = inspect.signature(ShardingProfiler).parameters["memory_step"].default  # the examples' default
+# steps the examples' profilers instrument by default (memory, collectives, time): left out of throughput
+DEFAULTS = inspect.signature(ShardingProfiler).parameters
+INSTRUMENTED = {DEFAULTS[name].default for name in ("memory_step", "comm_step", "time_step")}
+
+
+def _plain(per_step):
+    """The sum over the steps that count towards throughput (1-based steps not instrumented)."""
+    return sum(v for step, v in enumerate(per_step, start=1) if step not in INSTRUMENTED)
 
 
 def _facts(run_dir):
@@ -113,10 +120,8 @@ def test_accelerate_loop_counts_bytes_and_tokens_fed(trl_runs, config, strategy)
         for key in ("params_bytes", "optimizer_bytes"):
             assert rank[key] == pytest.approx(fact[key], rel=BYTES_TOLERANCE), key
         fed, rows = fact["tokens_fed"], fact["samples_fed"]
-        # every step's non-padding tokens, once, less the instrumented memory step (not throughput)
-        skip = MEMORY_STEP - 1
-        assert rank["throughput"]["tokens"] == sum(fed) - fed[skip]
-        assert rank["throughput"]["samples"] == sum(rows) - rows[skip]
+        # every step's non-padding tokens, once, less the instrumented steps (not throughput)
+        assert rank["throughput"]["tokens"] == _plain(fed) and rank["throughput"]["samples"] == _plain(rows)
         assert rank["peak_tensor_bytes"] > 0
 
 
@@ -131,7 +136,7 @@ def test_fsdp2_loop_shards_the_trained_and_the_frozen_model(fsdp2_run):
         assert rank["frozen_models"]["reference"] == pytest.approx(fact["reference_bytes"], rel=BYTES_TOLERANCE)
         assert rank["params_bytes"] < 0.6 * whole and rank["frozen_models"]["reference"] < 0.7 * whole  # shards
         fed = fact["tokens_fed"]
-        assert rank["throughput"]["tokens"] == sum(fed) - fed[MEMORY_STEP - 1]
+        assert rank["throughput"]["tokens"] == _plain(fed)
 
 
 def test_report_reads_every_profiled_loop(fsdp2_run, trl_runs, tmp_path, capsys):

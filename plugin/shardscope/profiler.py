@@ -471,12 +471,12 @@ class ShardingProfiler:
         the collective counter and the timer, unless `sampled` is False: then at the next begin_step)."""
         upcoming = self.global_step + 1
         self._sampled_due = True
-        if sampled:
-            self._begin_sampled()
         self._instruments("start", upcoming)
         if self.memory_step is not None and upcoming == self.memory_step:
             with self.guard("peak tensor memory"):
                 self._step_peak = StepPeak(self._module, self.optimizer).__enter__()
+        if sampled:  # after the tracker: dispatch modes leave in reverse order (the counter first, in step())
+            self._begin_sampled()
 
     def _begin_sampled(self):
         if self._sampled_due and not self._closed:

@@ -38,7 +38,7 @@ class SampledSteps:
         return self._counter is not None or self._timer is not None
 
     def begin(self, step: int, max_steps: int, model, optimizer) -> None:
-        if self.comm_step is not None and step == min(self.comm_step, max_steps or step):
+        if self.comm_step is not None and step == min(self.comm_step, max_steps or self.comm_step):  # None: not known
             with self.guard("collective counting"):
                 self._counter = comm_count.CollectiveCounter(self.warn).__enter__()
         self.next(step, max_steps, model, optimizer)  # no previous step's end started its timer
