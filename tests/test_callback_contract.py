@@ -35,12 +35,17 @@ def token_rows(n=8, seq=8, with_mask=True):
     return Rows(rows)
 
 
-def train(model, data, tmp_path, steps=4, **callback_kwargs):
+def run_trainer(model, data, tmp_path, steps=4, **callback_kwargs) -> Trainer:
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
                              logging_steps=1, use_cpu=True, report_to=[], save_strategy="no")
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[ShardingProfilerCallback(**callback_kwargs)])
     trainer.train()
+    return trainer
+
+
+def train(model, data, tmp_path, steps=4, **callback_kwargs):
+    trainer = run_trainer(model, data, tmp_path, steps, **callback_kwargs)
     return trainer, json.loads((tmp_path / "shardscope_summary.json").read_text())
 
 
@@ -227,11 +232,8 @@ def test_each_piece_failing_warns_once_and_training_finishes(llama, tmp_path, mo
     module = importlib.import_module(f"shardscope.{module or 'profiler'}")
     owner, _, name = target_name.rpartition(".")
     monkeypatch.setattr(getattr(module, owner) if owner else module, name, _broken)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
-                             use_cpu=True, report_to=[], save_strategy="no")
-    trainer = Trainer(model=llama, args=args, train_dataset=token_rows(), callbacks=[ShardingProfilerCallback()])
     with caplog.at_level(logging.WARNING, logger="shardscope"):
-        trainer.train()
+        trainer = run_trainer(llama, token_rows(), tmp_path)
     assert trainer.state.global_step == 4
     warnings = [r.getMessage() for r in caplog.records if "simulated failure" in r.getMessage()]
     assert len(warnings) == 1 and FAULTS[target] in warnings[0], warnings
@@ -241,11 +243,8 @@ def test_each_piece_failing_warns_once_and_training_finishes(llama, tmp_path, mo
 def test_an_unwritable_summary_path_warns_once_and_training_finishes(llama, tmp_path, caplog):
     """A real failure, not a patched one (root ignores read-only folders): the summary's path is a folder."""
     (tmp_path / "shardscope_summary.json").mkdir()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
-                             use_cpu=True, report_to=[], save_strategy="no")
-    trainer = Trainer(model=llama, args=args, train_dataset=token_rows(), callbacks=[ShardingProfilerCallback()])
     with caplog.at_level(logging.WARNING, logger="shardscope"):
-        trainer.train()
+        trainer = run_trainer(llama, token_rows(), tmp_path)
     assert trainer.state.global_step == 4
     warnings = [r.getMessage() for r in caplog.records if "summary file" in r.getMessage()]
     assert len(warnings) == 1 and "a folder" in warnings[0]

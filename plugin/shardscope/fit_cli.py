@@ -8,10 +8,11 @@ from .errors import UsageError
 from .fit import Hardware, alternatives, below_model_states, hardware, larger_micro_batch, nothing_fits, search
 from .mesh import Setup
 from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, resolve_model, shipped_models, spec_from_config
+from .plan_cli import add_hardware_arguments, memory_from_args
 from .planner import usable_bytes
 from .step_trace import tracer
 from .strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
-from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
+from .units import gb, gpu_size, parse_count
 
 ACCELERATE_FILE, TRAINING_FILE, RESULT_FILE = "accelerate_config.yaml", "training_args.yaml", "fit.json"
 MULTINODE_CONFIGS = {"ddp": "ddp_multinode", "zero3": "zero3_multinode"}
@@ -28,13 +29,7 @@ def register(subparsers) -> None:
     src = p.add_argument_group("model (one of)")
     src.add_argument("--model", help=f"shipped name ({', '.join(shipped_models())}), local folder or hub id")
     src.add_argument("--params", help="parameter count, e.g. 7e9 or 7B (shapes assumed)")
-    hw = p.add_argument_group("hardware")
-    hw.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    hw.add_argument("--nodes", type=int, default=1)
-    hw.add_argument("--gpu", help=f"GPU name: {', '.join(GPUS)}")
-    hw.add_argument("--gpu-memory", help="memory per GPU: 80GB, 80GiB, bytes; bare number < 1e6 = GiB")
-    hw.add_argument("--cpu-memory", help="CPU memory per node, checked for offload strategies")
-    hw.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
+    add_hardware_arguments(p)
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
     tr.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -62,9 +57,8 @@ def register(subparsers) -> None:
 
 def setup_and_hardware(args) -> tuple[Setup, Hardware]:
     """Validate the cheap inputs (before any model is read)."""
-    if args.gpu and args.gpu_memory:
-        raise UsageError("give --gpu or --gpu-memory, not both")
-    if not (args.gpu or args.gpu_memory):
+    memory, cpu_memory = memory_from_args(args)
+    if memory is None:
         raise UsageError("give --gpu NAME or --gpu-memory SIZE: fit needs the memory per GPU")
     if args.global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {args.global_batch}")
@@ -79,12 +73,11 @@ def setup_and_hardware(args) -> tuple[Setup, Hardware]:
         low_ok = value is None or value > 0 or (value == 0 and flag == "micro_step_overhead_ms")
         if not low_ok or (value is not None and not value < float("inf")):
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
-    memory = gpu_memory(args.gpu) if args.gpu else parse_size(args.gpu_memory)
     setup = Setup(gpus_per_node=args.gpus, nodes=args.nodes, gpu_memory_bytes=memory, precision=args.precision,
                   optimizer=args.optimizer, seq_len=args.seq_len, image_size=args.image_size,
                   attention=args.attention, lora_rank=args.lora_rank, headroom=args.headroom,
                   lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
-                  cpu_memory_bytes=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None).validate()
+                  cpu_memory_bytes=cpu_memory).validate()
     gbs = {k: getattr(args, k) * 1e9 if getattr(args, k) is not None else None
            for k in ("nvlink_bandwidth", "network_bandwidth", "pcie_bandwidth")}
     hw = hardware(args.gpu, args.precision, args.peak_tflops, mfu=args.mfu,

@@ -181,6 +181,25 @@ def _activation_source(rows: list) -> str:
     return "a written-out formula, approximate"
 
 
+def add_hardware_arguments(parser) -> None:
+    """The hardware flags `plan` and `fit` share (read back by `memory_from_args`)."""
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    hw.add_argument("--nodes", type=int, default=1)
+    hw.add_argument("--gpu", help=f"GPU name: {', '.join(GPUS)}")
+    hw.add_argument("--gpu-memory", help="memory per GPU: 80GB, 80GiB, bytes; bare number < 1e6 = GiB")
+    hw.add_argument("--cpu-memory", help="CPU memory per node, checked for offload strategies")
+    hw.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
+
+
+def memory_from_args(args) -> tuple[int | None, int | None]:
+    """(GPU memory, CPU memory per node) in bytes from the hardware flags; None where not given."""
+    if args.gpu and args.gpu_memory:
+        raise UsageError("give --gpu or --gpu-memory, not both")
+    memory = gpu_memory(args.gpu) if args.gpu else parse_size(args.gpu_memory) if args.gpu_memory else None
+    return memory, parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
+
+
 def build_parser(subparsers):
     p = subparsers.add_parser("plan", help="per-GPU memory of every strategy, and which to use",
                               description="Per-GPU memory for every strategy, before launch, from a model's config only.",
@@ -195,13 +214,7 @@ def build_parser(subparsers):
     src.add_argument("--hidden", type=int)
     src.add_argument("--vocab", type=int)
     src.add_argument("--heads", type=int, help="attention heads, with --params (default: hidden / 128)")
-    hw = p.add_argument_group("hardware")
-    hw.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    hw.add_argument("--nodes", type=int, default=1)
-    hw.add_argument("--gpu", help=f"GPU name: {', '.join(GPUS)}")
-    hw.add_argument("--gpu-memory", help="memory per GPU: 80GB, 80GiB, bytes; bare number < 1e6 = GiB")
-    hw.add_argument("--cpu-memory", help="CPU memory per node, checked for offload rows")
-    hw.add_argument("--headroom", type=float, default=0.10, help="fraction kept free (default 0.10)")
+    add_hardware_arguments(p)
     tr = p.add_argument_group("training")
     tr.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -239,9 +252,7 @@ def register(subparsers) -> None:
 
 
 def setup_from_args(args) -> Setup:
-    if args.gpu and args.gpu_memory:
-        raise UsageError("give --gpu or --gpu-memory, not both")
-    memory = gpu_memory(args.gpu) if args.gpu else parse_size(args.gpu_memory) if args.gpu_memory else None
+    memory, cpu_memory = memory_from_args(args)
     return Setup(gpus_per_node=args.gpus, nodes=args.nodes, gpu_memory_bytes=memory, precision=args.precision,
                  optimizer=args.optimizer, micro_batch=args.micro_batch, seq_len=args.seq_len,
                  image_size=args.image_size, activation_checkpointing=args.checkpointing,
@@ -249,7 +260,7 @@ def setup_from_args(args) -> Setup:
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
                  fp32_grads=args.fp32_grads, headroom=args.headroom, prefer=args.prefer, tp_size=args.tp,
                  reference_model=args.reference_model,
-                 cpu_memory_bytes=parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None).validate()
+                 cpu_memory_bytes=cpu_memory).validate()
 
 
 def plan_command(args) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .rank_gather import gather_objects
 from .state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
                           storage_entry, zero_optimizer)
 
@@ -226,12 +227,7 @@ def gather_reports(watch: PrecisionWatch | None) -> list[dict]:
         mine = watch.report() if watch is not None else {"error": "not installed"}
     except Exception as error:  # reported, never raised: the collective below must run on every rank
         mine = {"error": f"{type(error).__name__}: {error}"}
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gather_objects(mine)
 
 
 def run_verdict(reports: list[dict]) -> dict | None:
