@@ -152,16 +152,24 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def auto_class(config):
+    """The transformers Auto class that builds `config`'s model with its training head (causal LM, image
+    classifier), else the bare model's; None when transformers has none."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageClassification
+
+    return next((auto for auto in (AutoModelForCausalLM, AutoModelForImageClassification, AutoModel)
+                 if type(config) in auto._model_mapping), None)
+
+
 def meta_model(config):
     """Build the model on the meta device (no memory for weights) with the matching Auto class."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageClassification
 
-    for auto in (AutoModelForCausalLM, AutoModelForImageClassification, AutoModel):
-        if type(config) in auto._model_mapping:
-            with torch.device("meta"):
-                return auto.from_config(config)
-    raise UsageError(f"model type '{config.model_type}' has no transformers model class to count")
+    auto = auto_class(config)
+    if auto is None:
+        raise UsageError(f"model type '{config.model_type}' has no transformers model class to count")
+    with torch.device("meta"):
+        return auto.from_config(config)
 
 
 def config_value(config, *names, default=0):

@@ -19,6 +19,8 @@ import contextlib
 import copy
 from dataclasses import dataclass
 
+from .model_spec import auto_class
+
 REGIMES = ("fp32", "autocast", "pure")
 
 
@@ -138,13 +140,16 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
     if hasattr(config, "layer_types") and isinstance(config.layer_types, list):  # per-layer kinds (Gemma-2, Qwen2)
         config.layer_types = config.layer_types[:depth]
     config._attn_implementation = attention
-    vision = getattr(config, "model_type", "") in ("dinov2", "vit", "dinov2_with_registers")
+    auto = auto_class(config)
+    if auto not in (AutoModelForCausalLM, AutoModelForImageClassification):
+        raise TraceError(f"model type '{getattr(config, 'model_type', '?')}' has no causal-LM or image-classification "
+                         "head whose loss could be traced")
+    vision = auto is AutoModelForImageClassification
     default_dtype = torch.get_default_dtype()
     with FakeTensorMode(allow_non_fake_inputs=False):
         dtype = half if regime == "pure" else torch.float32
         torch.set_default_dtype(dtype)
         try:
-            auto = AutoModelForImageClassification if vision else AutoModelForCausalLM
             with no_init_weights():  # initialisers read values (trunc_normal_), which fake tensors have not
                 model = auto.from_config(config, dtype=dtype)  # not the dtype a saved config names
         finally:
