@@ -223,7 +223,7 @@ class Row:
     frozen_bytes: int = 0                     # a frozen copy of the model (`Setup.reference_model`): its params
     total_bytes: int = 0                      # = peak_bytes (the name plan --json used before peak_bytes)
     peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
-    peak_breakdown: dict = field(default_factory=dict)  # peak_plan.PARTS at that moment
+    peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (peak_plan)
     peak_phase: str = ""                      # forward, backward or optimizer step
     activations_source: str = "formula"       # "traced" (1 and 2 layers scaled), "simulated" (full depth), "formula"
     fits: bool | None = None

@@ -22,14 +22,13 @@ per-parameter temporary). `peak_bytes` is the largest of these, `peak_phase` its
 """
 from __future__ import annotations
 
-PARTS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 STEP_ONLY = ("fp32_grad_copy_in_step",)                       # buffers that exist only inside the step
 GATHERED = ("gathered_units", "unit_grad", "gathered_layer", "gathered_params")  # counted as parameters
 IN_BACKWARD = ("ddp_buckets",)                                # live once gradients exist
 
 
 def step_peak(states: dict, buffers_detail: dict, moments: dict, gathered: int = 0, unit_grad: int = 0) -> dict:
-    """{peak_bytes, peak_breakdown, peak_phase, peak_moment} of one strategy (see the module docstring).
+    """{peak_bytes, peak_breakdown, peak_phase} of one strategy (see the module docstring).
     `states`: params_bytes, grads_bytes, optimizer_bytes of the rank; `moments`: StepTrace.at(layers)."""
     held = sum(v for k, v in buffers_detail.items() if k not in STEP_ONLY + GATHERED + IN_BACKWARD)
     in_backward = sum(buffers_detail.get(k, 0) for k in IN_BACKWARD)
@@ -50,8 +49,7 @@ def step_peak(states: dict, buffers_detail: dict, moments: dict, gathered: int =
         "buffers": held + in_backward + sum(buffers_detail.get(k, 0) for k in STEP_ONLY)}
     moment, breakdown = max(candidates.items(), key=lambda item: sum(item[1].values()))
     phase = moment if moment in ("forward", "optimizer step") else "backward"
-    return {"peak_bytes": sum(breakdown.values()), "peak_breakdown": breakdown, "peak_phase": phase,
-            "peak_moment": moment}
+    return {"peak_bytes": sum(breakdown.values()), "peak_breakdown": breakdown, "peak_phase": phase}
 
 
 def formula_moments(activations: int, checkpointing: bool) -> dict:
