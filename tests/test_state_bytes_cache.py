@@ -25,6 +25,13 @@ def test_counts_follow_swapped_resized_and_added_tensors():
     before = count_state(model, optimizer).total("optimizer")
     optimizer.state[model[0].weight]["exp_avg"] = torch.zeros(3)
     assert count_state(model, optimizer).total("optimizer") == before - 4 * (64 - 3)
+    # a parameter frozen between steps (same tensor, same address): no longer trainable
+    trainable = count_state(model, optimizer).trainable_params
+    model[1].weight.requires_grad_(False)
+    assert count_state(model, optimizer).trainable_params == trainable - 4 * 4 * 16
+    # the cached count is a copy: gradients added to one result never leak into the next
+    grads = count_state(model, optimizer, grad_entries=[((torch.device("cpu"), 1), 1000, "cpu")]).total("grads")
+    assert grads == 1000 and count_state(model, optimizer, grad_entries=[]).total("grads") == 0
 
 
 def test_a_new_module_is_seen_after_forget():

@@ -43,6 +43,9 @@ class StateBytes:
     def total(self, category: str) -> int:
         return sum(self.by_device[category].values())
 
+    def copy(self) -> "StateBytes":
+        return StateBytes({c: defaultdict(int, held) for c, held in self.by_device.items()}, self.trainable_params)
+
 
 def local_tensor(tensor):
     """The part of `tensor` stored on this rank: a DTensor's local shard, or the tensor itself."""
@@ -108,8 +111,13 @@ class StorageTally:
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+# model -> (key, weak references, StateBytes) of its last live-state count (`live_state`).
+_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def forget(model) -> None:
     _OWNERS.pop(model, None)
+    _LIVE.pop(model, None)
 
 
 def _owners(model) -> tuple:
@@ -193,6 +201,41 @@ def held_gradients(model, optimizer=None) -> list:
     return [storage_entry(g) for g in grads if g is not None]
 
 
+def live_tensors(model, optimizer=None) -> list:
+    """(category, tensor, trainable) for every long-lived state tensor, in the order storages are claimed:
+    parameters (and ZeRO-3 partitions), then the optimizer's weight copies and state."""
+    params = model_parameters(model)
+    items = [("params", stored, p.requires_grad) for p in params
+             for stored in (p, getattr(p, "ds_tensor", None)) if isinstance(stored, torch.Tensor)]
+    claimed = {id(p) for p in params}  # model parameters were claimed first
+    items += [("optimizer", copy, False) for copy in master_weights(optimizer)
+              if id(copy) not in claimed and isinstance(copy, torch.Tensor)]
+    base = base_optimizer(optimizer)
+    if base is not None:
+        items += [("optimizer", value, False) for state in base.state.values() for value in state.values()
+                  if isinstance(value, torch.Tensor)]
+    return items
+
+
+def live_state(model, optimizer=None) -> StateBytes:
+    """Parameter and optimizer-state bytes (no gradients). The last count is reused while every tensor is the same
+    plain tensor at the same address (the `cached_entry` rule applied to the whole list): a measurement then only
+    reads each tensor's identity and pointer."""
+    items = live_tensors(model, optimizer)
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for _, t, _ in items)  # DTensor & co: counted afresh
+    key = tuple((category, id(t), t.data_ptr(), trainable) for category, t, trainable in items) if plain else None
+    hit = _LIVE.get(model)
+    if key is not None and hit is not None and hit[0] == key and all(r() is t for r, (_, t, _) in zip(hit[1], items)):
+        return hit[2].copy()
+    result = StateBytes()
+    tally = StorageTally(result)
+    for category, tensor, trainable in items:
+        tally.add(category, cached_entry(tensor), trainable)
+    if key is not None:
+        _LIVE[model] = (key, [weakref.ref(t) for _, t, _ in items], result.copy())
+    return result
+
+
 def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
     """Count params, grads and optimizer-state bytes held by this rank.
 
@@ -200,24 +243,7 @@ def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
     Gradients are de-duplicated among themselves only: a snapshot's storage may have been freed
     since, and its address reused by live state.
     """
-    result = StateBytes()
-    live = StorageTally(result)
-    params = model_parameters(model)
-    for p in params:
-        # A ZeRO-3 parameter keeps its partition in `ds_tensor`; its `.data` is empty unless the
-        # parameter is persistent (below `stage3_param_persistence_threshold`) or gathered.
-        for stored in (p, getattr(p, "ds_tensor", None)):
-            if stored is not None:
-                live.add("params", cached_entry(stored), trainable=p.requires_grad)
-    claimed = {id(p) for p in params}
-    for copy in master_weights(optimizer):
-        if id(copy) not in claimed:  # model parameters were claimed first
-            live.add("optimizer", cached_entry(copy))
-    base = base_optimizer(optimizer)
-    if base is not None:
-        for state in base.state.values():
-            for value in state.values():
-                live.add("optimizer", cached_entry(value))
+    result = live_state(model, optimizer)
     grads = StorageTally(result)
     for entry in held_gradients(model, optimizer) if grad_entries is None else grad_entries:
         grads.add("grads", entry)
