@@ -1,7 +1,9 @@
 """What a new user meets in the first hour: words they can know, help that explains itself, a TP line that
 agrees with itself, GPU memory as sold, why alternatives lost, the CPU hint in compare, quiet output."""
 import importlib.util
+import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # "seed" for random seeds only: a yaml/keyword argument, torch/transformers calls, a `seed: int` parameter,
 # `random.Random(seed)`-style calls; the old --convention spelling where it is kept as an alias.
 RANDOM_SEED = re.compile(r"^seed: \d+$|seed=|manual_seed|set_seed|seed: int|\(seed\)|one seed and|seed-12")
-ALIAS_PLACES = {"plugin/shardscope/plan_cli.py", "docs/planner.md"}
+ALIAS_PLACES = {"plugin/shardscope/plan_cli.py"}  # hidden: no doc names it; its user is told on use
 
 
 def shipped_text_files():
@@ -68,8 +70,12 @@ def test_top_level_help_is_for_users_with_an_example_per_command():
 def test_old_convention_spelling_is_a_hidden_alias(capsys):
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "rule-of-thumb-12"]) == 0
     new = capsys.readouterr().out
+    assert capsys.readouterr().err == ""
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "seed-12"]) == 0
-    assert capsys.readouterr().out == new and "rule-of-thumb-12 (2+2+8)" in new
+    old = capsys.readouterr()
+    assert old.out == new and "rule-of-thumb-12 (2+2+8)" in new
+    assert old.err.splitlines() == ["shardscope: note: --convention seed-12 is now --convention rule-of-thumb-12 "
+                                    "(also the --json key); the old spelling goes in the next release"]
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "seed-12", "--json"]) == 0
     assert '"rule-of-thumb-12"' in capsys.readouterr().out
     help_text = dict(help_texts())["shardscope plan --help"]
@@ -318,10 +324,16 @@ def test_every_path_the_docs_name_exists(doc):
 
 
 def test_configs_list_wraps_without_cutting_a_literal(capsys, monkeypatch):
+    from shardscope.configs import shipped_configs
+
     monkeypatch.setenv("COLUMNS", "80")
     assert cli.main(["configs"]) == 0
     out = capsys.readouterr().out
     assert "fsdp_config='fsdp_configs/llama_full_shard.json')" in out  # whole on one line, copyable
+    assert all(len(line) <= 80 or " " not in line.strip() for line in out.splitlines())  # over: one literal
+    joined = " ".join(out.split())
+    for config in shipped_configs():  # every description whole (tp's is the longest), wrapped, not cut
+        assert " ".join(config.description.split()) in joined, config.name
 
 
 def test_output_cut_short_by_the_reader_is_no_traceback():
@@ -365,3 +377,36 @@ def test_plan_says_each_note_once(capsys):
     assert not [line for line in lines if line.startswith(FOOTNOTED)]  # the footnotes say them
     notes = plan_estimate(model_spec("llama-2-7b"), Setup(gpus_per_node=4))["notes"]
     assert all(any(n.startswith(prefix) for prefix in FOOTNOTED) for n in notes[:4]), notes
+
+
+def test_prefer_states_its_default_in_help():
+    help_text = " ".join(dict(help_texts())["shardscope plan --help"].split())
+    assert re.search(r"--prefer \{fsdp,deepspeed\} which goes first .*; default fsdp", help_text), help_text
+
+
+def test_plan_with_checkpointing_prints_only_its_own_output(tiny_llama):
+    """The trace turns checkpointing on: no transformers deprecation or use_cache notice on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "shardscope", "plan", "--model", str(tiny_llama), "--gpus", "2",
+                           "--gpu", "A100-80", "--checkpointing"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "SHARDSCOPE_CACHE": "off"})  # off: the trace must run
+    assert proc.returncode == 0 and "checkpointing on" in proc.stdout, proc.stderr
+    assert proc.stderr == ""
+
+
+def test_planner_doc_cases_are_what_plan_prints(capsys):
+    """docs/planner.md's table of the published comparison's cases (GB per GPU, 1 decimal) is the planner's."""
+    cases = {"Mistral-7B, DDP, 1 GPU": ("ddp", "mistral-7b", "--gpus", "1"),
+             "Mistral-7B, FSDP FULL_SHARD, 4 GPUs": ("fsdp_full_shard", "mistral-7b", "--gpus", "4"),
+             "Mistral-7B, FSDP FULL_SHARD, 4 GPUs, checkpointing": ("fsdp_full_shard", "mistral-7b", "--gpus", "4",
+                                                                   "--checkpointing"),
+             "Llama-2-70B, FSDP FULL_SHARD, 32 GPUs (4 nodes), checkpointing": (
+                 "fsdp_full_shard", "llama-2-70b", "--gpus", "8", "--nodes", "4", "--checkpointing")}
+    rows = [line.split("|")[1:5] for line in (ROOT / "docs/planner.md").read_text().splitlines()
+            if line.startswith(("| Mistral-7B, ", "| Llama-2-70B, "))]
+    assert [r[0].strip() for r in rows] == list(cases)
+    for case, states, total, fits in rows:
+        strategy, model, *flags = cases[case.strip()]
+        assert cli.main(["plan", "--model", model, "--gpu", "A100-80", *flags, "--json"]) in (0, 1)
+        row = next(r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == strategy)
+        assert (f"{row['model_states_bytes'] / 1e9:.1f}", f"{row['total_bytes'] / 1e9:.1f}",
+                ("no", "yes")[row["fits"]]) == (states.strip(), total.strip(), fits.strip()), case

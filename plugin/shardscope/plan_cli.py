@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 
 from .dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, tp_mesh_shape, check_mesh
@@ -19,7 +20,10 @@ OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --h
 
 
 def convention_name(value: str) -> str:
-    """`--convention`'s value, with the old spelling mapped to its new name."""
+    """`--convention`'s value, with the old spelling mapped to its new name (said once, to who typed it)."""
+    if value in OLD_CONVENTIONS:
+        print(f"shardscope: note: --convention {value} is now --convention {OLD_CONVENTIONS[value]} (also the --json "
+              "key); the old spelling goes in the next release", file=sys.stderr)
     return OLD_CONVENTIONS.get(value, value)
 
 

@@ -154,8 +154,9 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
                 model = auto.from_config(config, dtype=dtype)  # not the dtype a saved config names
         finally:
             torch.set_default_dtype(default_dtype)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:  # the cache is off under checkpointing anyway: say so, not warn it
+            model.config.use_cache = False
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         if vision:
             size = image_size or config.image_size
