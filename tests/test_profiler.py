@@ -102,6 +102,50 @@ def test_micro_batches_and_explicit_counts(llama, tmp_path):
     assert throughput["tokens"] == sum(int(b["attention_mask"].sum()) for b in micro) + 1000
 
 
+def test_a_collators_batch_encoding_is_counted_like_its_dict(llama, tmp_path, caplog):
+    """The Trainer hands over what its collator returned: for transformers' collators a BatchEncoding (a Mapping,
+    not a dict), counted with the callback's sample count, not left to the forwards seen."""
+    from transformers import BatchEncoding
+
+    optimizer = torch.optim.SGD(llama.parameters(), lr=1e-3)
+    batches = [padded(seed=1), padded(seed=2)]
+    with ShardingProfiler(llama, optimizer, output_dir=tmp_path, **UNSAMPLED, memory_step=None) as profiler:
+        for batch in batches:
+            profiler.add_batch(BatchEncoding(batch), samples=3)  # 3: samples as a Trainer counts them
+            llama(**batch).loss.backward()
+            optimizer.step()
+            profiler.step()
+    assert "could not measure" not in caplog.text
+    throughput = read_summary(tmp_path / "shardscope_summary.json")["ranks"][0]["throughput"]
+    assert throughput["samples"] == 2 * 3
+    assert throughput["tokens"] == sum(int(b["attention_mask"].sum()) for b in batches)
+
+
+def test_step_wraps_of_one_optimizer_come_off_in_any_order():
+    """The profiler's gradient snapshot and a sampled step's timer both wrap a ZeRO optimizer's `step`: removing
+    the later one first must leave the earlier one working, and every removal must succeed."""
+    from shardscope.step_time import StepWrap
+
+    class Zero:  # DeepSpeed's ZeRO optimizers: a plain `step` method, no step hooks
+        def step(self):
+            calls.append("step")
+
+    for order in ((1, 0), (0, 1)):
+        calls, optimizer = [], Zero()
+        wraps = [StepWrap(optimizer, lambda: calls.append("snapshot")),
+                 StepWrap(optimizer, lambda: calls.append("timer"), lambda: calls.append("timed"))]
+        optimizer.step()
+        assert calls == ["timer", "snapshot", "step", "timed"]
+        wraps[order[0]].remove()
+        calls.clear()
+        optimizer.step()
+        assert calls == {1: ["snapshot", "step"], 0: ["timer", "step", "timed"]}[order[0]]
+        wraps[order[1]].remove()
+        calls.clear()
+        optimizer.step()
+        assert calls == ["step"]
+
+
 def test_passes_that_do_not_train_add_flops_but_no_tokens(tiny_llama, tmp_path):
     """A frozen reference model's forward, and the trained model run with its LoRA adapter disabled (TRL's
     reference pass), add forward FLOPs; tokens and samples stay those of the training forward."""

@@ -26,6 +26,7 @@ from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggle
 from .state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from .strategy import detect_strategy, family, num_nodes, wrapper_strategy
 from .summary import COMPONENTS, SUMMARY_FILE, write_summary
+from .step_time import StepWrap
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, unwrap
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
@@ -274,7 +275,7 @@ class ShardingProfiler:
 
         zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
         if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
-            self._hooks.append(_StepWrapper(zero, snapshot_gradients))
+            self._hooks.append(StepWrap(zero, snapshot_gradients))
         elif base is not None:
             self._hooks.append(base.register_step_pre_hook(snapshot_gradients))
 
@@ -554,23 +555,6 @@ class ShardingProfiler:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("shardscope: %s" + ("" if note else " (warned once; training continues)"), message)
-
-
-class _StepWrapper:
-    """Runs `before()` ahead of `optimizer.step` on this one instance; `remove()` undoes it."""
-
-    def __init__(self, optimizer, before):
-        original = optimizer.step
-
-        def step(*args, **kwargs):
-            before()
-            return original(*args, **kwargs)
-
-        self.optimizer = optimizer
-        optimizer.step = step
-
-    def remove(self):
-        del self.optimizer.step  # the class's own method shows through again
 
 
 def _device_of(accelerator, module) -> torch.device:

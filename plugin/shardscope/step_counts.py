@@ -6,6 +6,8 @@ the training forwards the profiler's hooks saw), plus the forward work of passes
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .throughput import FlopsModel, batch_counts
@@ -14,15 +16,16 @@ WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEng
 
 
 def count_batch(batch, patch_size: int | None = None) -> tuple:
-    """(samples, tokens, sequence length) of a batch a loop hands over: the dict fed to the model, a tensor of
-    token ids (a float tensor: samples only), or a tuple whose first item is the input tensor."""
-    if isinstance(batch, dict):
+    """(samples, tokens, sequence length) of a batch a loop hands over: the mapping fed to the model (a dict, or
+    the BatchEncoding transformers' collators return), a tensor of token ids (a float tensor: samples only), or a
+    tuple whose first item is the input tensor."""
+    if isinstance(batch, Mapping):
         return batch_counts((), batch, patch_size)
     if isinstance(batch, tuple) and batch and isinstance(batch[0], torch.Tensor):
         batch = batch[0]
     if isinstance(batch, torch.Tensor):
         return batch_counts((batch,), {}) if not batch.is_floating_point() else (batch.shape[0], None, 0)
-    raise TypeError(f"a batch is a dict, a tensor or a list of micro-batches, got {type(batch).__name__}")
+    raise TypeError(f"a batch is a mapping, a tensor or a list of micro-batches, got {type(batch).__name__}")
 
 
 class StepCounts:

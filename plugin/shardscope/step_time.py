@@ -81,7 +81,7 @@ class StepTimer:
                          model.register_forward_hook(lambda *_: self._mark("backward"), always_call=True)]
         zero = zero_optimizer(self.optimizer)
         if zero is not None:  # ZeRO's step holds the partition update and the all-gather: time it whole
-            self._handles.append(_Around(zero, lambda: self._mark("optimizer"), lambda: self._mark(None)))
+            self._handles.append(StepWrap(zero, lambda: self._mark("optimizer"), lambda: self._mark(None)))
             return
         base = base_optimizer(self.optimizer)
         if base is not None:
@@ -94,24 +94,34 @@ class StepTimer:
         self._handles = []
 
 
-class _Around:
-    """Calls `before()` and `after()` around `optimizer.step` on this one instance; `remove()` undoes it."""
+class StepWrap:
+    """Calls `before()` and `after()` around `optimizer.step` on this one instance (DeepSpeed's ZeRO optimizers
+    have no step hooks); `remove()` undoes it. Several may wrap one optimizer (the profiler's gradient snapshot,
+    a sampled step's timer) and be removed in any order: one removed under another passes straight through."""
 
-    def __init__(self, optimizer, before, after):
+    def __init__(self, optimizer, before, after=lambda: None):
         original = optimizer.step
 
         def step(*args, **kwargs):
+            if not self.active:
+                return original(*args, **kwargs)
             before()
             try:
                 return original(*args, **kwargs)
             finally:
                 after()
 
-        self.optimizer = optimizer
+        self.optimizer, self.step, self.active = optimizer, step, True
+        self.previous = vars(optimizer).get("step")  # a wrap set on the instance before this one
         optimizer.step = step
 
     def remove(self):
-        del self.optimizer.step  # the class's own method shows through again
+        self.active = False
+        if vars(self.optimizer).get("step") is self.step:  # on top: unwrap
+            if self.previous is None:
+                del self.optimizer.step  # the class's own method shows through again
+            else:
+                self.optimizer.step = self.previous
 
 
 def _intervals(events, cuda: bool) -> dict:
