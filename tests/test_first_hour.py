@@ -154,6 +154,18 @@ def test_configs_check_output_is_its_own():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["ok  ds_configs/zero3.json", "ok  accelerate_configs/zero3.yaml"]
     assert "Setting accelerator" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "shardscope", "doctor", "--deepspeed", "ds/zero3", "--accelerate-config",
+                           "zero3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # DeepSpeed imported, nothing of its own said
+    assert proc.stdout.splitlines()[-1] == "no problems found (checked: accelerate file; DeepSpeed file)"
+
+
+def test_readme_names_the_extensions_folder_the_makefile_sets():
+    """DeepSpeed's JIT builds land in TORCH_EXTENSIONS_DIR: the README's export reuses the Makefile's folder."""
+    makefile, readme = (ROOT / "Makefile").read_text(), (ROOT / "README.md").read_text()
+    assert re.search(r"^export TORCH_EXTENSIONS_DIR \?= \$\(CURDIR\)/\$\(VENV\)/torch_extensions$", makefile, re.M)
+    assert re.search(r"^VENV +\?= \.venv$", makefile, re.M)
+    assert "`export TORCH_EXTENSIONS_DIR=$PWD/.venv/torch_extensions`" in readme
 
 
 # --- The README and docs stay true: every command in their shell blocks parses, the cheap ones run ----------
@@ -292,6 +304,35 @@ def test_every_shardscope_command_in_the_docs_runs(doc, argv, capsys):
     else:
         assert code == 0, (out, err)
         assert out.strip() and "Traceback" not in err
+
+
+def shown_outputs(doc: str):
+    """(argv, the output lines shown under it) of each `$ shardscope ...` block in the doc (output shown whole, or
+    its first lines as an excerpt)."""
+    for block in fenced_blocks(doc, languages=("",)):
+        if block.startswith("$ shardscope "):
+            command, *shown = block.rstrip("\n").split("\n")
+            yield shlex.split(command[2:]), shown
+
+
+SHOWN = [(doc, argv, shown) for doc in DOCS for argv, shown in shown_outputs(doc)]
+
+
+@pytest.mark.parametrize("doc,argv,shown", SHOWN, ids=[" ".join(a)[:70] for _, a, _ in SHOWN])
+def test_output_shown_in_the_docs_is_what_the_command_prints(doc, argv, shown, tmp_path, monkeypatch, capsys):
+    """A worked example's output (fit's winner, peaks, step times; the files it writes) is today's, not the output
+    of an older planner."""
+    monkeypatch.chdir(tmp_path)  # where --output-dir writes
+    assert cli.main(argv[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.strip() for line in printed[:len(shown)]] == [line.strip() for line in shown]
+    if "--output-dir" in argv:  # the files it writes, shown after the example (fenced_blocks strips indents)
+        def lines(text):
+            return "\n".join(line.strip() for line in text.strip().splitlines())
+
+        written = (tmp_path / argv[argv.index("--output-dir") + 1]).glob("*.yaml")
+        shown_files = [b for b in fenced_blocks(doc, languages=("yaml",)) if b.startswith("# shardscope fit:")]
+        assert sorted(map(lines, shown_files)) == sorted(lines(f.read_text()) for f in written)
 
 
 def test_usage_synopses_name_real_flags():
