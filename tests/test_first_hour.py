@@ -451,3 +451,40 @@ def test_planner_doc_cases_are_what_plan_prints(capsys):
         row = next(r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == strategy)
         assert (f"{row['model_states_bytes'] / 1e9:.1f}", f"{row['total_bytes'] / 1e9:.1f}",
                 ("no", "yes")[row["fits"]]) == (states.strip(), total.strip(), fits.strip()), case
+
+
+def test_readme_gives_the_callbacks_whole_signature():
+    import inspect
+
+    from shardscope import ShardingProfilerCallback
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    shown = re.search(r"`ShardingProfilerCallback\(([^)]*)\)`", readme).group(1).replace('"', "'")
+    params = inspect.signature(ShardingProfilerCallback).parameters.values()
+    assert shown == ", ".join(f"{p.name}={p.default!r}" for p in params)
+
+
+def test_readme_strategy_table_is_the_convention_table():
+    """README's 12 vs 16 B/param table (and docs/planner.md's) is `convention_table()` for 7e9 on 4 GPUs, the
+    command they name; ZeRO-1 = ZeRO-2 in plan's own rows is the sentence under it, not the table."""
+    from shardscope.planner import convention_table
+
+    table = convention_table(7e9, 4)
+    for doc in ("README.md", "docs/planner.md"):
+        rows = [[c.strip() for c in line.split("|")[2:6]] for line in (ROOT / doc).read_text().splitlines()
+                if re.match(r"^\| \**1[26] B/param", line)]
+        expected = [[f"{table[basis][k] / 1e9:g} GB" for k in ("none", "zero1", "zero2", "zero3")]
+                    for basis in ("rule-of-thumb-12", "planner-16")]
+        assert rows == expected, doc
+    assert "--params 7e9 --gpus 4 --convention rule-of-thumb-12" in (ROOT / "README.md").read_text()
+
+
+def test_readme_install_and_demo_paths_are_the_makefiles_and_scripts():
+    makefile, readme = (ROOT / "Makefile").read_text(), " ".join((ROOT / "README.md").read_text().split())
+    demo = (ROOT / "scripts/demo.sh").read_text()
+    torch_pin = re.search(r"pip install [^\n']*?(torch==[\d.]+)\n", makefile).group(1)
+    assert f"runs a plain `pip install {torch_pin}`" in readme
+    assert "pip install -q --disable-pip-version-check -e '.[deepspeed,peft,recipes,test]'" in makefile
+    assert "then `pip install -e '.[deepspeed,peft,recipes,test]'`" in readme
+    assert "OUT=demo_out" in demo and '"$OUT/sft.log"' in demo and '--output_dir "$OUT/sft"' in demo
+    assert "`demo_out/sft/`" in readme and "the launch log `demo_out/sft.log`" in readme
