@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: fine-tune a tiny random Llama on a synthetic Alpaca task under DeepSpeed ZeRO-3, 2 CPU processes.
 # Everything is built offline under demo_out/; the launch is the same command a GPU user runs, shrunk
-# on the command line (2 processes). Takes 1-2 minutes on 2 cores, plus the install the first time.
+# on the command line (2 processes). Takes 1-2 minutes on 2 cores, plus the install and DeepSpeed's one-time
+# build of a CPU op (about 2 minutes on a loaded 2-core machine) the first time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -15,7 +16,10 @@ echo "== 1/3 building a tiny Llama, its tokenizer and an Alpaca-format JSON unde
 python -m shardscope.tiny sft "$OUT" --hidden_size 320 --intermediate_size 640
 
 rm -rf "$OUT/sft"  # a fresh run: nothing below may come from an earlier one
-echo "== 2/3 accelerate launch (ZeRO-3, 2 processes, CPU): recipes/causal_lm_sft.py"
+echo "== 2/3 accelerate launch (ZeRO-3, 2 processes, CPU): recipes/causal_lm_sft.py, log in $OUT/sft.log"
+ext="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"  # DeepSpeed's JIT builds (the Makefile's: .venv/)
+compgen -G "$ext/deepspeed_shm_comm/*.so" > /dev/null || compgen -G "$ext/*/deepspeed_shm_comm/*.so" > /dev/null ||
+    echo "   first run: DeepSpeed builds its CPU communication op into $ext (a minute or two)"
 accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \
     recipes/causal_lm_sft.py --config recipes/llama/demo_tiny.yaml \
     --output_dir "$OUT/sft" --save_final_logits true > "$OUT/sft.log" 2>&1 || {
