@@ -188,6 +188,18 @@ def test_shipped_names_are_accepted(flag, name, capsys):
     assert "no problems found" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag, name, kind", [("--deepspeed", "ds/zero3", "deepspeed"),
+                                              ("--fsdp_config", "llama_full_shard", "fsdp")])
+def test_a_shipped_name_in_the_trainer_arguments_names_the_path_to_give(flag, name, kind, capsys):
+    """The Trainer reads a path where doctor's own flags take a name too: one line with the path to pass."""
+    from shardscope.doctor import resolve_config
+
+    assert main(["doctor", "--", flag, name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag} {name}: no such file" in err
+    assert f"{flag} {resolve_config(name, kind)} " in err
+
+
 def test_unknown_or_wrong_kind_name_is_one_line(capsys):
     assert main(["doctor", "--deepspeed", "zero4"]) == 2
     err = capsys.readouterr().err

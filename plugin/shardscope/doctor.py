@@ -197,6 +197,20 @@ def resolve_config(value, kind: str) -> Path | None:
     return config.path
 
 
+def _trainer_file(value: str, kind: str) -> Path:
+    """A file the Trainer arguments name: the Trainer reads a path, so a shipped name there is one line naming
+    the path to give instead (anything else missing is for the reader to say)."""
+    if not os.path.lexists(value):
+        try:
+            shipped = resolve_config(value, kind)
+        except UsageError:
+            return Path(value)
+        flag = "--deepspeed" if kind == "deepspeed" else "--fsdp_config"
+        raise UsageError(f"{flag} {value}: no such file; the Trainer reads a path: {flag} {shipped} (the shipped "
+                         f"'{value}', `shardscope configs path` prints it)")
+    return Path(value)
+
+
 def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, environment: bool = True) -> tuple[list[Finding], list[str]]:
     """All findings for `inputs`, and notes (checks skipped and why); `ran` collects the checks made.
     `validate=False` skips the library loaders (they construct TrainingArguments, which inside a
@@ -207,9 +221,9 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
     deepspeed, fsdp = inputs.deepspeed, inputs.fsdp_config
     if trainer is not None:  # files named in the Trainer arguments
         if deepspeed is None and isinstance(trainer.get("deepspeed"), str) and trainer["deepspeed"]:
-            deepspeed = Path(trainer["deepspeed"])
+            deepspeed = _trainer_file(trainer["deepspeed"], "deepspeed")
         if fsdp is None and isinstance(trainer.get("fsdp_config"), str) and trainer["fsdp_config"]:
-            fsdp = Path(trainer["fsdp_config"])
+            fsdp = _trainer_file(trainer["fsdp_config"], "fsdp")
     for path, kind in ((inputs.accelerate_config, "accelerate"), (deepspeed, "deepspeed"), (fsdp, "fsdp")):
         if path is not None:
             read_checked(path, kind)  # unreadable or wrongly shaped: exit 2, not a finding
