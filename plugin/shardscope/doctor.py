@@ -131,7 +131,7 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
     else the planner's recommendation."""
     from .mesh import Setup, setup_for_mesh
     from .planner import estimate
-    from .units import gb
+    from .units import gb, gpu_size
 
     trainer = inputs.trainer or {}
     precision = "bf16-mixed" if trainer.get("bf16") else "fp16-mixed" if trainer.get("fp16") else (
@@ -168,9 +168,10 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
                   f"(cheaper than changing strategy); else {fix}"
             break
     usable = gb(inputs.gpu_memory_bytes * (1 - setup.headroom))
-    what = f"{strategy} needs {gb(row['total_bytes'])} GB per GPU of {usable} GB usable"
+    what = (f"{strategy} needs {gb(row['total_bytes'])} GB per GPU; a {gpu_size(inputs.gpu_memory_bytes)} GPU has "
+            f"{usable} GB usable ({setup.headroom:.0%} headroom kept)")
     if strategy == "ddp":
-        what += f" (DDP/NO_SHARD keeps all {gb(row['model_states_bytes'])} GB of model states on every GPU)"
+        what += f"; DDP/NO_SHARD keeps all {gb(row['model_states_bytes'])} GB of model states on every GPU"
     return [Finding("no-fit", file, "strategy", f"{what} ({spec.name}, {setup.world_size} GPUs, {precision}, "
                     f"micro-batch {setup.micro_batch}, seq {setup.seq_len})", fix)]
 
