@@ -174,7 +174,8 @@ def test_readme_names_the_extensions_folder_the_makefile_sets():
 # --- The README and docs stay true: every command in their shell blocks parses, the cheap ones run ----------
 
 DOCS = ["README.md", "docs/planner.md", "docs/compare.md", "docs/doctor.md", "docs/cluster.md", "docs/precision.md",
-        "docs/fit.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md"]
+        "docs/fit.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md",
+        "ds_configs/README.md", "fsdp_configs/README.md", "SECURITY.md"]
 PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "python3", "make", "pytest", "export")
 # Inputs that stand for the user's own (a hub id, a folder, a finished run): offline here they must end in
 # one line naming them and exit 2; each stays in the docs as the example it is.
@@ -336,6 +337,28 @@ def test_output_shown_in_the_docs_is_what_the_command_prints(doc, argv, shown, t
         written = (tmp_path / argv[argv.index("--output-dir") + 1]).glob("*.yaml")
         shown_files = [b for b in fenced_blocks(doc, languages=("yaml",)) if b.startswith("# shardscope fit:")]
         assert sorted(map(lines, shown_files)) == sorted(lines(f.read_text()) for f in written)
+
+
+def inline_commands(doc: str):
+    """`shardscope ...` commands written inline in the doc's prose, whole (a subcommand and at least two more
+    words, or a word that is no flag after a command that takes none: `plan NAME`; no placeholder such as NAME,
+    [...], {a,b} or <x>); a bare flag mentioned (`plan --dry-run`) is not one."""
+    text = " ".join((ROOT / doc).read_text().split())
+    for command in re.findall(r"`(shardscope [^`]+)`", text):
+        argv = shlex.split(command)
+        whole = len(argv) >= 4 or (len(argv) == 3 and argv[1] in ("plan", "fit", "doctor") and argv[2][0] != "-")
+        if whole and not re.search(r"[\[\]{}<>]|\.\.\.|\b[A-Z][A-Z_]+\b", command):
+            yield argv
+
+
+INLINE = [(doc, argv) for doc in DOCS for argv in inline_commands(doc)]
+
+
+@pytest.mark.parametrize("doc,argv", INLINE, ids=[" ".join(a)[:70] for _, a in INLINE])
+def test_inline_commands_in_the_docs_parse(doc, argv):
+    cli.build_parser().parse_args(argv[1:])  # an unknown flag or a stray positional exits here
+    if "--model" in argv:  # the model named is one the planner ships, so the command runs offline as written
+        assert model_spec(argv[argv.index("--model") + 1]).params_total > 0
 
 
 def test_usage_synopses_name_real_flags():
