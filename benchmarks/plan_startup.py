@@ -2,9 +2,11 @@
 1.5x). Each command runs as a fresh process, the arms interleaved, `--repeats` times; wall clock and the child's
 CPU time (user + sys, less disturbed by other jobs on a shared machine) are reported as medians and ratios.
 
-Arms: `import` (the yardstick), `plan cold` (an empty spec cache: the model is counted on the meta device, which
-imports transformers' config and modeling code), `plan warm` (the spec cache holds the model), and, with
-`--before PLUGIN_DIR`, `plan before` (another checkout's package, e.g. main before the cache).
+Arms: `import` (the yardstick), `imports a cold plan needs` (the floor of a cold run: the model's transformers
+config and modeling modules, torch's FakeTensorMode and MemTracker, and nothing run), `plan cold` (an empty spec
+cache: the model is counted on the meta device and its step traced on fake tensors), `plan warm` (the spec cache
+holds the model and the traces), and, with `--before PLUGIN_DIR`, `plan before` (another checkout's package,
+e.g. main before a change, on an empty cache).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/plan_startup.py --model llama-2-7b --repeats 5 \\
         --before /tmp/main/plugin --out benchmarks/results/plan_startup.md
@@ -22,6 +24,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a cold `plan --model` imports before it counts anything (argv[1]: the model's config.json).
+FLOOR = """import importlib, json, sys
+import torch, transformers
+from transformers.models.auto.configuration_auto import model_type_to_module_name
+name = model_type_to_module_name(json.load(open(sys.argv[1]))["model_type"])
+for part in ("configuration", "modeling"):
+    importlib.import_module(f"transformers.models.{name}.{part}_{name}")
+import torch._subclasses.fake_tensor, torch.distributed._tools.mem_tracker
+"""
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
@@ -45,11 +56,18 @@ def main() -> None:
     plan = [sys.executable, "-m", "shardscope", "plan", "--model", args.model, "--gpus", "8", "--gpu", "H100"]
     warm_cache = tempfile.mkdtemp(prefix="plan-startup-warm-")
     subprocess.run(plan, env={**base, "SHARDSCOPE_CACHE": warm_cache}, check=True, stdout=subprocess.DEVNULL)
+    sys.path.insert(0, str(ROOT / "plugin"))
+    from shardscope.model_spec import resolve_model
+
+    config = str(Path(resolve_model(args.model)) / "config.json")
     arms = {"import torch, transformers": ([sys.executable, "-c", "import torch, transformers"], lambda: base),
+            "imports a cold plan needs": ([sys.executable, "-c", FLOOR, config], lambda: base),
             "plan cold (empty cache)": (plan, lambda: {**base, "SHARDSCOPE_CACHE": tempfile.mkdtemp()}),
             "plan warm (cached spec)": (plan, lambda: {**base, "SHARDSCOPE_CACHE": warm_cache})}
     if args.before:
-        arms["plan before"] = (plan, lambda: {**base, "PYTHONPATH": args.before, "SHARDSCOPE_CACHE": "off"})
+        arms["plan before (empty cache)"] = (plan, lambda: {**base, "PYTHONPATH": args.before,
+                                                            "SHARDSCOPE_CACHE": tempfile.mkdtemp()})
+    load_before = os.getloadavg()[0]
     runs = {name: [] for name in arms}
     for _ in range(args.repeats):
         for name, (cmd, env) in arms.items():
@@ -58,7 +76,8 @@ def main() -> None:
                for name, r in runs.items()}
     wall0, cpu0 = medians["import torch, transformers"]
     lines = [f"`shardscope plan --model {args.model}` start-up, {args.repeats} interleaved runs each, medians "
-             f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU(s))", "",
+             f"(1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+             f"{os.cpu_count()} CPU(s))", "",
              "| command | wall s | CPU s | wall / import | CPU / import |", "| --- | --- | --- | --- | --- |"]
     for name, (wall, cpu) in medians.items():
         lines.append(f"| {name} | {wall:.2f} | {cpu:.2f} | {wall / wall0:.2f} | {cpu / cpu0:.2f} |")

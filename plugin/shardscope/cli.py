@@ -1,4 +1,4 @@
-"""`shardscope` command line; each subcommand module registers itself (SUBCOMMAND_MODULES)."""
+"""`shardscope` command line; each subcommand module registers itself (COMMANDS)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,10 @@ import traceback
 from . import __version__
 from .errors import UsageError
 
-# Modules that define `register(subparsers)`; each registered parser sets `func(args) -> int`.
-SUBCOMMAND_MODULES = ["configs_cli", "plan_cli", "fit_cli", "compare", "doctor", "export"]
+# Each command -> the module that defines `register(subparsers)` for it; each registered parser sets
+# `func(args) -> int`. A run imports only its own command's module (`plan` does not import doctor's).
+COMMANDS = {"configs": "configs_cli", "plan": "plan_cli", "fit": "fit_cli", "compare": "compare",
+            "report": "compare", "doctor": "doctor", "export": "export"}
 
 DESCRIPTION = """\
 Pick, check and measure a distributed-training strategy (DDP, FSDP, DeepSpeed ZeRO, tensor parallel)
@@ -30,14 +32,16 @@ examples:
 `shardscope COMMAND --help` gives each command's options."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command` alone (a name in COMMANDS)."""
     parser = argparse.ArgumentParser(prog="shardscope", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"shardscope {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     import importlib
 
-    for name in SUBCOMMAND_MODULES:
+    modules = [COMMANDS[command]] if command in COMMANDS else dict.fromkeys(COMMANDS.values())
+    for name in modules:
         importlib.import_module(f"shardscope.{name}").register(subparsers)
     return parser
 
@@ -52,7 +56,8 @@ def quiet_library_notices() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok; 1 findings, failed runs or nothing fits; 2 bad input or usage (one line), or a crash."""
     quiet_library_notices()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return args.func(args) or 0
     except UsageError as error:

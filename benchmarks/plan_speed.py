@@ -1,0 +1,48 @@
+"""How long `plan` takes in-process on the big shipped models (the timing tests/test_planner.py used to assert
+for Llama-2-70B; the test keeps what it proves: the exact count, and no memory for the parameters). One process,
+the libraries loaded first; each model is counted on the meta device with the spec cache off (`model_spec`) and
+planned for every strategy (`estimate`, formula activations: no step trace), timed with wall clock and CPU time.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/plan_speed.py --out benchmarks/results/plan_speed.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from shardscope.mesh import Setup
+from shardscope.model_spec import model_spec
+from shardscope.planner import estimate
+
+MODELS = ("llama-2-7b", "llama-2-70b", "mixtral-8x7b", "qwen2.5-72b", "llama-3.1-405b")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="also write the table here (Markdown)")
+    args = parser.parse_args()
+    os.environ["SHARDSCOPE_CACHE"] = "off"  # count every model, as a first plan does
+    setup = Setup(gpus_per_node=8, nodes=4, gpu_memory_bytes=80 * 2 ** 30, activation_checkpointing=True)
+    estimate(model_spec("llama-2-7b"), setup)  # warm-up: imports and model classes
+    lines = [f"`model_spec` (cache off) + `estimate`, 8 x 4 GPUs of 80 GiB, after a warm-up (1-min load average "
+             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU(s))", "",
+             "| model | parameters | spec wall s | spec CPU s | estimate wall s | estimate CPU s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for model in MODELS:
+        wall, cpu = time.perf_counter(), time.process_time()
+        spec = model_spec(model)
+        spec_wall, spec_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter(), time.process_time()
+        estimate(spec, setup)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        lines.append(f"| {model} | {spec.params_total:,} | {spec_wall:.2f} | {spec_cpu:.2f} | {wall:.3f} | "
+                     f"{cpu:.3f} |")
+        print(lines[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
