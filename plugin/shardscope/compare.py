@@ -332,7 +332,8 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
               "frozen models are models held but not trained (a DPO reference; `-`: not counted by that summary). "
               "tokens/s and samples/s are summed over ranks (whole run); TFLOP/s and MFU are per rank (mean). "
               "Wall time is the Trainer's train_runtime (launch: the whole launch, start-up included). "
-              "Each `↳ planner` row is `shardscope plan`'s estimate for that run's strategy, world size and model.",
+              "Each `↳ planner` row is `shardscope plan`'s estimate for that run's strategy, world size and model "
+              "(est. total: the planned peak of the run's instrumented step, where its summary records that step).",
               "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for row in runs:
         for cells in (_cells(row), _planner_cells(row)):
@@ -408,8 +409,8 @@ def plot_throughput(runs: list[dict], path):
 
 
 def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
-    """Collect the runs, then write output/memory.png, throughput.png, report.json and, last, report.md; each
-    file atomically (a reader sees the old file or the new one). Returns the rows."""
+    """Collect the runs, then write output/memory.png, throughput.png, time.png, peak.png, report.json and, last,
+    report.md; each file atomically (a reader sees the old file or the new one). Returns the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
