@@ -1,7 +1,7 @@
 """Planned vs measured peak of one training step on 2 CPU ranks: the table in docs/planner.md.
 
     nice python benchmarks/peak_agreement.py --launch OUT          # launch the runs below into OUT/<run>/
-    python benchmarks/peak_agreement.py OUT/ddp-fp32 OUT/zero3 ...  # or read existing run folders
+    python benchmarks/peak_agreement.py OUT                        # or rebuild the table from OUT's run folders
 
 Each run is `accelerate launch` of tests/workers/train_tiny.py (a Trainer with the profiling callback) under a
 shipped config, through `shardscope compare`'s own launcher (`compare.launch_command`, log in launch.log), on a
@@ -9,7 +9,9 @@ shipped config, through `shardscope compare`'s own launcher (`compare.launch_com
 FSDP runs need tests/cpu_shim (accelerate never runs FSDP on CPU by itself), put on PYTHONPATH here. The table
 is `report`'s peak section (`peak_report.markdown_lines`: planned from `planner.plan_vs_run`, the same plan
 as `plan --compare`), written to benchmarks/results/peak_agreement.md (with peak_agreement.png) and into
-docs/planner.md between the `peak_agreement` marker comments. A run that fails is listed, not fatal.
+docs/planner.md between the `peak_agreement` marker comments. A run that fails is listed, not fatal. Run
+folders given on the command line (a folder of them works too) are read as they are; the table's header
+describes the runs `--launch` makes.
 """
 import argparse
 import os
@@ -72,7 +74,8 @@ def table(run_dirs: list[Path], command: str) -> tuple[str, list[dict]]:
     from shardscope.compare import collect
     from shardscope.peak_report import markdown_lines
 
-    rows = collect(run_dirs)
+    order = [run_name(*run) for run in RUNS]
+    rows = sorted(collect(run_dirs), key=lambda r: order.index(r["run"]) if r["run"] in order else len(order))
     failed = [f"- {r['run']}: {r['status']}: {r.get('reason')}" for r in rows
               if r["status"] != "ok" or not r.get("peak")]
     lines = markdown_lines(rows)[2:]  # without its heading: the docs section has its own
