@@ -9,8 +9,8 @@ its combined output in OUTPUT_DIR/<config>/launch.log; a run that fails (non-zer
 summary) is a result, not an error: it is reported as failed with the last error line of its log and
 the other runs still go. Then it writes the report, exactly as `report` does from existing run folders.
 
-Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png, peak.png): per run the profiler's per-rank
-model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
+Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png, peak.png): per run the profiler's
+per-rank model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
 throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
 measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's

@@ -152,7 +152,6 @@ def step_shape(module, args: tuple, kwargs: dict) -> dict:
             "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False))}
 
 
-
 def figures(result: dict) -> dict:
     """`StepPeak.result()` as the numbers one rank sends in the profiler's gather (`RANK_FIELDS`)."""
     out = {"peak_tensor_bytes": result["peak_tensor_bytes"], "peak_phase": PHASES.index(result["peak_phase"])}
