@@ -78,11 +78,14 @@ def plot_peak(runs: list[dict], path, title: str = ""):
     used = set()
     for ax, r in zip(axes.flat, runs):
         p = r.get("peak")
-        ax.set_title(r["run"] + (f"\nplanned {percent(p['error'])}" if p else "\nno measured peak"), fontsize=9)
+        ax.set_title(r["run"] + (f"\nplanned {percent(p['error'])}" if p else ""), fontsize=9)
+        if not p:  # a failed run, or a summary without a measured step
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, "failed" if r.get("status") != "ok" else "no measured peak", ha="center",
+                    transform=ax.transAxes, fontsize=9, color="tab:red" if r.get("status") != "ok" else "black")
+            continue
         ax.set_xticks([0, 1], ["planned", "measured"], fontsize=8)
         ax.tick_params(axis="y", labelsize=8)
-        if not p:
-            continue
         for x, parts, hatch in ((0, p["planned"]["peak_breakdown"], "//"), (1, p["measured"]["peak_breakdown"], None)):
             bottom = 0.0
             for part, colour in COLOURS.items():
@@ -94,8 +97,7 @@ def plot_peak(runs: list[dict], path, title: str = ""):
         ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
     for ax in axes.flat[len(runs):]:
         ax.set_visible(False)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("MB (1e6 B) per rank", fontsize=8)
+    fig.supylabel("MB (1e6 B) per rank", fontsize=8)
     handles = [Patch(color=colour, label=part) for part, colour in COLOURS.items() if part in used]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="planned"))
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
