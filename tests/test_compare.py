@@ -126,6 +126,44 @@ def test_plots_are_drawn(comparison, name, size, colours):
         assert colour in present, f"{name}: no bar drawn in {colour}"
 
 
+def test_peak_planned_beside_measured(comparison):
+    """The peak table: per run, the measured peak is the summary's (its largest rank), the planned one is what
+    `plan_vs_run` (plan --compare) gives for that rank's own step; the error is computed from the two."""
+    from shardscope.peak_report import percent
+    from shardscope.planner import plan_vs_run
+
+    _, out = comparison
+    markdown = (out / "report.md").read_text()
+    section = markdown.split("## Peak memory of one step: planned vs measured", 1)[1].split("\n## ", 1)[0]
+    cells = {r[0]: r for r in table_rows(section)}
+    assert set(cells) == {"ddp", "fsdp_full_shard"}  # the failed run has no summary, hence no row
+    rows = {r["run"]: r for r in json.loads((out / "report.json").read_text())}
+    for name in ("ddp", "fsdp_full_shard"):
+        summary = summary_of(out / name)
+        worst = max(summary["ranks"], key=lambda r: r["peak_tensor_bytes"])
+        step = worst["peak_step"]
+        assert step["micro_batch"] == 8 and step["seq_len"] <= 96 and not step["gradient_checkpointing"]  # demo_tiny
+        plan = plan_vs_run(out / name / "shardscope_summary.json")
+        planned = next(r["peak"] for r in plan["ranks"] if r["rank"] == worst["rank"])["planned"]
+        measured = worst["peak_tensor_bytes"]
+        assert cells[name][1] == f"8 x {step['seq_len']} tokens"
+        assert cells[name][2] == f"{planned['peak_bytes']:,}"
+        assert cells[name][3] == f"{measured:,} (rank {worst['rank']})"
+        assert cells[name][4] == percent((planned["peak_bytes"] - measured) / measured)
+        assert cells[name][6] == f"{planned['peak_phase']} / {worst['peak_phase']}"
+        assert cells[name][7] == "traced"
+        peak = rows[name]["peak"]  # report.json: what the plot stacks
+        assert peak["measured"]["peak_breakdown"] == worst["peak_breakdown"]
+        assert peak["planned"]["peak_breakdown"] == planned["peak_breakdown"]
+        assert sum(peak["planned"]["peak_breakdown"].values()) == planned["peak_bytes"]
+    assert rows["clip_mismatch"].get("peak") is None
+    assert "![peak.png](peak.png)" in markdown
+    image = Image.open(out / "peak.png").convert("RGB")
+    present = {colour for _, colour in image.getcolors(maxcolors=image.size[0] * image.size[1])}
+    for colour in ((31, 119, 180), (44, 160, 44), (214, 39, 40)):  # parameters, optimizer, activations stacked
+        assert colour in present, f"peak.png: no bar drawn in {colour}"
+
+
 def test_report_from_run_dirs_matches_compare(comparison, tmp_path):
     _, out = comparison
     done = shardscope("report", out, "--output", tmp_path)  # a folder of run folders works too

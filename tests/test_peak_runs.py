@@ -3,16 +3,15 @@
 A 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, so activations, gradients and
 optimizer state all weigh in. Each run is a real `accelerate launch` of tests/workers/train_tiny.py
 with a shipped config; the callback measures step 3 with torch's MemTracker (`peak_tensor_bytes`), and
-the plan for the same setup comes from the model's saved config, traced on fake tensors.
+the plan of that step comes from `planner.plan_vs_run` (what `plan --compare` and `report` print): the step's
+shape and ZeRO's reduce bucket as the summary recorded them, activations traced from the model's saved config
+on fake tensors.
 """
 import json
 
 import pytest
 
-from shardscope.mesh import Setup
-from shardscope.model_spec import load_model_config, spec_from_config
-from shardscope.planner import estimate
-from shardscope.step_trace import traces_for
+from shardscope.planner import plan_vs_run
 
 pytestmark = pytest.mark.launch
 
@@ -44,17 +43,17 @@ def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, preci
             *(["--gradient_checkpointing"] if checkpointing else []), *(["--bf16"] if precision != "fp32" else [])]
     accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" / "train_tiny.py",
                       args, tmp_path).check()
-    summary = json.loads((tmp_path / "shardscope_summary.json").read_text())
+    path = tmp_path / "shardscope_summary.json"
+    summary = json.loads(path.read_text())
+    if "zero" in config:  # the shipped ZeRO yamls set no reduce_bucket_size: DeepSpeed's default of 5e8 elements
+        assert summary["strategy_detail"]["reduce_bucket_size"] == 5 * 10 ** 8
 
-    model = load_model_config(str(model_dir))
-    # the shipped ZeRO yamls set no reduce_bucket_size: DeepSpeed's default of 5e8 elements applies
-    setup = Setup(gpus_per_node=2, precision=precision, micro_batch=BATCH, seq_len=SEQ,
-                  activation_checkpointing=checkpointing, bucket_elements=int(5e8) if "zero" in config else None)
-    traces, note = traces_for(model, setup)
-    assert note is None, note
-    row = next(r for r in estimate(spec_from_config(model, "tiny"), setup, traces)["rows"] if r["strategy"] == config)
-    for rank in summary["ranks"]:
-        measured = rank["peak_tensor_bytes"]
-        assert abs(row["peak_bytes"] - measured) / measured <= TOLERANCE, (rank["rank"], row["peak_breakdown"],
-                                                                         rank["peak_breakdown"])
-        assert row["peak_phase"] == rank["peak_phase"]
+    plan = plan_vs_run(path)
+    assert plan["strategy"] == config and plan["precision"] == precision and plan["trace_note"] is None
+    for rank in plan["ranks"]:
+        peak = rank["peak"]
+        assert peak["step"] == {"micro_batch": BATCH, "seq_len": SEQ, "image_size": None,
+                                "gradient_checkpointing": checkpointing}
+        assert peak["planned"]["activations_source"] == "traced"
+        assert abs(peak["error"]) <= TOLERANCE, (rank["rank"], peak)
+        assert peak["planned"]["peak_phase"] == peak["measured"]["peak_phase"]

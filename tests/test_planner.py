@@ -326,6 +326,69 @@ def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
     assert "optimizer_bytes" in capsys.readouterr().out
 
 
+def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, tmp_path, capsys):
+    """plan_vs_run plans each rank's instrumented step (`peak_step`) with the reduce bucket the run's ZeRO
+    optimizer had (`strategy_detail`), exactly as `plan` would for that setup, and puts it beside the measured peak."""
+    from shardscope.trace_cache import cached_traces_for
+
+    spec = model_spec(str(tiny_llama))
+    step = {"micro_batch": 2, "seq_len": 32, "image_size": None, "gradient_checkpointing": True}
+    setup = Setup(gpus_per_node=2, precision="fp32", micro_batch=2, seq_len=32, activation_checkpointing=True,
+                  bucket_elements=12345, zero_overlap_comm=True)
+    traces, note = cached_traces_for(str(tiny_llama), setup)
+    assert note is None
+    row = strategy_row("zero2", spec, setup, trace=traces["fp32"])
+    assert row.buffers_detail["reduce_buckets"] == 2 * 12345 * 4  # doubled with overlap_comm, fp32 gradients
+    peak = int(row.peak_bytes * 0.98)
+    measured = {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes, "optimizer_bytes": row.optimizer_bytes,
+                "peak_tensor_bytes": peak, "peak_phase": "backward", "peak_step": step,
+                "peak_breakdown": {"parameters": peak, "gradients": 0, "optimizer": 0, "activations": 0, "temporaries": 0}}
+    detail = {"zero_stage": 2, "reduce_bucket_size": 12345, "overlap_comm": True}
+    path = _summary(tmp_path, tiny_llama, "zero2", measured, strategy_detail=detail)
+    result = planner.plan_vs_run(path)
+    assert result["bucket_elements"] == 12345 and result["planned_total_bytes"] == row.peak_bytes
+    for rank in result["ranks"]:
+        assert rank["peak"]["step"] == step and rank["peak"]["measured"]["peak_tensor_bytes"] == peak
+        assert rank["peak"]["planned"] == {"peak_bytes": row.peak_bytes, "peak_breakdown": row.peak_breakdown,
+                                           "peak_phase": row.peak_phase, "activations_source": "traced"}
+        assert rank["peak"]["error"] == pytest.approx(row.peak_bytes / peak - 1)
+    assert cli.main(["plan", "--compare", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{row.peak_bytes:>14,}{peak:>14,}" in out and "2 x 32 tokens, checkpointing on" in out
+    # A summary that does not record the bucket (written before it did) plans the Trainer's "auto", hidden^2.
+    path = _summary(tmp_path, tiny_llama, "zero2", measured, strategy_detail={"zero_stage": 2})
+    older = planner.plan_vs_run(path)
+    assert older["bucket_elements"] is None
+    auto = strategy_row("zero2", spec, replace(setup, bucket_elements=None, zero_overlap_comm=None), trace=traces["fp32"])
+    assert older["ranks"][0]["peak"]["planned"]["peak_bytes"] == auto.peak_bytes != row.peak_bytes
+    # A step shape that is not one: one line naming the file and key.
+    path = _summary(tmp_path, tiny_llama, "zero2", {**measured, "peak_step": {"micro_batch": "two"}})
+    assert cli.main(["plan", "--compare", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(path) in err and "key 'ranks[0].peak_step'" in err
+
+
+def test_zero_buckets_reads_what_the_zero_optimizer_was_built_with():
+    from shardscope.strategy import zero_buckets
+
+    class Zero:  # DeepSpeed's ZeRO optimizer as the profiler meets it: its gradient partitions and bucket settings
+        def __init__(self, **settings):
+            self.averaged_gradients = {}
+            self.__dict__.update(settings)
+
+    class Wrapper:  # accelerate's optimizer wrapper
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    stage2 = Zero(reduce_bucket_size=500_000_000, overlap_comm=False)
+    assert zero_buckets(Wrapper(stage2)) == {"reduce_bucket_size": 500_000_000, "overlap_comm": False}
+    assert zero_buckets(Zero(reduce_bucket_size=4096)) == {"reduce_bucket_size": 4096}  # ZeRO-3: no overlap_comm
+    import torch
+
+    assert zero_buckets(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)) == {}
+    assert zero_buckets(None) == {}
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json", "malformed JSON"),
     ('{"world_size": 2, "strategy": "zero3"}', "has no key 'ranks'"),

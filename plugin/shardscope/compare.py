@@ -9,12 +9,13 @@ its combined output in OUTPUT_DIR/<config>/launch.log; a run that fails (non-zer
 summary) is a result, not an error: it is reported as failed with the last error line of its log and
 the other runs still go. Then it writes the report, exactly as `report` does from existing run folders.
 
-Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png): per run the profiler's per-rank
-model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
+Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png, peak.png): per run the profiler's
+per-rank model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
 throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
 measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
-tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_report.py`.
+tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_report.py`; the peak
+of one step planned beside measured, by part: `peak_report.py`.
 
 Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (`load_run`, `collect`)
 -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
@@ -36,6 +37,7 @@ from .configs import find_config
 from .errors import UsageError
 from .safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from .summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
+from . import peak_report
 from .time_report import markdown_lines, plot_time, row_facts
 
 # Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
@@ -243,8 +245,9 @@ def _load_run(run_dir: Path, row: dict) -> dict:
         row["planned"] = {c["component"]: c["planned"] for c in planned["ranks"][0]["components"]}
         row["planned"]["total_bytes"] = planned["planned_total_bytes"]
         row["planned"]["strategy"] = planned["strategy"]
+        row.update(peak_report.row_facts(planned))
     except UsageError as error:  # e.g. a model folder that only existed on the cluster: report without it
-        row["planned"] = {"error": str(error)}
+        row.update(planned={"error": str(error)}, peak=None)
     return row
 
 
@@ -329,7 +332,8 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
               "frozen models are models held but not trained (a DPO reference; `-`: not counted by that summary). "
               "tokens/s and samples/s are summed over ranks (whole run); TFLOP/s and MFU are per rank (mean). "
               "Wall time is the Trainer's train_runtime (launch: the whole launch, start-up included). "
-              "Each `↳ planner` row is `shardscope plan`'s estimate for that run's strategy, world size and model.",
+              "Each `↳ planner` row is `shardscope plan`'s estimate for that run's strategy, world size and model "
+              "(est. total: the planned peak of the run's instrumented step, where its summary records that step).",
               "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for row in runs:
         for cells in (_cells(row), _planner_cells(row)):
@@ -337,6 +341,7 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines.append("")
     lines += markdown_lines(runs, human_bytes)
+    lines += peak_report.markdown_lines(runs)
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 
@@ -404,8 +409,8 @@ def plot_throughput(runs: list[dict], path):
 
 
 def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
-    """Collect the runs, then write output/memory.png, throughput.png, report.json and, last, report.md; each
-    file atomically (a reader sees the old file or the new one). Returns the rows."""
+    """Collect the runs, then write output/memory.png, throughput.png, time.png, peak.png, report.json and, last,
+    report.md; each file atomically (a reader sees the old file or the new one). Returns the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -415,7 +420,8 @@ def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
                          "not a folder")
     output.mkdir(parents=True, exist_ok=True)
     plots = {"memory.png": plot_memory, "throughput.png": plot_throughput,
-             "time.png": lambda rows, image: plot_time(rows, image, caption(rows))}
+             "time.png": lambda rows, image: plot_time(rows, image, caption(rows)),
+             "peak.png": lambda rows, image: peak_report.plot_peak(rows, image, caption(rows))}
     for name, plot in plots.items():
         image = io.BytesIO()
         plot(runs, image)

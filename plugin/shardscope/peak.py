@@ -11,7 +11,9 @@ strategy's own long-lived buffers allocated at set-up and not reachable from the
 - `peak_tensor_bytes`: the largest total of live tensors during the step;
 - `peak_breakdown`: {parameters (buffers included), gradients, optimizer, activations, temporaries} at that moment
   (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
-- `peak_phase`: forward, backward or optimizer step: where the peak was first reached.
+- `peak_phase`: forward, backward or optimizer step: where the peak was first reached;
+- `peak_step`: the shape of the step's first training forward (`STEP_SHAPE`: rows, sequence length of the
+  token ids or image size of the pixels, activation checkpointing on), what a plan of the same step needs.
 Instrumenting costs several times a plain step: use it for one warm step. Other models run in the step
 (a frozen reference) are tracked without gradient hooks. Trained models with frozen parameters (LoRA) and
 FSDP1's flat parameters are refused: MemTracker hooks every parameter's gradient and
@@ -19,12 +21,18 @@ torch refuses a hook on a frozen one or on the non-leaf views FSDP1 puts in plac
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .state_bytes import master_weights, optimizer_layers, zero_grad_buffers
 
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer step")
+STEP_SHAPE = ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")
+# What one rank sends in the profiler's gather (NaN: not measured there): `figures` -> gather -> `reported`.
+RANK_FIELDS = ("peak_tensor_bytes", *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase",
+               *(f"peak_step_{k}" for k in STEP_SHAPE))
 # MemTracker's categories -> ours. "Other" holds what `track_external` registered beside the model and
 # the optimizer's state dict: master copies and ZeRO's flat partitions, all owned by the optimizer.
 CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Activation": "activations",
@@ -57,6 +65,7 @@ class StepPeak:
         self.tracker = FrozenSafeTracker()
         self.model, self.optimizer = model, optimizer
         self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
+        self.shape: dict | None = None  # the first training forward's (`step_shape`)
         self._handles = []
 
     def __enter__(self) -> "StepPeak":
@@ -85,7 +94,7 @@ class StepPeak:
 
         self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(next_micro_batch),
                          torch.nn.modules.module.register_module_forward_hook(leave, always_call=True),
-                         self.model.register_forward_pre_hook(lambda *_: self._mark("forward")),
+                         self.model.register_forward_pre_hook(self._forward, with_kwargs=True),
                          self.model.register_forward_hook(lambda *_: self._mark("backward"))]
         for opt in optimizers[-1:]:  # the innermost torch optimizer steps last: its hooks bracket the update
             self._handles += [opt.register_step_pre_hook(lambda *_: self._mark("optimizer step")),
@@ -105,6 +114,11 @@ class StepPeak:
     def _mark(self, starting: str) -> None:
         self.marks.append((starting, self._peak_total()))
 
+    def _forward(self, module, args, kwargs) -> None:
+        self._mark("forward")
+        if self.shape is None and torch.is_grad_enabled():
+            self.shape = step_shape(module, args, kwargs)
+
     def result(self) -> dict:
         snapshot = self.tracker.get_tracker_snapshot("peak")
         breakdown = dict.fromkeys(BREAKDOWN, 0)
@@ -113,7 +127,7 @@ class StepPeak:
                 if category in CATEGORY:
                     breakdown[CATEGORY[category]] += nbytes
         return {"peak_tensor_bytes": sum(breakdown.values()), "peak_breakdown": breakdown,
-                "peak_phase": self._phase(self._peak_total())}
+                "peak_phase": self._phase(self._peak_total()), "peak_step": self.shape or {}}
 
     def _phase(self, total: int) -> str:
         """The phase in which the peak total was first reached: each mark holds the phase starting then
@@ -124,3 +138,39 @@ class StepPeak:
                 break
             current = starting
         return "optimizer step" if current == "after step" else current
+
+
+def step_shape(module, args: tuple, kwargs: dict) -> dict:
+    """`STEP_SHAPE` of one forward: rows, the token ids' length or the pixels' size (None where absent), and
+    whether the module recomputes activations in backward (transformers' `is_gradient_checkpointing`)."""
+    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    pixels = kwargs.get("pixel_values") if ids is None else None
+    first = ids if ids is not None else pixels
+    return {"micro_batch": None if first is None else int(first.shape[0]),
+            "seq_len": None if ids is None else int(ids.shape[-1]),
+            "image_size": None if pixels is None else int(pixels.shape[-1]),
+            "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False))}
+
+
+def figures(result: dict) -> dict:
+    """`StepPeak.result()` as the numbers one rank sends in the profiler's gather (`RANK_FIELDS`)."""
+    out = {"peak_tensor_bytes": result["peak_tensor_bytes"], "peak_phase": PHASES.index(result["peak_phase"])}
+    out.update({f"peak_{k}_bytes": v for k, v in result["peak_breakdown"].items()})
+    out.update({f"peak_step_{k}": math.nan if v is None else float(v) for k, v in result["peak_step"].items()})
+    return out
+
+
+def reported(rank: dict) -> dict:
+    """One rank's gathered figures (NaN: not measured there) -> its summary keys `peak_tensor_bytes`,
+    `peak_breakdown`, `peak_phase` and `peak_step` (None when not measured)."""
+    def count(key):
+        value = rank.get(key)
+        return None if value is None or math.isnan(value) else int(value)
+
+    total, phase = count("peak_tensor_bytes"), count("peak_phase")
+    step = {k: count(f"peak_step_{k}") for k in STEP_SHAPE}
+    return {"peak_tensor_bytes": total,
+            "peak_breakdown": None if total is None else {k: count(f"peak_{k}_bytes") for k in BREAKDOWN},
+            "peak_phase": None if phase is None else PHASES[phase],
+            "peak_step": None if step["micro_batch"] is None else
+            {**step, "gradient_checkpointing": bool(step["gradient_checkpointing"])}}

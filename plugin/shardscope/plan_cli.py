@@ -142,9 +142,21 @@ def format_compare(result: dict) -> str:
             diff = "-" if comp["rel_diff"] is None else f"{comp['rel_diff']:+.2%}"
             lines.append(f"{str(rank['rank']):<5}{comp['component']:<20}{comp['planned']:>14,}"
                          f"{comp['measured']:>14,}{diff:>10}")
-        if rank.get("peak_memory_bytes"):
+        peak = rank.get("peak")
+        if peak:  # the same step planned: its shape from the summary
+            step = peak["step"]
+            shape = (f"{step['micro_batch']} x {step['seq_len']} tokens" if step["seq_len"] is not None else
+                     f"{step['micro_batch']} x {step['image_size']} px" if step["image_size"] else f"{step['micro_batch']} rows")
+            error = "-" if peak["error"] is None else f"{peak['error']:+.2%}"
+            lines.append(f"{'':<5}{'peak of one step':<20}{peak['planned']['peak_bytes']:>14,}"
+                         f"{peak['measured']['peak_tensor_bytes']:>14,}{error:>10}   (planned - measured) / measured; "
+                         f"{shape}, checkpointing {'on' if step['gradient_checkpointing'] else 'off'}, activations "
+                         f"{peak['planned']['activations_source']}")
+        elif rank.get("peak_memory_bytes"):
             lines.append(f"{'':<5}{'peak (' + str(rank['memory_kind']) + ')':<20}{result['planned_total_bytes']:>14,}"
                          f"{int(rank['peak_memory_bytes']):>14,}   ({PEAK_KINDS.get(rank['memory_kind'], 'as measured')})")
+    if result.get("trace_note"):
+        lines.append(result["trace_note"])
     return "\n".join(lines)
 
 
@@ -288,7 +300,7 @@ def plan_command(args) -> int:
     if args.compare:
         spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden,
                           vocab=args.vocab, heads=args.heads) if (args.model or params) else None
-        result = plan_vs_run(args.compare, spec, setup)
+        result = plan_vs_run(args.compare, spec, setup, model=args.model)
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
     if args.model:  # both cached per config (spec_cache): a later run imports neither torch nor transformers

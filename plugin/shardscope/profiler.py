@@ -19,12 +19,12 @@ import torch
 
 from . import __version__
 from .memory import read_memory, reset_peak
-from .peak import BREAKDOWN, PHASES, StepPeak
+from .peak import RANK_FIELDS as PEAK_FIELDS, StepPeak, figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
 from .rank_gather import all_gather_figures, gather_objects, log_metrics
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
 from .state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
-from .strategy import detect_strategy, family, num_nodes, wrapper_strategy
+from .strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from .summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_time import StepWrap
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, unwrap
@@ -37,8 +37,7 @@ logger = logging.getLogger("shardscope")
 # `frozen:<name>` field per frozen model follows them.
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
-               "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", "peak_tensor_bytes",
-               *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase", *SAMPLED_FIELDS)
+               "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
 
 
 def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
@@ -88,16 +87,16 @@ class ShardingProfiler:
     replicas `shardscope/samples_per_s` and `shardscope/tokens_per_s` (absent without tokens). TFLOP/s follow
     `throughput.FLOPS_CONVENTION`; MFU is absent where the device's peak is unknown (CPU).
 
-    Summary only, per rank: `frozen_models` {name: parameter bytes this rank holds (ZeRO-3 partitions, FSDP
-    shards, the dtype really held)} and `frozen_models_bytes`; `peak_tensor_bytes`, `peak_breakdown`
-    {parameters, gradients, optimizer, activations, temporaries}, `peak_phase`, from one instrumented warm step
-    (`memory_step`, left out of throughput; see `peak.py`); `cpu_peak_rss_bytes` (the process's peak RSS,
-    libraries included, never called peak memory); `throughput` {rates above, samples, tokens, seconds,
-    flops_convention}; from `precision.py`: `dtypes`, `master_params_bytes`, `compute_dtype`; top level
-    `precision_verdict`. Each instrument's `result()` under its `name`. Sampled steps (`sampled_steps.py`, issue 21):
-    `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`, `comm_padded_tokens` on `comm_step`;
-    `time_breakdown` on `time_step` (and every `time_every_n_steps`-th); top level `straggler`. Instrumented steps
-    are left out of throughput.
+    Summary only, per rank: `frozen_models` {name: parameter bytes this rank holds (ZeRO-3 partitions, FSDP shards,
+    the dtype really held)} and `frozen_models_bytes`; `peak_tensor_bytes`, `peak_breakdown` {parameters, gradients,
+    optimizer, activations, temporaries}, `peak_phase`, `peak_step` {micro_batch, seq_len, image_size,
+    gradient_checkpointing} from one instrumented warm step (`memory_step`, left out of throughput; see `peak.py`);
+    `cpu_peak_rss_bytes` (the process's peak RSS, libraries included, never called peak memory); `throughput`
+    {rates above, samples, tokens, seconds, flops_convention}; from `precision.py`: `dtypes`, `master_params_bytes`,
+    `compute_dtype`; top level `precision_verdict`. Each instrument's `result()` under its `name`. Sampled steps
+    (`sampled_steps.py`, issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`,
+    `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th); top
+    level `straggler`. Instrumented steps are left out of throughput.
 
     Counting: a sample is a row of the batch (`samples=` overrides it: the callback passes the Trainer's count);
     tokens are the non-padding tokens of the step's training inputs, once; forwards that do not train (frozen
@@ -135,7 +134,7 @@ class ShardingProfiler:
         self.frozen_models, self.precision, self._module = {}, precision, model
         with self.guard("strategy"):
             self._module = self._visible_module(model)
-            self.preflight.update(self._strategy(model))
+            self.preflight.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
         with self.guard("device"):
@@ -357,9 +356,7 @@ class ShardingProfiler:
             if self._device.type == "cuda":
                 mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
         if self.step_peak:
-            mine["peak_tensor_bytes"] = self.step_peak["peak_tensor_bytes"]
-            mine.update({f"peak_{k}_bytes": v for k, v in self.step_peak["peak_breakdown"].items()})
-            mine["peak_phase"] = PHASES.index(self.step_peak["peak_phase"])
+            mine.update(peak_figures(self.step_peak))
             if self._device.type != "cuda":
                 mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
         with self.guard("throughput"):
@@ -385,10 +382,7 @@ class ShardingProfiler:
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
         out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
-        out["peak_tensor_bytes"] = _int_or_none(rank["peak_tensor_bytes"])
-        out["peak_breakdown"] = ({k: _int_or_none(rank[f"peak_{k}_bytes"]) for k in BREAKDOWN}
-                                 if out["peak_tensor_bytes"] is not None else None)
-        out["peak_phase"] = None if math.isnan(rank["peak_phase"]) else PHASES[int(rank["peak_phase"])]
+        out.update(peak_reported(rank))  # peak_tensor_bytes, peak_breakdown, peak_phase, peak_step
         totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "samples": _int_or_none(totals.samples),

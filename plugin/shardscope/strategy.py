@@ -187,6 +187,22 @@ def wrapper_strategy(model) -> dict | None:
     return None
 
 
+def zero_buckets(optimizer) -> dict:
+    """What DeepSpeed's ZeRO optimizer among `optimizer`'s layers was built with: `reduce_bucket_size`
+    (elements: the engine passes it its config's `zero_reduce_bucket_size()`, DeepSpeed's 5e8 default where
+    the config sets none, the Trainer's hidden^2 for "auto") and, for ZeRO-1/2, `overlap_comm` (ZeRO-3 keeps
+    that only as a stream); {} for any other optimizer."""
+    from .state_bytes import zero_optimizer
+
+    zero = zero_optimizer(optimizer)
+    if zero is None or not isinstance(getattr(zero, "reduce_bucket_size", None), int):
+        return {}
+    out = {"reduce_bucket_size": zero.reduce_bucket_size}
+    if isinstance(getattr(zero, "overlap_comm", None), bool):
+        out["overlap_comm"] = zero.overlap_comm
+    return out
+
+
 def num_nodes() -> int:
     """Nodes in the run, from the launcher's environment: world size / local world size (torchrun and
     accelerate set LOCAL_WORLD_SIZE; the `deepspeed` launcher sets LOCAL_SIZE instead)."""

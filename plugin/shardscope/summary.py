@@ -25,7 +25,9 @@ FIELDS = {
     "schema_version": "version of this layout (absent before version 1: read as 1)",
     "shardscope_version": "the package version that wrote it",
     "strategy": "the planner's strategy name (ddp, zero3, fsdp_full_shard, tp, ...) or 'single'",
-    "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...)",
+    "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...); under ZeRO "
+                       "`reduce_bucket_size` (elements) and, ZeRO-1/2, `overlap_comm`, as the run's ZeRO optimizer "
+                       "was built with them (what plan_vs_run plans)",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
     "preflight_plan": "on a GPU: the planner's row for this run, checked before training",
     "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "
@@ -44,7 +46,9 @@ FIELDS = {
     "memory_details_rank0": "rank 0's memory readings at the end",
     "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, "
              "dtypes {params, grads, optimizer, master_params}, master_params_bytes, compute_dtype, "
-             "comm {kind: {calls, bytes, sent_bytes}}, comm_sent_bytes_per_step, time_breakdown (optional, issue 21), ...",
+             "comm {kind: {calls, bytes, sent_bytes}}, comm_sent_bytes_per_step, time_breakdown (optional, issue 21), "
+             "peak_tensor_bytes, peak_breakdown, peak_phase, peak_step {micro_batch, seq_len, image_size, "
+             "gradient_checkpointing} (the instrumented step), ...",
     "straggler": "optional: {slowest_rank, step_s, busy_s, spread} across ranks on the timed step",
 }
 REQUIRED = ("world_size", "strategy", "ranks")

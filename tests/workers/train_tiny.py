@@ -4,7 +4,8 @@ this under every shipped config.
 Besides the profiler's summary, every rank writes `independent_count_rank{R}.json`: the bytes it holds,
 counted here through each library's own accessors (element counts of ZeRO-3 partitions, DTensor local
 shards, FSDP1 flat parameters, ZeRO master partitions, torch optimizer state), not by the profiler's
-storage walk, so the test compares two different ways of counting the same live objects.
+storage walk, so the test compares two different ways of counting the same live objects. Under DeepSpeed it
+also writes what the engine's config says of its reduce bucket (`zero_reduce_bucket_size()`, `zero_overlap_comm()`).
 """
 import json
 from dataclasses import dataclass
@@ -91,9 +92,14 @@ def optimizer_state_bytes(optimizer, model):
 
 
 class IndependentCount(TrainerCallback):
+    trainer = None  # set once the Trainer exists: its model_wrapped is DeepSpeed's engine under ZeRO
+
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         counts = {"params_bytes": local_param_bytes(model), "optimizer_bytes": optimizer_state_bytes(optimizer, model)}
+        engine = getattr(self.trainer, "model_wrapped", None)
+        if type(engine).__name__ == "DeepSpeedEngine":  # the engine's own config, DeepSpeed's defaults applied
+            counts.update(reduce_bucket_size=engine.zero_reduce_bucket_size(), overlap_comm=engine.zero_overlap_comm())
         Path(args.output_dir, f"independent_count_rank{rank}.json").write_text(json.dumps(counts))
 
 
@@ -111,8 +117,9 @@ def main():
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=worker.lora_r, target_modules=["q_proj", "v_proj"]))
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[ShardingProfilerCallback(), IndependentCount()])
+    counter = IndependentCount()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback(), counter])
+    counter.trainer = trainer
     trainer.train()
     if trainer.is_world_process_zero():  # the losses the Trainer logged, for loss-equality checks
         Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))

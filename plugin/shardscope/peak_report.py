@@ -1,0 +1,107 @@
+"""`report`/`compare`'s peak section: the planner's peak of one step beside the measured one, by part.
+
+From each run's `planner.plan_vs_run` result (the same plan as `plan --compare`): per rank, the measured
+`peak_tensor_bytes` / `peak_breakdown` of the profiler's instrumented step and the planner's `peak_bytes` /
+`peak_breakdown` for that rank's own step (its micro-batch, sequence or image size and checkpointing, from
+the summary's `peak_step`; ZeRO's reduce bucket as the run's optimizer had it). A run is shown by the rank
+whose measured peak is largest (the one that decides whether a run fits), with the spread of the
+error over all ranks. Error = (planned - measured) / measured, as the planner's 5% bound reads.
+The planned breakdown has a part the measured one has not: `buffers` (ZeRO's reduce buckets, DDP's reducer
+buckets), which torch's MemTracker files under the tensors they hold (gradients), so the totals compare
+like for like and the parts only roughly.
+"""
+from __future__ import annotations
+
+# Stack order and colour of each part (the measured parts are peak.BREAKDOWN; planned adds buffers, frozen).
+COLOURS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer": "tab:green", "activations": "tab:red",
+           "temporaries": "tab:purple", "buffers": "tab:gray", "frozen": "tab:brown"}
+
+
+def row_facts(plan: dict | None) -> dict:
+    """{"peak": {rank, step, planned, measured, error, errors: [min, max]} of the rank with the largest measured
+    peak}, or {"peak": None} when no rank has a measured peak and step shape (or there is no plan)."""
+    ranks = [r for r in (plan or {}).get("ranks", []) if r.get("peak")]
+    if not ranks:
+        return {"peak": None}
+    worst = max(ranks, key=lambda r: r["peak"]["measured"]["peak_tensor_bytes"])
+    errors = [r["peak"]["error"] for r in ranks if r["peak"]["error"] is not None]
+    return {"peak": {"rank": worst["rank"], **worst["peak"], "errors": [min(errors), max(errors)] if errors else None,
+                     "trace_note": plan.get("trace_note")}}
+
+
+def step_label(step: dict) -> str:
+    """`2 x 256 tokens, checkpointing`: what the planned step was."""
+    size = f" x {step['seq_len']} tokens" if step.get("seq_len") is not None else \
+        f" x {step['image_size']} px images" if step.get("image_size") else " rows"
+    return f"{step['micro_batch']}{size}" + (", checkpointing" if step.get("gradient_checkpointing") else "")
+
+
+def percent(error) -> str:
+    return "-" if error is None else f"{round(error, 4) + 0.0:+.2%}"
+
+
+def markdown_lines(runs: list[dict]) -> list[str]:
+    """The planned-vs-measured peak table (nothing when no run has a measured peak)."""
+    shown = [r for r in runs if r.get("peak")]
+    if not shown:
+        return []
+    lines = ["## Peak memory of one step: planned vs measured", "",
+             "Measured: the profiler's instrumented step (torch's MemTracker, live tensors; `peak_tensor_bytes`), the "
+             "rank with the largest peak. Planned: `shardscope plan`'s `peak_bytes` for that rank's own step "
+             "(`planner.plan_vs_run`, as `plan --compare`). Error = (planned - measured) / measured; the range is "
+             "over all ranks. Bytes exact (B).", "",
+             "| run | step | planned peak | measured peak | error | error, all ranks | phase planned / measured "
+             "| activations |", "|" + "---|" * 8]
+    for r in shown:
+        p = r["peak"]
+        spread = "-" if p["errors"] is None else f"{percent(p['errors'][0])} .. {percent(p['errors'][1])}"
+        lines.append(f"| {r['run']} | {step_label(p['step'])} | {p['planned']['peak_bytes']:,} | "
+                     f"{p['measured']['peak_tensor_bytes']:,} (rank {p['rank']}) | {percent(p['error'])} | {spread} | "
+                     f"{p['planned']['peak_phase']} / {p['measured']['peak_phase']} | "
+                     f"{p['planned']['activations_source']} |")
+    notes = sorted({r["peak"]["trace_note"] for r in shown if r["peak"].get("trace_note")})
+    return lines + [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
+
+
+def plot_peak(runs: list[dict], path, title: str = ""):
+    """One panel per run (each its own scale: a 2 GB ZeRO bucket would flatten a 100 MB DDP run), with two bars,
+    planned (hatched) and measured, each stacked by part, in MB."""
+    import math
+
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    cols = max(1, min(4, len(runs)))
+    rows = max(1, math.ceil(len(runs) / cols))
+    height = 2.6 * rows + 1.2
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols + 0.6, height), squeeze=False)
+    used = set()
+    for ax, r in zip(axes.flat, runs):
+        p = r.get("peak")
+        ax.set_title(r["run"] + (f"\nplanned {percent(p['error'])}" if p else ""), fontsize=9)
+        if not p:  # a failed run, or a summary without a measured step
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, "failed" if r.get("status") != "ok" else "no measured peak", ha="center",
+                    transform=ax.transAxes, fontsize=9, color="tab:red" if r.get("status") != "ok" else "black")
+            continue
+        ax.set_xticks([0, 1], ["planned", "measured"], fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        for x, parts, hatch in ((0, p["planned"]["peak_breakdown"], "//"), (1, p["measured"]["peak_breakdown"], None)):
+            bottom = 0.0
+            for part, colour in COLOURS.items():
+                value = (parts.get(part) or 0) / 1e6
+                if value:
+                    ax.bar(x, value, 0.7, bottom=bottom, color=colour, hatch=hatch, edgecolor="white")
+                    used.add(part)
+                    bottom += value
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    fig.supylabel("MB (1e6 B) per rank", fontsize=8)
+    handles = [Patch(color=colour, label=part) for part, colour in COLOURS.items() if part in used]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="planned"))
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("Peak of one step per rank: planned vs measured" + (f" ({title})" if title else ""), fontsize=10)
+    fig.tight_layout(rect=(0, 0.55 / height, 1, 1))  # the legend's two rows below the panels
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
