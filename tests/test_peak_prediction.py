@@ -19,6 +19,7 @@ from shardscope.tiny import DINO_SIZES
 # the rest is the traced step, which reproduces the real step's tensors on one process.
 TOLERANCE = 0.05
 BATCH, SEQ = 2, 128
+LORA_RANK = 8
 
 
 def build(kind, tmp_path):
@@ -38,18 +39,23 @@ def build(kind, tmp_path):
     return str(path)
 
 
-def measured_peak(path, checkpointing) -> dict:
-    """Three real steps the way the Trainer takes them (fused AdamW, gradients set to None), the third
-    measured by the callback's own StepPeak."""
+def measured_peak(path, checkpointing, lora_targets=None) -> dict:
+    """Three real steps the way the Trainer takes them (fused AdamW over the trainable parameters, gradients
+    set to None), the third measured by the callback's own StepPeak. `lora_targets`: LoRA r=LORA_RANK there."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
 
     config = AutoConfig.from_pretrained(path)
     vision = config.model_type == "dinov2"
     model = (AutoModelForImageClassification if vision else AutoModelForCausalLM).from_pretrained(path)
+    if lora_targets:
+        from peft import LoraConfig, get_peft_model
+
+        names = "all-linear" if lora_targets == ("all-linear",) else list(lora_targets)
+        model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules=names))
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable()  # transformers: use_reentrant=False, as the trace
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
     if vision:
         batch = {"pixel_values": torch.randn(BATCH, 3, config.image_size, config.image_size, generator=gen),
@@ -70,9 +76,10 @@ def measured_peak(path, checkpointing) -> dict:
     return peak.result()
 
 
-def planned(path, checkpointing, simulate=False) -> dict:
+def planned(path, checkpointing, simulate=False, lora_targets=None) -> dict:
     config = load_model_config(path)
-    setup = Setup(precision="fp32", micro_batch=BATCH, seq_len=SEQ, activation_checkpointing=checkpointing)
+    setup = Setup(precision="fp32", micro_batch=BATCH, seq_len=SEQ, activation_checkpointing=checkpointing,
+                  **({"lora_rank": LORA_RANK, "lora_targets": lora_targets} if lora_targets else {}))
     traces, note = traces_for(config, setup, simulate=simulate)
     assert note is None, note
     return next(r for r in estimate(spec_from_config(config, path), setup, traces)["rows"] if r["strategy"] == "ddp")
@@ -90,6 +97,21 @@ def test_planned_peak_matches_the_measured_step(kind, checkpointing, tmp_path):
     assert plan["peak_breakdown"]["optimizer"] - unused == measured["peak_breakdown"]["optimizer"]
     error = abs(plan["peak_bytes"] - measured["peak_tensor_bytes"]) / measured["peak_tensor_bytes"]
     assert error <= TOLERANCE, (kind, checkpointing, plan["peak_breakdown"], measured)
+    assert plan["peak_phase"] == measured["peak_phase"]
+
+
+@pytest.mark.parametrize("targets,checkpointing", [(("q_proj", "v_proj"), False), (("all-linear",), False),
+                                                   (("q_proj", "v_proj"), True)])
+def test_planned_lora_peak_matches_the_measured_step(targets, checkpointing, tmp_path):
+    """LoRA is traced with peft's adapters on the frozen model (peft's default lora_dropout 0): only the
+    adapters have gradients and AdamW state, and the frozen weights are tracked without gradient hooks."""
+    path = build("llama", tmp_path)
+    measured = measured_peak(path, checkpointing, targets)
+    plan = planned(path, checkpointing, lora_targets=targets)
+    assert plan["activations_source"] == "traced"
+    assert plan["peak_breakdown"]["optimizer"] == measured["peak_breakdown"]["optimizer"]  # the adapters' AdamW state
+    error = abs(plan["peak_bytes"] - measured["peak_tensor_bytes"]) / measured["peak_tensor_bytes"]
+    assert error <= TOLERANCE, (targets, checkpointing, plan["peak_breakdown"], measured)
     assert plan["peak_phase"] == measured["peak_phase"]
 
 
