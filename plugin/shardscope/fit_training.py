@@ -19,7 +19,8 @@ import os
 
 from .errors import UsageError
 from .fit import below_model_states, hardware, nothing_fits, search
-from .mesh import Setup
+from .mesh import HEADROOM, Setup
+from .planner import usable_bytes
 from .strategy import STRATEGIES, num_nodes, strategy_of_config, tp_strategy
 from .units import as_int, gb, parse_size
 
@@ -30,7 +31,7 @@ OPTIMIZERS = {"adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged
 
 
 def fit_training_args(args, model, global_batch_size: int, memory_budget=None, *, seq_len: int | None = None,
-                      image_size: int | None = None, headroom: float = 0.10):
+                      image_size: int | None = None, headroom: float = HEADROOM):
     """A copy of `args` with per_device_train_batch_size, gradient_accumulation_steps and gradient
     (activation) checkpointing chosen so that micro-batch x accumulation x data-parallel size ==
     `global_batch_size` and the planner's peak fits `memory_budget` less `headroom`, fastest first.
@@ -162,15 +163,15 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
             "every strategy searched", f"this run's strategy ({strategy})"))
     if not found["fitting"]:
         raise UsageError("fit_training_args: " + nothing_fits(spec, setup, found, (strategy,), traces))
-    best = found["fitting"][0]
+    best, usable = found["fitting"][0], usable_bytes(setup)
     return {"budget_bytes": budget, "per_device_train_batch_size": best.per_device_train_batch_size,
             "gradient_accumulation_steps": best.gradient_accumulation_steps,
             "gradient_checkpointing": best.gradient_checkpointing, "predicted_peak_bytes": best.peak_bytes,
-            "usable_bytes": int(budget * (1 - headroom)), "headroom": headroom, "strategy": strategy,
+            "usable_bytes": int(usable), "headroom": headroom, "strategy": strategy,
             "world_size": world, "global_batch_size": global_batch, "tokens_per_sample": found["tokens_per_sample"],
             "step_time_s": best.step_time_s,
             "why": (f"{strategy} on {world} ranks, global batch {global_batch}, {found['tokens_per_sample']} tokens per "
-                    f"sample: planned peak {gb(best.peak_bytes)} GB of {gb(budget * (1 - headroom))} GB usable "
+                    f"sample: planned peak {gb(best.peak_bytes)} GB of {gb(usable)} GB usable "
                     f"({gb(budget)} GB budget less {headroom:.0%} headroom), fastest predicted of "
                     f"{len(found['fitting'])} that fit{assumed}")}
 

@@ -30,6 +30,12 @@ def usable_bytes(setup: Setup) -> float | None:
     return None if setup.gpu_memory_bytes is None else setup.gpu_memory_bytes * (1 - setup.headroom)
 
 
+def fit_rule(setup: Setup) -> str:
+    """The fit rule in words, as `plan` prints it."""
+    return (f"fits: peak <= {1 - setup.headroom:g} x GPU memory, the {setup.headroom:.0%} left for the CUDA caching "
+            "allocator's fragmentation, the CUDA context and NCCL buffers (--headroom; docs/planner.md)")
+
+
 def fits(row: Row, setup: Setup) -> bool | None:
     """Whether the row fits the usable GPU memory (and, for offload rows, the given CPU memory)."""
     usable = usable_bytes(setup)
