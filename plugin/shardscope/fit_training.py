@@ -119,12 +119,11 @@ def run_strategy(args, model) -> tuple[str, dict | None, dict]:
 
 def decide(args, model, global_batch: int, budget: int, seq_len, image_size, headroom: float) -> dict:
     """Rank 0's decision: the fastest fitting candidate of the run's own strategy."""
-    from .model_spec import spec_from_config
+    from .model_spec import live_config, spec_from_config
     from .step_trace import tracer
 
     base = _unwrap(model)
-    peft = getattr(base, "peft_config", None)
-    config = base.get_base_model().config if peft else base.config
+    config, lora = live_config(base)
     spec = spec_from_config(config)
     strategy, mesh, extra = run_strategy(args, model)
     if strategy not in STRATEGIES:
@@ -133,12 +132,6 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
     precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
     if precision == "bf16-mixed" and not strategy.startswith("zero") and _param_dtype(base) == "torch.bfloat16":
         precision = "bf16-pure"  # bf16 weights under autocast: no fp32 master anywhere
-    lora = {}
-    if peft:
-        lora_config = next(iter(peft.values()))
-        targets = lora_config.target_modules
-        lora = {"lora_rank": int(lora_config.r),
-                "lora_targets": (targets,) if isinstance(targets, str) else tuple(sorted(targets))}
     if spec.kind == "text":
         seq_len = seq_len or getattr(config, "max_position_embeddings", None) or 2048
     setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=budget, precision=precision,
