@@ -27,7 +27,7 @@ FIELDS = {
     "strategy": "the planner's strategy name (ddp, zero3, fsdp_full_shard, tp, ...) or 'single'",
     "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...)",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
-    "preflight_plan": "on a GPU: the planner's row for this run, checked before training",
+    "preflight_plan": "on a GPU: the planner's peak for this run at its first training batch's shape",
     "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "
            "gradient_accumulation_steps, gradient_checkpointing, predicted_peak_bytes, ...}; else null",
     "world_size": "ranks in the run",
