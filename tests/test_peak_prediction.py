@@ -12,7 +12,7 @@ from shardscope.mesh import Setup
 from shardscope.model_spec import load_model_config, spec_from_config
 from shardscope.peak import StepPeak
 from shardscope.planner import estimate
-from shardscope.step_trace import trace_step, traces_for
+from shardscope.step_trace import trace_step, tracer, traces_for
 from shardscope.tiny import DINO_SIZES
 
 # The issue's bound for a planned peak against a measured one. Held exactly for the model-state part;
@@ -20,6 +20,10 @@ from shardscope.tiny import DINO_SIZES
 TOLERANCE = 0.05
 BATCH, SEQ = 2, 128
 LORA_RANK = 8
+# How far below a trace the line between two traced micro-batches may fall: the L-layer moment is extrapolated
+# from 1 and 2 layers (2 x one - two), a difference that need not stay above its line. Seen: 0.004% here, 0.25%
+# of a row's peak on Llama-2-7B at 512 tokens (and up to 28% above, never more below).
+BELOW = 0.01
 
 
 def build(kind, tmp_path):
@@ -122,6 +126,29 @@ def test_two_layers_scaled_equal_the_full_depth_run(tmp_path):
     scaled, full = trace_step(config, BATCH, SEQ), trace_step(config, BATCH, SEQ, full_depth=True)
     assert full.simulated and not scaled.simulated
     assert scaled.at(3) == full.at(3)
+
+
+@pytest.mark.parametrize("precision,checkpointing", [("bf16-mixed", False), ("fp32", True)])
+def test_a_search_plans_micro_batches_on_the_line_between_two_traces(precision, checkpointing, tmp_path):
+    """`tracer` (fit's search) traces micro-batches 1 and the largest and draws the others on the line between:
+    exact at both ends, and not below what a trace at that micro-batch holds (a layer's moment is the largest of
+    its instants', each affine in the micro-batch), but for BELOW. Multiplying the micro-batch-1 trace instead
+    would count autocast's weight copies once per sample."""
+    from dataclasses import replace
+
+    config = load_model_config(build("llama", tmp_path))
+    base = Setup(precision=precision, seq_len=SEQ, activation_checkpointing=checkpointing)
+    traces = tracer(config, 6)
+    for k in (1, 3, 6):
+        setup = replace(base, micro_batch=k)
+        exact = traces_for(config, setup)[0]
+        for regime, trace in traces(setup).items():
+            for name, moment in trace.moments.items():
+                drawn, traced = moment.at(3), exact[regime].moments[name].at(3)
+                if k in (1, 6):
+                    assert drawn == traced, (regime, name, k)
+                else:
+                    assert sum(drawn.values()) >= (1 - BELOW) * sum(traced.values()), (regime, name, k)
 
 
 def test_an_untraceable_model_falls_back_to_the_formula_and_says_so(tmp_path):

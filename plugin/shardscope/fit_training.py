@@ -148,7 +148,7 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         assumed = ""
     except UsageError:  # a CPU run or an unknown GPU: the ranking orders one strategy's candidates only
         hw, assumed = hardware("H100", precision), " (step times ranked with H100 figures: device peak unknown)"
-    traces = tracer(config)  # LoRA too: traced with the run's rank and targets
+    traces = tracer(config, global_batch)  # LoRA too: traced with the run's rank and targets
     found = search(spec, setup, global_batch, hw, (strategy,), traces)
     below = below_model_states(found, setup)
     if below:

@@ -58,11 +58,18 @@ class StepTrace:
     regime: str
     simulated: bool = False      # a full-depth run, not scaled from 1 and 2 layers
 
-    def times(self, k: int) -> "StepTrace":
-        """The same step with a k times larger micro-batch: activations and temporaries are per sample."""
-        scaled = {name: Moment(tuple(k * v for v in m.activations), tuple(k * v for v in m.temporaries),
-                               m.gradients) for name, m in self.moments.items()}
-        return StepTrace(scaled, self.trainable, self.regime, self.simulated)
+    def toward(self, big: "StepTrace", largest: int, k: int) -> "StepTrace":
+        """The step at micro-batch k, on the line from this trace (micro-batch 1) to `big` (micro-batch `largest`).
+        A moment's bytes are the largest of its instants', each affine in the micro-batch (per-sample tensors
+        plus what does not grow with it: autocast's 16-bit weight copies, rotary tables), so they are convex in
+        it: the line is exact at both ends and high, never low, between them."""
+        def line(ones, bigs):
+            return tuple(one - (-(k - 1) * (b - one) // max(1, largest - 1)) for one, b in zip(ones, bigs))
+
+        moments = {name: Moment(*(line(a, b) for a, b in zip(
+            (m.activations, m.temporaries, m.gradients), (o.activations, o.temporaries, o.gradients))))
+            for name, m in self.moments.items() for o in (big.moments[name],)}
+        return StepTrace(moments, self.trainable, self.regime, self.simulated)
 
     def at(self, layers: int) -> dict:
         """{moment: {activations, temporaries, gradient_fraction}} for a model of `layers` layers; the
@@ -219,9 +226,11 @@ def _parts(snapshot: dict) -> tuple[int, int, int]:
                  for category in ("Activation", "Temp", "Gradient"))
 
 
-def tracer(config):
-    """`setup -> {regime: StepTrace}` for a search over many setups: each (checkpointing, precision,
-    sequence, attention) traced once at micro-batch 1 and scaled; {} when the model cannot be traced."""
+def tracer(config, largest: int):
+    """`setup -> {regime: StepTrace}` for a search over many setups of micro-batches 1..`largest`: each
+    (checkpointing, precision, sequence, attention, LoRA) traced at micro-batches 1 and `largest`, and any
+    micro-batch between taken on the line through them (`StepTrace.toward`: exact at the ends, high
+    between); {} when the model cannot be traced."""
     from dataclasses import replace
 
     cache = {}
@@ -230,8 +239,9 @@ def tracer(config):
         key = (setup.activation_checkpointing, setup.precision, setup.seq_len, setup.image_size, setup.attention,
                setup.lora_rank, setup.lora_targets)
         if key not in cache:
-            cache[key] = traces_for(config, replace(setup, micro_batch=1))[0]
-        return {regime: trace.times(setup.micro_batch) for regime, trace in cache[key].items()}
+            cache[key] = [traces_for(config, replace(setup, micro_batch=b))[0] for b in sorted({1, largest})]
+        one, big = cache[key][0], cache[key][-1]
+        return {regime: trace.toward(big[regime], largest, setup.micro_batch) for regime, trace in one.items()}
     return traces
 
 
