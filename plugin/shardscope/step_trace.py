@@ -60,9 +60,10 @@ class StepTrace:
 
     def toward(self, big: "StepTrace", largest: int, k: int) -> "StepTrace":
         """The step at micro-batch k, on the line from this trace (micro-batch 1) to `big` (micro-batch `largest`).
-        A moment's bytes are the largest of its instants', each affine in the micro-batch (per-sample tensors
-        plus what does not grow with it: autocast's 16-bit weight copies, rotary tables), so they are convex in
-        it: the line is exact at both ends and high, never low, between them."""
+        A layer's moment is the largest of its instants', each affine in the micro-batch (per-sample tensors plus
+        what does not grow with it: autocast's 16-bit weight copies, rotary tables), so it is convex in it: the
+        line is exact at both ends and high between them (but for the small non-linear part the 1-and-2-layer
+        scaling leaves: tests/test_peak_prediction.py bounds it)."""
         def line(ones, bigs):
             return tuple(one - (-(k - 1) * (b - one) // max(1, largest - 1)) for one, b in zip(ones, bigs))
 
