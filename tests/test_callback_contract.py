@@ -143,11 +143,12 @@ def test_preflight_warns_with_the_planners_advice_when_the_strategy_will_not_fit
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
     profiler._device = torch.device("cuda", 0)
     profiler.preflight = {"strategy": "ddp", "world_size": 1}
+    ids = torch.zeros(1, 32, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="shardscope"):
-        profiler._plan_preflight()
+        profiler._plan_preflight({"input_ids": ids})
     plan = profiler.preflight["plan"]
     assert plan["strategy"] == "ddp" and plan["fits"] is fits and plan["gpu_memory_bytes"] == gpu_bytes
-    warned = [r.getMessage() for r in caplog.records if "will not fit" in r.getMessage() or "needs" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "usable on this GPU" in r.getMessage()]
     assert bool(warned) is (not fits)
     if not fits:
         assert "recommended" in warned[0] and "ddp" in warned[0]
@@ -168,13 +169,44 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
     profiler._device = torch.device("cuda", 0)
     profiler.preflight = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
-    profiler._plan_preflight()
+    profiler._plan_preflight({})  # no batch: model states and buffers
     _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=1, gpu_memory_bytes=80 * 10**9), mesh)
     row = next(r for r in estimate(spec_from_config(llama.config), setup)["rows"] if r["strategy"] == "fsdp_tp")
     default = estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
     assert row["mesh"] == mesh and mesh not in [r["mesh"] for r in default]  # only the mesh gives this row
     assert profiler.preflight["plan"]["strategy"] == "fsdp_tp"
     assert profiler.preflight["plan"]["total_bytes"] == row["total_bytes"]
+
+
+def test_preflight_plans_the_traced_peak_at_the_first_training_batch(llama, monkeypatch):
+    """GPU-only branch: at the first training forward the preflight plans the batch's shape with the step traced
+    as `plan --model` traces it (the same row), once, and its seconds are left out of the step's time."""
+    from types import SimpleNamespace
+
+    from shardscope.mesh import Setup
+    from shardscope.model_spec import spec_from_config
+    from shardscope.planner import estimate
+    from shardscope.step_trace import traces_for
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
+    profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None, comm_step=None, time_step=None)
+    profiler._device, profiler._preflight_due = torch.device("cuda", 0), True
+    profiler.preflight = {"strategy": "ddp", "world_size": 1}
+    profiler.begin_step()
+    anchored = profiler._interval.anchor  # where the step's time starts
+    ids = torch.zeros(2, 48, dtype=torch.long)
+    llama.train()
+    llama(input_ids=ids, labels=ids).loss.backward()
+    plan = profiler.preflight.pop("plan")
+    setup = Setup(precision="fp32", micro_batch=2, seq_len=48, gpu_memory_bytes=80 * 10**9)
+    row = next(r for r in estimate(spec_from_config(llama.config), setup, traces_for(llama.config, setup)[0])["rows"]
+               if r["strategy"] == "ddp")
+    assert (plan["micro_batch"], plan["seq_len"], plan["activations_source"]) == (2, 48, "traced")
+    assert plan["peak_bytes"] == row["peak_bytes"] and plan["fits"] is True
+    assert profiler._interval.anchor > anchored  # the step's time restarts after the preflight
+    llama(input_ids=ids, labels=ids)
+    assert "plan" not in profiler.preflight  # once per run
+    profiler.close()
 
 
 def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_path):

@@ -258,3 +258,29 @@ def test_recipe_start_up_check_refuses_a_mismatch(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with pytest.raises(UsageError, match="mixed_precision"):
         preflight(ok, None)
+
+
+def test_doctor_and_plan_agree_on_fits_near_the_edge(tiny_llama, capsys):
+    """A GPU whose usable memory lies between the formula's peak and the traced one: doctor's fit check
+    and `plan --model` both decide with the traced step, so they agree where the formula would not."""
+    import json
+
+    from shardscope.mesh import HEADROOM, Setup
+    from shardscope.model_spec import model_spec
+    from shardscope.planner import estimate
+    from shardscope.trace_cache import cached_traces_for
+
+    model = str(tiny_llama)
+    setup = Setup(precision="bf16-mixed", micro_batch=1, seq_len=2048)  # doctor's defaults without Trainer arguments
+    traces, note = cached_traces_for(model, setup)
+    assert note is None
+    formula, traced = (next(r["peak_bytes"] for r in estimate(model_spec(model), setup, t)["rows"]
+                            if r["strategy"] == "ddp") for t in (None, traces))
+    for usable in (min(formula, traced), max(formula, traced) - 1):  # the formula fits exactly one of the two
+        memory = int(usable / (1 - HEADROOM)) + 1
+        assert main(["plan", "--model", model, "--gpu-memory", str(memory), "--json"]) in (0, 1)
+        row = next(r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == "ddp")
+        assert row["activations_source"] == "traced" and row["peak_bytes"] == traced
+        assert row["fits"] is (traced <= usable) and row["fits"] is not (formula <= usable)
+        no_fit = [f for f in run(model=model, gpus=1, gpu_memory_bytes=memory) if f.code == "no-fit"]
+        assert bool(no_fit) is not row["fits"]

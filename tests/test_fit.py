@@ -213,7 +213,7 @@ def test_fit_training_args_applies_the_search_winner(cpu_args, tiny_model):
     from shardscope.step_trace import tracer
 
     found = search(spec, Setup(gpu_memory_bytes=budget, precision="fp32", seq_len=128), 16, H100, ("ddp",),
-                   tracer(tiny_model.config))  # the same traced activations fit_training_args plans with
+                   tracer(tiny_model.config, 16))  # the same traced activations fit_training_args plans with
     best = found["fitting"][0]
     assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps, fitted.gradient_checkpointing) \
         == (best.per_device_train_batch_size, best.gradient_accumulation_steps, best.gradient_checkpointing)

@@ -415,7 +415,7 @@ def test_cli_json_contract(capsys):
     for row in result["rows"]:
         assert keys <= set(row) and row["total_bytes"] == row["peak_bytes"] == sum(row["peak_breakdown"].values())
         assert row["peak_breakdown"]["optimizer"] == row["optimizer_bytes"]  # held at every moment of a step
-        assert row["activations_source"] == "formula"  # --params: nothing to trace
+        assert row["activations_source"] == "formula (approximate)"  # --params: nothing to trace
     assert set(result["recommendation"]) == {"strategy", "reason", "not_chosen"}
     assert result["recommendation"]["strategy"] in STRATEGIES
 
@@ -424,6 +424,19 @@ def test_cli_table_and_rule_of_thumb_convention(capsys):
     assert cli.main(["plan", "--model", "mistral-7b", "--gpu", "A100-80"]) == 0
     out = capsys.readouterr().out
     assert "fsdp_full_shard" in out and "recommendation:" in out and "activations at the peak:" in out
+    # the headroom is one stated margin, printed with the rule it enters
+    assert "fits: peak <= 0.9 x GPU memory, the 10% left for the CUDA caching allocator's fragmentation" in out
+
+
+def test_tp_rows_say_their_activations_are_approximate(capsys):
+    """The trace does not split a layer by TP: the TP rows keep the formula and say so, in the JSON and the table."""
+    argv = ["plan", "--model", "mistral-7b", "--gpus", "8", "--gpu", "H100", "--seq-len", "512"]
+    assert cli.main([*argv, "--json"]) == 0
+    sources = {r["strategy"]: r["activations_source"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert sources["tp"] == "formula (approximate)" and sources["fsdp_full_shard"] == "traced"
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tp: a written-out formula, approximate" in out
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--convention", "rule-of-thumb-12"]) == 0
     out = capsys.readouterr().out
     assert "84" in out and "31.5" in out and "112" in out and "38.5" in out and "master" in out

@@ -127,11 +127,17 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
               zero: dict | None = None) -> list[Finding]:
     """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes;
     `zero`: a DeepSpeed file's zero_optimization (what it offloads, its sub-group size).
-    The fix is the cheapest change that makes this strategy fit (--bf16, then --gradient_checkpointing),
-    else the planner's recommendation."""
+    The peak is `plan --model`'s: the step traced from the model's code (`trace_cache`), the formula where
+    tracing fails (then the finding says approximate). The fix is the cheapest change that makes this
+    strategy fit (--bf16, then --gradient_checkpointing), else the planner's recommendation."""
     from .mesh import Setup, setup_for_mesh
-    from .planner import estimate
+    from .planner import estimate, usable_bytes
+    from .trace_cache import cached_traces_for
     from .units import gb, gpu_size
+
+    def plan(setup):
+        traces, note = cached_traces_for(inputs.model, setup)
+        return estimate(spec, setup, traces), note
 
     trainer = inputs.trainer or {}
     precision = "bf16-mixed" if trainer.get("bf16") else "fp16-mixed" if trainer.get("fp16") else (
@@ -146,7 +152,7 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
                   **planner_settings(zero or {}))
     if mesh:
         strategy, setup = setup_for_mesh(setup, mesh)
-    result = estimate(spec, setup)
+    result, note = plan(setup)
     rows = {r["strategy"]: r for r in result["rows"]}
     if strategy not in rows:  # a TP yaml with a model that has no TP plan: the tp-degree finding says so
         return []
@@ -162,18 +168,21 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
             continue
         setup = dataclasses.replace(setup, **change)
         flags.append(flag)
-        cheaper = {r["strategy"]: r for r in estimate(spec, setup)["rows"]}[strategy]
+        cheaper = {r["strategy"]: r for r in plan(setup)[0]["rows"]}[strategy]
         if cheaper["fits"]:
             fix = f"pass {' '.join(flags)}: {strategy} then needs {gb(cheaper['total_bytes'])} GB per GPU " \
                   f"(cheaper than changing strategy); else {fix}"
             break
-    usable = gb(inputs.gpu_memory_bytes * (1 - setup.headroom))
-    what = (f"{strategy} needs {gb(row['total_bytes'])} GB per GPU; a {gpu_size(inputs.gpu_memory_bytes)} GPU has "
-            f"{usable} GB usable ({setup.headroom:.0%} headroom kept)")
+    what = (f"{strategy} needs {gb(row['peak_bytes'])} GB per GPU at its peak ({row['peak_phase']}); a "
+            f"{gpu_size(inputs.gpu_memory_bytes)} GPU has {gb(usable_bytes(setup))} GB usable "
+            f"({setup.headroom:.0%} headroom kept)")
     if strategy == "ddp":
-        what += f"; DDP/NO_SHARD keeps all {gb(row['model_states_bytes'])} GB of model states on every GPU"
+        what += f" (DDP/NO_SHARD keeps all {gb(row['model_states_bytes'])} GB of model states on every GPU)"
+    if row["activations_source"] != "traced":
+        note = note or f"activations from a written-out formula (approximate) for {strategy}"
     return [Finding("no-fit", file, "strategy", f"{what} ({spec.name}, {setup.world_size} GPUs, {precision}, "
-                    f"micro-batch {setup.micro_batch}, seq {setup.seq_len})", fix)]
+                    f"micro-batch {setup.micro_batch}, seq {setup.seq_len}" + (f"; {note}" if note else "") + ")",
+                    fix)]
 
 
 # ----------------------------------------------------------------------------- the doctor

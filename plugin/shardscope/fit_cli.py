@@ -93,7 +93,7 @@ def fit_command(args) -> int:
         raise UsageError("give --model or --params, not both")
     if args.model:  # the model's own code, traced on fake tensors, gives its activations (else the formula)
         config = load_model_config(args.model)
-        spec, traces = spec_from_config(config, name=args.model), tracer(config)
+        spec, traces = spec_from_config(config, name=args.model), tracer(config, args.global_batch)
     else:
         spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)

@@ -19,7 +19,8 @@ import os
 
 from .errors import UsageError
 from .fit import below_model_states, hardware, nothing_fits, search
-from .mesh import Setup
+from .mesh import HEADROOM, Setup
+from .planner import usable_bytes
 from .strategy import STRATEGIES, num_nodes, strategy_of_config, tp_strategy
 from .units import as_int, gb, parse_size
 
@@ -30,7 +31,7 @@ OPTIMIZERS = {"adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged
 
 
 def fit_training_args(args, model, global_batch_size: int, memory_budget=None, *, seq_len: int | None = None,
-                      image_size: int | None = None, headroom: float = 0.10):
+                      image_size: int | None = None, headroom: float = HEADROOM):
     """A copy of `args` with per_device_train_batch_size, gradient_accumulation_steps and gradient
     (activation) checkpointing chosen so that micro-batch x accumulation x data-parallel size ==
     `global_batch_size` and the planner's peak fits `memory_budget` less `headroom`, fastest first.
@@ -118,12 +119,11 @@ def run_strategy(args, model) -> tuple[str, dict | None, dict]:
 
 def decide(args, model, global_batch: int, budget: int, seq_len, image_size, headroom: float) -> dict:
     """Rank 0's decision: the fastest fitting candidate of the run's own strategy."""
-    from .model_spec import spec_from_config
+    from .model_spec import live_config, spec_from_config
     from .step_trace import tracer
 
     base = _unwrap(model)
-    peft = getattr(base, "peft_config", None)
-    config = base.get_base_model().config if peft else base.config
+    config, lora = live_config(base)
     spec = spec_from_config(config)
     strategy, mesh, extra = run_strategy(args, model)
     if strategy not in STRATEGIES:
@@ -132,12 +132,6 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
     precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
     if precision == "bf16-mixed" and not strategy.startswith("zero") and _param_dtype(base) == "torch.bfloat16":
         precision = "bf16-pure"  # bf16 weights under autocast: no fp32 master anywhere
-    lora = {}
-    if peft:
-        lora_config = next(iter(peft.values()))
-        targets = lora_config.target_modules
-        lora = {"lora_rank": int(lora_config.r),
-                "lora_targets": (targets,) if isinstance(targets, str) else tuple(sorted(targets))}
     if spec.kind == "text":
         seq_len = seq_len or getattr(config, "max_position_embeddings", None) or 2048
     setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=budget, precision=precision,
@@ -154,7 +148,7 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         assumed = ""
     except UsageError:  # a CPU run or an unknown GPU: the ranking orders one strategy's candidates only
         hw, assumed = hardware("H100", precision), " (step times ranked with H100 figures: device peak unknown)"
-    traces = tracer(config) if not peft else None  # LoRA: the formula (frozen weights are not traced)
+    traces = tracer(config, global_batch)  # LoRA too: traced with the run's rank and targets
     found = search(spec, setup, global_batch, hw, (strategy,), traces)
     below = below_model_states(found, setup)
     if below:
@@ -162,15 +156,15 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
             "every strategy searched", f"this run's strategy ({strategy})"))
     if not found["fitting"]:
         raise UsageError("fit_training_args: " + nothing_fits(spec, setup, found, (strategy,), traces))
-    best = found["fitting"][0]
+    best, usable = found["fitting"][0], usable_bytes(setup)
     return {"budget_bytes": budget, "per_device_train_batch_size": best.per_device_train_batch_size,
             "gradient_accumulation_steps": best.gradient_accumulation_steps,
             "gradient_checkpointing": best.gradient_checkpointing, "predicted_peak_bytes": best.peak_bytes,
-            "usable_bytes": int(budget * (1 - headroom)), "headroom": headroom, "strategy": strategy,
+            "usable_bytes": int(usable), "headroom": headroom, "strategy": strategy,
             "world_size": world, "global_batch_size": global_batch, "tokens_per_sample": found["tokens_per_sample"],
             "step_time_s": best.step_time_s,
             "why": (f"{strategy} on {world} ranks, global batch {global_batch}, {found['tokens_per_sample']} tokens per "
-                    f"sample: planned peak {gb(best.peak_bytes)} GB of {gb(budget * (1 - headroom))} GB usable "
+                    f"sample: planned peak {gb(best.peak_bytes)} GB of {gb(usable)} GB usable "
                     f"({gb(budget)} GB budget less {headroom:.0%} headroom), fastest predicted of "
                     f"{len(found['fitting'])} that fit{assumed}")}
 

@@ -20,6 +20,10 @@ from .peak_plan import formula_moments, step_peak
 from .strategy import family
 from .units import ceil_div
 
+# A row's `activations_source` where no trace applies (TP rows, untraceable models, --params)
+FORMULA = "formula (approximate)"
+
+
 @dataclass(frozen=True)
 class ElementBytes:
     param: int    # model weights as held by the rank
@@ -225,7 +229,7 @@ class Row:
     peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
     peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (peak_plan)
     peak_phase: str = ""                      # forward, backward or optimizer step
-    activations_source: str = "formula"       # "traced" (1 and 2 layers scaled), "simulated" (full depth), "formula"
+    activations_source: str = FORMULA         # "traced" (1 and 2 layers scaled), "simulated" (full depth), FORMULA
     fits: bool | None = None
     cpu_bytes: int = 0
     model_states_bytes: int = 0
@@ -341,7 +345,7 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     if trace is not None and fam != "tp":
         moments, source = trace.at(spec.num_layers), "simulated" if trace.simulated else "traced"
     else:
-        moments, source = formula_moments(act, setup.activation_checkpointing), "formula"
+        moments, source = formula_moments(act, setup.activation_checkpointing), FORMULA
     peak = step_peak(row, detail, moments, *_gathered(strategy, spec, c, eb, detail))
     # A frozen reference is built and sharded like the trained model, in the dtype its parameters are held in
     # (fp32 under torch mixed precision, 16-bit DeepSpeed partitions), with no grads or optimizer state; it is

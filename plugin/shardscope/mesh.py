@@ -13,6 +13,13 @@ from .model_spec import LORA_DEFAULT_TARGETS, ModelSpec
 from .strategy import OPTIMIZERS, PRECISIONS, tp_strategy
 
 
+# The fraction of GPU memory a plan leaves free (`Setup.headroom`, `--headroom`): what no planned tensor
+# accounts for, the CUDA caching allocator's fragmentation (memory reserved in blocks but not allocated),
+# the CUDA context and NCCL's buffers. A run fits when its planned peak <= (1 - HEADROOM) x GPU memory
+# (`planner.usable_bytes`); docs/planner.md, "Fits: the headroom", is where it is stated.
+HEADROOM = 0.10
+
+
 @dataclass(frozen=True)
 class Setup:
     """The run being planned. `gpus_per_node` x `nodes` ranks, one GPU each."""
@@ -39,7 +46,7 @@ class Setup:
     zero_param_groups: int = 2             # Trainer: decay / no-decay groups
     grad_accum_steps: int = 1
     fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params
-    headroom: float = 0.10                 # fraction of GPU memory kept free (context, fragmentation)
+    headroom: float = HEADROOM             # fraction of GPU memory kept free (see HEADROOM)
     cpu_memory_bytes: int | None = None    # per node; checked for offload rows when given
     prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
     tp_size: int | None = None             # tensor-parallel degree of tp/fsdp_tp/hsdp_tp; None: `tp_degree` default

@@ -172,6 +172,17 @@ def meta_model(config):
         return auto.from_config(config)
 
 
+def live_config(model) -> tuple:
+    """(transformers config, {lora_rank, lora_targets} or {}) of a live model, wrapped by peft's LoRA or not."""
+    peft = getattr(model, "peft_config", None)
+    if not peft:
+        return model.config, {}
+    lora = next(iter(peft.values()))
+    targets = lora.target_modules
+    return model.get_base_model().config, {"lora_rank": int(lora.r), "lora_targets": (targets,) if isinstance(
+        targets, str) else tuple(sorted(targets))}
+
+
 def config_value(config, *names, default=0):
     """The first of `names` the config sets (families spell sizes differently), else `default`."""
     for name in names:

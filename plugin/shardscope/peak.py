@@ -14,10 +14,11 @@ strategy's own long-lived buffers allocated at set-up and not reachable from the
 - `peak_phase`: forward, backward or optimizer step: where the peak was first reached;
 - `peak_step`: the shape of the step's first training forward (`STEP_SHAPE`: rows, sequence length of the
   token ids or image size of the pixels, activation checkpointing on), what a plan of the same step needs.
-Instrumenting costs several times a plain step: use it for one warm step. Other models run in the step
-(a frozen reference) are tracked without gradient hooks. Trained models with frozen parameters (LoRA) and
-FSDP1's flat parameters are refused: MemTracker hooks every parameter's gradient and
-torch refuses a hook on a frozen one or on the non-leaf views FSDP1 puts in place during forward.
+Instrumenting costs several times a plain step: use it for one warm step. MemTracker hooks the gradient of
+every parameter it meets and torch refuses a hook on a frozen one, so `tracker()` hooks only parameters that
+train: frozen base weights under LoRA and a frozen reference model run in the step are tracked without one.
+FSDP1's flat parameters are refused: torch refuses the same hook on the non-leaf views FSDP1 puts in place
+during forward.
 """
 from __future__ import annotations
 
@@ -39,30 +40,34 @@ CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "grad
             "Temp": "temporaries", "Optstate": "optimizer", "Other": "optimizer"}
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def tracker():
+    """torch's MemTracker hooking the gradients of trainable parameters only (see the module docstring)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TrainableOnlyTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():  # a frozen parameter counts as hooked already: no hook is installed
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return TrainableOnlyTracker()
+
+
 class StepPeak:
     """Context manager around one optimizer step: `with StepPeak(model, optimizer) as peak: <step>`, then
     `peak.result()`. Phase boundaries come from hooks on the model's forward and the optimizer's step."""
 
     def __init__(self, model, optimizer=None):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        if any(not p.requires_grad for p in model.parameters()):
-            # MemTracker hooks the gradient of every parameter it meets in forward, and torch refuses a hook
-            # on a frozen one: the forward would fail. Refuse here, where the caller's guard catches it.
-            raise ValueError("frozen parameters (LoRA, a frozen backbone) cannot be tracked by MemTracker")
         if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):  # FSDP1 marks its parameters
-            # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses the same hook there
+            # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses a gradient hook there
             raise ValueError("FSDP1 flat parameters cannot be tracked by MemTracker")
-
-        class FrozenSafeTracker(MemTracker):
-            """MemTracker that hooks no gradient of a module holding frozen parameters (a reference model run in
-            the tracked step): torch refuses such a hook, and the refusal would surface in the user's forward."""
-
-            def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-                frozen = any(not p.requires_grad for p in module.parameters())
-                return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
-
-        self.tracker = FrozenSafeTracker()
+        self.tracker = tracker()
         self.model, self.optimizer = model, optimizer
         self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
         self.shape: dict | None = None  # the first training forward's (`step_shape`)

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 from .dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, tp_mesh_shape, check_mesh
 from .errors import UsageError
-from .mesh import Setup
+from .mesh import HEADROOM, Setup
 from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, shipped_source
 from .trace_cache import cached_traces_for
-from .planner import convention_table, estimate, plan_vs_run
+from .planner import convention_table, estimate, fit_rule, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
 
@@ -106,6 +106,8 @@ def format_table(result: dict) -> str:
               "in --json), not the sum of the columns. Formulas: docs/planner.md",
               "** GB each GPU sends per optimizer step: computed from ring-collective formulas (held against counted "
               "collectives, docs/planner.md)"]
+    if s["gpu_memory_bytes"]:
+        lines.append(fit_rule(Setup(headroom=s["headroom"])))
     if any(r.get("approximate") for r in result["rows"]):
         lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
     lines += [n for n in result.get("notes", []) if not n.startswith(FOOTNOTED)]
@@ -189,11 +191,13 @@ def format_dry_run(out: dict) -> str:
 
 
 def _activation_source(rows: list) -> str:
-    sources = {r.get("activations_source", "formula") for r in rows if r["strategy"] not in TP_STRATEGIES}
+    sources = {r["activations_source"] for r in rows if r["strategy"] not in TP_STRATEGIES}
+    tp = [r["strategy"] for r in rows if r["strategy"] in TP_STRATEGIES]
     if sources <= {"traced", "simulated"}:
         return ("simulated: the full-depth model run on fake tensors" if "simulated" in sources else
                 "traced from the model's code on fake tensors (1 and 2 layers, scaled)") + \
-            ("; tp rows from the formula" if any(r["strategy"] in TP_STRATEGIES for r in rows) else "")
+            (f"; {', '.join(tp)}: a written-out formula, approximate (the trace does not split a layer by TP)"
+             if tp else "")
     return "a written-out formula, approximate"
 
 
@@ -205,7 +209,9 @@ def add_hardware_arguments(parser) -> None:
     hw.add_argument("--gpu", help=f"GPU name: {', '.join(GPUS)}")
     hw.add_argument("--gpu-memory", help="memory per GPU: 80GB, 80GiB, bytes; bare number < 1e6 = GiB")
     hw.add_argument("--cpu-memory", help="CPU memory per node, checked for offload strategies")
-    hw.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
+    hw.add_argument("--headroom", type=float, default=HEADROOM,
+                    help=f"fraction of GPU memory kept free for the CUDA caching allocator's fragmentation, the CUDA "
+                         f"context and NCCL (default {HEADROOM:g})")
 
 
 def memory_from_args(args) -> tuple[int | None, int | None]:

@@ -13,8 +13,8 @@ from pathlib import Path
 from .errors import UsageError
 from .formulas import Row, activation_bytes, counts, strategy_row
 from .mesh import Setup, setup_for_mesh, tp_degree
-from .model_spec import ModelSpec, model_spec, resolve_model, spec_from_config, spec_from_count
-from .step_trace import regime_for
+from .model_spec import ModelSpec, live_config, model_spec, resolve_model, spec_from_config, spec_from_count
+from .step_trace import regime_for, traces_for
 from .strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, family, strategy_from_summary
 from .summary import COMPONENTS, read_summary
 from .units import gb, gpu_size
@@ -28,6 +28,12 @@ TIERS = (("ddp",), ("fsdp_shard_grad_op", "zero2"), ("fsdp_hybrid_shard",), ("fs
 def usable_bytes(setup: Setup) -> float | None:
     """GPU memory left for the run once `setup.headroom` is kept free (None: no GPU memory given)."""
     return None if setup.gpu_memory_bytes is None else setup.gpu_memory_bytes * (1 - setup.headroom)
+
+
+def fit_rule(setup: Setup) -> str:
+    """The fit rule in words, as `plan` prints it."""
+    return (f"fits: peak <= {1 - setup.headroom:g} x GPU memory, the {setup.headroom:.0%} left for the CUDA caching "
+            "allocator's fragmentation, the CUDA context and NCCL buffers (--headroom; docs/planner.md)")
 
 
 def fits(row: Row, setup: Setup) -> bool | None:
@@ -329,19 +335,40 @@ def _count_or_none(value):
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def preflight_plan(config, strategy: str | None, mesh: dict | None, world: int, nodes: int, precision: str | None,
-                   gpu_memory_bytes: int) -> dict | None:
-    """The planner's row for a live run, before training: its strategy, world size, precision ("bf16", "fp16",
-    "fp32") and TP mesh, at sequence length 0 (batches not seen yet: model states and buffers, a lower bound).
-    {strategy, total_bytes, fits, gpu_memory_bytes, recommendation}, or None for a strategy it has no row for."""
-    precision = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(precision, "fp32")
-    setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision, seq_len=0, micro_batch=1,
-                  gpu_memory_bytes=gpu_memory_bytes)
+def preflight_plan(model, strategy: str | None, mesh: dict | None, world: int, nodes: int, precision: str | None,
+                   gpu_memory_bytes: int, inputs: dict | None = None) -> dict | None:
+    """The planner's row for a live run as its first training batch goes in: its strategy, world size, precision
+    ("bf16", "fp16", "fp32"), TP mesh, LoRA adapters and checkpointing, and the batch's shape (`inputs`: the
+    forward's keyword arguments, input_ids or pixel_values). The step is traced at that shape as `plan --model`
+    traces it (`step_trace.traces_for`; a fake-tensor trace costs the same at any micro-batch); where tracing
+    fails the row's `activations_source` says approximate, and without a batch (no inputs) the plan is model
+    states and buffers only, a lower bound.
+    {strategy, peak_bytes, total_bytes, peak_phase, activations_source, micro_batch, seq_len, fits,
+    gpu_memory_bytes, usable_bytes, recommendation, warning (when it does not fit)}, or None for a strategy it
+    has no row for."""
+    config, lora = live_config(model)
+    ids, pixels = ((inputs or {}).get(k) for k in ("input_ids", "pixel_values"))
+    batch = ids if ids is not None else pixels
+    setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=gpu_memory_bytes,
+                  precision={"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(precision, "fp32"),
+                  micro_batch=int(batch.shape[0]) if batch is not None else 1,
+                  seq_len=int(ids.shape[-1]) if ids is not None else 0,
+                  image_size=int(pixels.shape[-1]) if pixels is not None else None,
+                  activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)), **lora)
     if mesh and mesh.get("tp", 1) > 1:
         strategy, setup = setup_for_mesh(setup, mesh)
-    plan = estimate(spec_from_config(config), setup)
+    plan = estimate(spec_from_config(config), setup, traces_for(config, setup)[0] if batch is not None else None)
     row = next((r for r in plan["rows"] if r["strategy"] == strategy), None)
     if row is None:
         return None
-    return {"strategy": strategy, "total_bytes": row["total_bytes"], "fits": row["fits"],
-            "gpu_memory_bytes": setup.gpu_memory_bytes, "recommendation": plan["recommendation"]}
+    usable, best = usable_bytes(setup), plan["recommendation"]
+    out = {"strategy": strategy, "peak_bytes": row["peak_bytes"], "total_bytes": row["total_bytes"],
+           "peak_phase": row["peak_phase"], "activations_source": row["activations_source"],
+           "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "fits": row["fits"],
+           "gpu_memory_bytes": setup.gpu_memory_bytes, "usable_bytes": int(usable), "recommendation": best}
+    if row["fits"] is False:
+        out["warning"] = (f"the planner's peak for {strategy} at micro-batch {setup.micro_batch} is "
+                          f"{gb(row['peak_bytes'])} GB per GPU ({row['peak_phase']}; activations "
+                          f"{row['activations_source']}), more than the {gb(usable)} GB usable on this GPU; "
+                          f"recommended: {best['strategy']} ({best['reason']})")
+    return out

@@ -154,9 +154,7 @@ class ShardingProfiler:
             self._watch_precision()
         with self.guard("device peak FLOP/s"):
             self._peak = self._peak_flops()
-        if self._device.type == "cuda":
-            with self.guard("planner preflight"):
-                self._plan_preflight()
+        self._preflight_due = self._device.type == "cuda"  # planned at the first training batch (its shape)
         if _rank() == 0:
             with self.guard("preflight log"):
                 logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
@@ -287,6 +285,11 @@ class ShardingProfiler:
                     samples, _, seq_len = batch_counts(args, kwargs)
                     self._sampled.add_batch(samples, seq_len)
             return
+        if self._preflight_due and torch.is_grad_enabled():
+            self._preflight_due = False
+            with self.guard("planner preflight"):
+                self._plan_preflight({"input_ids": args[0], **kwargs} if args else kwargs)
+            self._windows("restart")  # the preflight's seconds are not the step's
         self._begin_sampled()  # deferred by a pause: starts before the first training forward at the latest
         with self.guard("batch counting"):
             adapters_off = self._adapter_layer is not None and self._adapter_layer.disable_adapters
@@ -442,23 +445,18 @@ class ShardingProfiler:
             "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
         return peak_flops(torch.cuda.get_device_name(self._device), dtype)
 
-    def _plan_preflight(self):
-        """Warn (rank 0) when the planner says the detected strategy will not fit this GPU (`planner.preflight_plan`:
-        model states and buffers, a lower bound). Saved in the summary as `preflight_plan`."""
+    def _plan_preflight(self, inputs: dict):
+        """Warn (rank 0) when the planner's peak for this run at the first training batch's shape does not fit this
+        GPU (`planner.preflight_plan`, traced as `fit` traces). Saved in the summary as `preflight_plan`."""
         from .planner import preflight_plan
-        from .units import gb
 
-        plan = preflight_plan(self._module.config, self.preflight.get("strategy"), self.preflight.get("mesh"),
+        plan = preflight_plan(self._module, self.preflight.get("strategy"), self.preflight.get("mesh"),
                               self.preflight.get("world_size", 1), num_nodes(), self.precision,
-                              torch.cuda.get_device_properties(self._device).total_memory)
-        if plan is None:
-            return
-        self.preflight["plan"] = plan
-        if plan["fits"] is False and _rank() == 0:
-            advice = plan["recommendation"]
-            logger.warning("shardscope preflight: the planner estimates %s needs %s GB per GPU before activations, "
-                           "more than this %s GB GPU allows; recommended: %s (%s)", plan["strategy"],
-                           gb(plan["total_bytes"]), gb(plan["gpu_memory_bytes"]), advice["strategy"], advice["reason"])
+                              torch.cuda.get_device_properties(self._device).total_memory, inputs)
+        if plan is not None:
+            self.preflight["plan"] = plan
+        if plan and plan["fits"] is False and _rank() == 0:
+            logger.warning("shardscope preflight: %s", plan["warning"])
 
     # --- Helpers -----------------------------------------------------------------------------------------------
     def _begin(self, sampled: bool = True):

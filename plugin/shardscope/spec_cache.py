@@ -34,12 +34,13 @@ def cache_dir() -> Path | None:
     return Path(os.path.expanduser(base)) / "shardscope" / "specs"
 
 
-def cache_key(config_bytes: bytes, module: str, *parts: str) -> str | None:
-    """The key of what `module` (a file of this package, e.g. "model_spec.py") computes from a config.json's
-    bytes and `parts`, under this install (None: torch or transformers not installed)."""
+def cache_key(config_bytes: bytes, module: str | tuple, *parts: str) -> str | None:
+    """The key of what `module` (a file of this package, e.g. "model_spec.py", or a tuple of the files it runs)
+    computes from a config.json's bytes and `parts`, under this install (None: torch or transformers not
+    installed)."""
     try:
         versions = f"torch {metadata.version('torch')} transformers {metadata.version('transformers')}"
-        code = (HERE / module).read_bytes()
+        code = b"".join((HERE / name).read_bytes() for name in ((module,) if isinstance(module, str) else module))
     except (metadata.PackageNotFoundError, OSError):
         return None
     digest = hashlib.sha256()

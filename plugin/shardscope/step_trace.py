@@ -58,11 +58,19 @@ class StepTrace:
     regime: str
     simulated: bool = False      # a full-depth run, not scaled from 1 and 2 layers
 
-    def times(self, k: int) -> "StepTrace":
-        """The same step with a k times larger micro-batch: activations and temporaries are per sample."""
-        scaled = {name: Moment(tuple(k * v for v in m.activations), tuple(k * v for v in m.temporaries),
-                               m.gradients) for name, m in self.moments.items()}
-        return StepTrace(scaled, self.trainable, self.regime, self.simulated)
+    def toward(self, big: "StepTrace", largest: int, k: int) -> "StepTrace":
+        """The step at micro-batch k, on the line from this trace (micro-batch 1) to `big` (micro-batch `largest`).
+        A layer's moment is the largest of its instants', each affine in the micro-batch (per-sample tensors plus
+        what does not grow with it: autocast's 16-bit weight copies, rotary tables), so it is convex in it: the
+        line is exact at both ends and high between them (but for the small non-linear part the 1-and-2-layer
+        scaling leaves: tests/test_peak_prediction.py bounds it)."""
+        def line(ones, bigs):
+            return tuple(one - (-(k - 1) * (b - one) // max(1, largest - 1)) for one, b in zip(ones, bigs))
+
+        moments = {name: Moment(*(line(a, b) for a, b in zip(
+            (m.activations, m.temporaries, m.gradients), (o.activations, o.temporaries, o.gradients))))
+            for name, m in self.moments.items() for o in (big.moments[name],)}
+        return StepTrace(moments, self.trainable, self.regime, self.simulated)
 
     def at(self, layers: int) -> dict:
         """{moment: {activations, temporaries, gradient_fraction}} for a model of `layers` layers; the
@@ -87,9 +95,10 @@ def regime_for(strategy: str, precision: str) -> str:
 
 def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32", regime: str = "fp32",
                checkpointing: bool = False, attention: str = "sdpa", image_size: int | None = None,
-               full_depth: bool = False) -> StepTrace:
+               full_depth: bool = False, lora: tuple | None = None) -> StepTrace:
     """Trace one micro-batch's forward and backward (see the module docstring). `config` is the model's
-    transformers config; it is copied, never changed. Raises TraceError when the model cannot be traced."""
+    transformers config; it is copied, never changed. `lora`: (rank, target module names) to train LoRA
+    adapters on the frozen model, as peft builds them. Raises TraceError when the model cannot be traced."""
     import torch
 
     if regime not in REGIMES:
@@ -102,7 +111,7 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
     for depth in depths:
         try:
             points.append(_trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing,
-                                 attention, image_size))
+                                 attention, image_size, lora))
         except TraceError:
             raise
         except Exception as error:  # the model's code on fake tensors: any failure means "cannot trace"
@@ -128,12 +137,14 @@ def _layers_key(config) -> str:
     raise TraceError(f"config of model type '{getattr(config, 'model_type', '?')}' names no layer count")
 
 
-def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing, attention, image_size):
+def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing, attention, image_size,
+           lora=None):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification
     from transformers.initialization import no_init_weights
+
+    from .peak import tracker as memory_tracker
 
     config = copy.deepcopy(config)
     setattr(config, layers_key, depth)
@@ -145,17 +156,17 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
         raise TraceError(f"model type '{getattr(config, 'model_type', '?')}' has no causal-LM or image-classification "
                          "head whose loss could be traced")
     vision = auto is AutoModelForImageClassification
-    default_dtype = torch.get_default_dtype()
+    dtype = half if regime == "pure" else torch.float32
+    # Built on the meta device (no weights, no initialisers: they read values), LoRA applied there, then each
+    # tensor made a fake CPU tensor of the same shape and dtype: peft's own device moves fail on fake tensors.
+    with torch.device("meta"), no_init_weights():
+        model = auto.from_config(config, dtype=dtype)  # not the dtype a saved config names
+    if lora is not None:
+        model = _with_lora(model, *lora)
     with FakeTensorMode(allow_non_fake_inputs=False):
-        dtype = half if regime == "pure" else torch.float32
-        torch.set_default_dtype(dtype)
-        try:
-            with no_init_weights():  # initialisers read values (trunc_normal_), which fake tensors have not
-                model = auto.from_config(config, dtype=dtype)  # not the dtype a saved config names
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if checkpointing:  # the cache is off under checkpointing anyway: say so, not warn it
-            model.config.use_cache = False
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        if checkpointing:
+            model.config.use_cache = False  # the cache is off under checkpointing anyway: say so, not warn it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         if vision:
@@ -167,7 +178,7 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids}
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        tracker = MemTracker()
+        tracker = memory_tracker()
         tracker.track_external(model)
         autocast = torch.autocast("cpu", dtype=half) if regime == "autocast" else contextlib.nullcontext()
         with tracker:
@@ -185,6 +196,18 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
                    "last layer backward": peak(layers[-1], "Peak-Backward"),
                    "first layer backward": peak(layers[0], "Peak-Backward")}
     return moments, trainable
+
+
+def _with_lora(model, rank: int, targets: tuple):
+    """The model wrapped by peft with LoRA adapters of `rank` on `targets` ("all-linear": every Linear but the
+    head), as `get_peft_model` builds them for training (base weights frozen, adapters in fp32 by default)."""
+    from peft import LoraConfig, get_peft_model
+
+    names = "all-linear" if "all-linear" in targets else list(targets)
+    try:
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=names))
+    except ValueError as error:  # no module matches the targets: the planner's own count says so first
+        raise TraceError(f"LoRA: {str(error).splitlines()[0]}"[:200]) from None
 
 
 def _layer_list(model, depth: int):
@@ -205,27 +228,28 @@ def _parts(snapshot: dict) -> tuple[int, int, int]:
                  for category in ("Activation", "Temp", "Gradient"))
 
 
-def tracer(config):
-    """`setup -> {regime: StepTrace}` for a search over many setups: each (checkpointing, precision,
-    sequence, attention) traced once at micro-batch 1 and scaled; {} when the model cannot be traced."""
+def tracer(config, largest: int):
+    """`setup -> {regime: StepTrace}` for a search over many setups of micro-batches 1..`largest`: each
+    (checkpointing, precision, sequence, attention, LoRA) traced at micro-batches 1 and `largest`, and any
+    micro-batch between taken on the line through them (`StepTrace.toward`: exact at the ends, high
+    between); {} when the model cannot be traced."""
     from dataclasses import replace
 
     cache = {}
 
     def traces(setup) -> dict:
         key = (setup.activation_checkpointing, setup.precision, setup.seq_len, setup.image_size, setup.attention,
-               setup.lora_rank)
+               setup.lora_rank, setup.lora_targets)
         if key not in cache:
-            cache[key] = traces_for(config, replace(setup, micro_batch=1))[0]
-        return {regime: trace.times(setup.micro_batch) for regime, trace in cache[key].items()}
+            cache[key] = [traces_for(config, replace(setup, micro_batch=b))[0] for b in sorted({1, largest})]
+        one, big = cache[key][0], cache[key][-1]
+        return {regime: trace.toward(big[regime], largest, setup.micro_batch) for regime, trace in one.items()}
     return traces
 
 
 def traces_for(config, setup, simulate: bool = False) -> tuple[dict, str | None]:
     """{regime: StepTrace} for every regime `setup.precision` needs (fp32: one; 16-bit: autocast and pure),
     and a note when the model cannot be traced (the planner then uses its formula, marked approximate)."""
-    if setup.lora_rank:
-        return {}, "activations from the formula (approximate): LoRA is not traced (frozen weights)"
     regimes = ("fp32",) if setup.precision == "fp32" else ("autocast", "pure")
     traces = {}
     for regime in regimes:
@@ -233,7 +257,8 @@ def traces_for(config, setup, simulate: bool = False) -> tuple[dict, str | None]
             traces[regime] = trace_step(config, setup.micro_batch, setup.seq_len, precision=setup.precision,
                                         regime=regime, checkpointing=setup.activation_checkpointing,
                                         attention=setup.attention, image_size=setup.image_size,
-                                        full_depth=simulate)
+                                        full_depth=simulate,
+                                        lora=(setup.lora_rank, setup.lora_targets) if setup.lora_rank else None)
         except TraceError as error:
             return {}, f"activations from the formula (approximate): the model could not be traced ({error})"
     return traces, None

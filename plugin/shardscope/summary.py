@@ -29,7 +29,7 @@ FIELDS = {
                        "`reduce_bucket_size` (elements) and, ZeRO-1/2, `overlap_comm`, as the run's ZeRO optimizer "
                        "was built with them (what plan_vs_run plans)",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
-    "preflight_plan": "on a GPU: the planner's row for this run, checked before training",
+    "preflight_plan": "on a GPU: the planner's peak for this run at its first training batch's shape",
     "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "
            "gradient_accumulation_steps, gradient_checkpointing, predicted_peak_bytes, ...}; else null",
     "world_size": "ranks in the run",

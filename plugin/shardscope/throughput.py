@@ -100,6 +100,10 @@ class ThroughputWindow:
         if self.anchor is None:
             self.anchor = self.clock()
 
+    def restart(self):
+        """The step's time starts now: what ran since its begin (the planner's preflight) is left out."""
+        self.anchor = self.clock()
+
     def add_batch(self, samples: int, tokens=None, flops=None):
         self.samples += samples
         if tokens is not None:
