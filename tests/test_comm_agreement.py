@@ -1,8 +1,8 @@
 """The planner's communication per step against the collectives the profiler counted on the same real 2-rank runs.
 
-Runs are shared with test_strategies.py / test_planner_agreement.py (accumulation 1); accumulation 2 adds one
-run per strategy, because accumulation changes what ZeRO-2, ZeRO-3 and FSDP send (they communicate in every
-micro-batch, DDP and ZeRO-1 once per step).
+Runs are shared with test_strategies.py / test_planner_agreement.py: the tiny Llama at accumulation 1, and the
+~50M Llama at accumulation 2 (the planner agreement's realistic shape), because accumulation changes what ZeRO-2,
+ZeRO-3 and FSDP send (they communicate in every micro-batch, DDP and ZeRO-1 once per step).
 """
 import json
 
@@ -31,10 +31,10 @@ def counted_by_kind(comm: dict) -> dict:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("model, accum", [("shard_llama", 1), ("llama_50m", 2)])
 @pytest.mark.parametrize("config", AGREEING)
-def test_planned_communication_matches_counted_collectives(config, accum, strategy_runs, tmp_path):
-    summary, _ = strategy_runs(config, "shard_llama", grad_accum=accum)
+def test_planned_communication_matches_counted_collectives(config, model, accum, strategy_runs, tmp_path):
+    summary, _ = strategy_runs(config, model, grad_accum=accum)
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(summary))
     result = plan_vs_run(path)

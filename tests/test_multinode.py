@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch
+from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch, free_port
 
 from shardscope.configs import find_config
 from shardscope.doctor import Inputs, diagnose
@@ -108,6 +108,7 @@ def _bad_launch(tmp_path, **kwargs):
     return accelerate_multinode_launch(find_config("ddp_multinode").path, HELLO, ["--help"], tmp_path, **kwargs)
 
 
+@pytest.mark.launch
 def test_port_in_use_fails_at_once_with_a_clear_error(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -119,16 +120,20 @@ def test_port_in_use_fails_at_once_with_a_clear_error(tmp_path):
     assert run.survivors() == []
 
 
+@pytest.mark.launch
 def test_unreachable_main_address_fails_within_the_rendezvous_timeout(tmp_path):
-    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed. Without a rendezvous timeout the node waits for
-    # its main node for 10 minutes (torch's static rendezvous default); --rdzv_conf timeout=3 bounds it.
-    run = _bad_launch(tmp_path, main_process_ip="192.0.2.1", machine_ranks=[1],
+    # The main node's address answers nothing: a loopback port no process listens on (tests send traffic to
+    # loopback only). Without a rendezvous timeout the node waits for its main node for 10 minutes (torch's
+    # static rendezvous default); --rdzv_conf timeout=3 bounds it.
+    port = free_port()
+    run = _bad_launch(tmp_path, main_process_ip="127.0.0.1", main_process_port=port, machine_ranks=[1],
                       launcher_flags=["--rdzv_conf", "timeout=3"], timeout=40)
     assert not run.timed_out and run.returncodes == [1], run.outputs
-    assert "timed out after 3000ms while trying to connect to (192.0.2.1" in run.outputs[0]
+    assert f"timed out after 3000ms while trying to connect to (127.0.0.1, {port})" in run.outputs[0]
     assert run.survivors() == []
 
 
+@pytest.mark.launch
 def test_node_without_its_main_node_is_killed_on_timeout(tmp_path):
     # No rendezvous timeout: the launcher would wait for minutes. The helper's timeout kills the launcher's
     # whole session (agent and anything it started): nothing may survive.

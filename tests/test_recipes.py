@@ -383,13 +383,15 @@ def test_model_checks_in_process(sft_assets, image_assets):
         load_model_config("org/missing")
 
 
+@pytest.mark.launch
 def test_bad_input_under_accelerate_launch_fails_before_training(tmp_path, sft_assets):
-    """Under the launcher each rank prints the same one line before any process group or model exists."""
+    """Under the launcher a rank prints one line before any process group or model exists. The launcher stops the
+    other rank as soon as one fails, so the second rank may be killed before it prints its (identical) line."""
     data = tmp_path / "qa.json"
     data.write_text(json.dumps([{"instruction": "Say hi.", "response": "hi"}]))
     run = accelerate_launch(ACC / "ddp.yaml", SFT, ["--model_name_or_path", sft_assets["model"], "--dataset", data],
                             tmp_path / "out")
     assert run.returncode != 0
     lines = [line for line in run.output.splitlines() if line.startswith("causal_lm_sft.py: error:")]
-    assert len(lines) == 2 and "has no column(s) 'output'" in lines[0], run.output
+    assert 1 <= len(lines) <= 2 and len(set(lines)) == 1 and "has no column(s) 'output'" in lines[0], run.output
     assert "[rank0]: Traceback" not in run.output and "Loading weights" not in run.output
