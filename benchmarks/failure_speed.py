@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the launch helpers the multi-node tests use
 
-from launch import accelerate_multinode_launch, cpu_env  # noqa: E402
+from launch import accelerate_multinode_launch, cpu_env, free_port  # noqa: E402
 
 from shardscope.configs import find_config  # noqa: E402
 from shardscope.errors import UsageError  # noqa: E402
@@ -96,8 +96,8 @@ def main() -> None:
              command([*recipe, "--model_name_or_path", "shardscope-test/no-such-model"], online)),
             ("2-node launch, main port in use", bad_launch(tmp / "port", main_process_port=busy.getsockname()[1],
                                                            machine_ranks=[0], timeout=30)),
-            ("2-node launch, unreachable main address, rendezvous timeout 3 s",
-             bad_launch(tmp / "address", main_process_ip="192.0.2.1", machine_ranks=[1],
+            ("2-node launch, main address answering nothing (a closed loopback port), rendezvous timeout 3 s",
+             bad_launch(tmp / "address", main_process_ip="127.0.0.1", main_process_port=free_port(), machine_ranks=[1],
                         launcher_flags=["--rdzv_conf", "timeout=3"], timeout=40)),
             ("2-node launch, no main node, killed at 8 s", bad_launch(tmp / "alone", machine_ranks=[1], timeout=8)),
         ]
