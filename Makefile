@@ -21,9 +21,9 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # Two pytest-xdist workers: a 2-rank launch leaves a core idle about a third of its time. Tests that share a
-# launched run stay on one worker (tests/conftest.py, group_by_shared_runs).
+# launched run stay on one worker (tests/conftest.py, pytest_xdist_make_scheduler).
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 tests
 
 demo: install
 	bash scripts/demo.sh

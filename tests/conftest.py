@@ -14,37 +14,35 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 LAUNCHING_FIXTURES = {"strategy_runs", "runs", "comparison", "trained", "trl_runs", "fsdp2_run"}
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     for item in items:
         if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.launch)
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist") != "no":
-        group_by_shared_runs(items)
 
 
-def group_by_shared_runs(items):
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`); a launch leaves a core idle about a third of
-    its time. Fixtures are per worker, so every test that shares a launched run must run on the same worker: a
-    module's tests stay together (module-scoped runs), and modules using the same session-scoped launching fixture
-    (`strategy_runs` in test_strategies, test_comm_agreement, test_planner_agreement, ...) join one group."""
-    parent: dict[str, str] = {}
+# Launching fixtures defined here, session-scoped: several test files share their runs.
+SHARED_RUNS = ("strategy_runs",)
 
-    def root(node):
-        while parent.setdefault(node, node) != node:
-            node = parent[node]
-        return node
 
-    for item in items:
-        nodes = [item.nodeid.split("::")[0]]
-        for name in LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
-            definition = item._fixtureinfo.name2fixturedefs[name][-1]
-            if definition.scope == "session":
-                nodes.append(f"{definition.baseid}::{name}")
-        for node in nodes[1:]:
-            parent[root(node)] = root(nodes[0])
-        root(nodes[0])
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers: a 2-rank launch leaves a core idle about a third of its time.
+    Fixtures are per worker, so tests that share a launched run must run on one worker: each test file goes to one
+    worker whole (module-scoped runs), and every file that uses a fixture of SHARED_RUNS joins that fixture's group."""
+    from pathlib import Path
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    here = Path(__file__).parent
+    groups = {f"{here.name}/{path.name}": name for path in sorted(here.glob("test_*.py"))
+              for name in SHARED_RUNS if name in path.read_text()}
+
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return groups.get(file, file)
+
+    return SharedRunScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
