@@ -11,13 +11,13 @@ import json
 import logging
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from . import __version__
+from .guard import Guard
 from .memory import read_memory, reset_peak
 from .peak import BREAKDOWN, PHASES, StepPeak
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
@@ -541,13 +541,9 @@ class ShardingProfiler:
             return self.memory.get("memory_kind")
         return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None
 
-    @contextmanager
-    def guard(self, what: str):
+    def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""
-        try:
-            yield
-        except Exception as error:
-            self.warn_once(what, f"could not measure {what}: {type(error).__name__}: {error}")
+        return Guard(self.warn_once, what)
 
     def warn_once(self, key: str, message: str, note: bool = False):
         """Log `message` the first time `key` is met; a note is a fact about the input, not a failure."""
