@@ -254,7 +254,7 @@ class ShardingProfiler:
             self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from its "
                                         "first dimension, tokens and FLOP/s are left out", note=True)
             return samples, None, None
-        flops = tokens * self._flops_model.per_token(seq_len) / self._tp if self._flops_model else None
+        flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) if self._flops_model else None
         return samples, tokens, flops
 
     def _install_hooks(self):
@@ -298,11 +298,11 @@ class ShardingProfiler:
             patch_size = getattr(getattr(module, "config", None), "patch_size", None)
             samples, tokens, seq_len = batch_counts(args, kwargs, patch_size)
             if training:
-                flops = tokens * self._flops_model.per_token(seq_len) / self._tp \
+                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
                     if tokens is not None and self._flops_model else None
                 self._counts.saw_training(samples, tokens, flops)
             elif tokens is not None and self._flops_model:  # a reference / generation pass of the trained model
-                self._counts.inference_flops += tokens * self._flops_model.forward_per_token(seq_len) / self._tp
+                self._counts.inference_flops += tokens * (self._flops_model.forward_per_token(seq_len) / self._tp)
 
     def _on_frozen_forward(self, name, module, args, kwargs):
         if not self._module.training or self._step_peak is not None or self._sampled.active:
@@ -312,7 +312,7 @@ class ShardingProfiler:
             _, tokens, seq_len = batch_counts(args, kwargs, patch_size)
             flops_model = self._frozen_flops.get(name)
             if tokens is not None and flops_model is not None:
-                self._counts.inference_flops += tokens * flops_model.forward_per_token(seq_len) / self._tp
+                self._counts.inference_flops += tokens * (flops_model.forward_per_token(seq_len) / self._tp)
 
     def _remove_hooks(self):
         for handle in self._hooks:
