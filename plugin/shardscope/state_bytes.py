@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, repeat
-from operator import attrgetter, is_, is_not, methodcaller
+from operator import attrgetter, is_not, methodcaller
 
 import torch
 
@@ -149,7 +149,9 @@ def _owners(model) -> tuple:
 def model_parameters(model):
     """Unique parameters of `model`, plus FSDP1 flat parameters hidden behind `use_orig_params=True`."""
     holders, fsdp1 = _owners(model)
-    params = {id(p): p for held in holders for p in held.values() if p is not None}
+    found = [*chain.from_iterable(map(methodcaller("values"), holders))]
+    params = dict(zip(map(id, found), found))  # C loops; a parameter registered as None is dropped below
+    params.pop(id(None), None)
     for module in fsdp1:  # torch FSDP1 FullyShardedDataParallel
         flat = module._flat_param
         if isinstance(flat, torch.Tensor):
@@ -212,7 +214,8 @@ def held_gradients(model, optimizer=None) -> list:
 
     Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    owners = {id(p): p for p in chain(model_parameters(model), master_weights(optimizer))}
+    found = [*model_parameters(model), *master_weights(optimizer)]
+    owners = dict(zip(map(id, found), found))
     grads = chain(map(_grad, owners.values()), zero_grad_buffers(optimizer))
     return list(map(storage_entry, filter(_present, grads)))
 
@@ -240,15 +243,20 @@ def live_tensors(model, optimizer=None, objects=None) -> list:
     return items
 
 
-@dataclass
 class _LastCount:
-    """A model's last live-state count and what it was counted from (`live_state`)."""
+    """A model's last live-state count and what it was counted from (`live_state`). Its objects are known by id:
+    an id names the same object while that object lives, and a weak reference's callback marks the count stale
+    as soon as one of them dies (before its id can be reused)."""
 
-    refs: list  # weak references to the objects read, in order
-    sizes: tuple  # how many parameters, weight copies and state values
-    trainable: list
-    pointers: list
-    counted: StateBytes
+    def __init__(self, current: list, sizes: tuple, trainable: list, pointers: list, counted: StateBytes):
+        self.ids, self.sizes, self.trainable, self.pointers, self.counted = \
+            list(map(id, current)), sizes, trainable, pointers, counted
+        self._died = died = []  # the callback holds this list, not the count: no reference cycle
+        self._refs = [weakref.ref(t, died.append) for t in current]
+
+    @property
+    def stale(self) -> bool:
+        return bool(self._died)
 
 
 class _NoPartition:
@@ -261,14 +269,13 @@ _NO_PARTITION = _NoPartition()
 def live_state(model, optimizer=None) -> StateBytes:
     """Parameter and optimizer-state bytes (no gradients). The last count is reused while every object read is the
     same plain tensor at the same address (the `cached_entry` rule applied to the whole list) and the same
-    parameters are trainable: a measurement then only reads identities, flags and pointers (in C loops)."""
+    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops)."""
     objects = params, shards, masters, state = _live_objects(model, optimizer)
     current = [*params, *shards, *masters, *state]
     sizes, trainable = (len(params), len(masters), len(state)), list(map(_requires_grad, params))
     last = _LIVE.get(model)
-    if (last is not None and last.sizes == sizes and last.trainable == trainable
-            and all(map(is_, map(_deref, last.refs), current))  # alive, and the very same objects
-            and last.pointers == _pointers(*objects)):
+    if (last is not None and not last.stale and last.sizes == sizes and last.trainable == trainable
+            and last.ids == list(map(id, current)) and last.pointers == _pointers(*objects)):
         return last.counted.copy()
     result = StateBytes()
     tally = StorageTally(result)
@@ -276,13 +283,12 @@ def live_state(model, optimizer=None) -> StateBytes:
         tally.add(category, cached_entry(tensor), trainable_tensor)
     # DTensor & co: counted afresh each time
     if all(type(t) in _PLAIN for t in chain(params, filter(_partition, shards), masters, state)):
-        _LIVE[model] = _LastCount(list(map(weakref.ref, current)), sizes, trainable, _pointers(*objects),
-                                  result.copy())
+        _LIVE[model] = _LastCount(current, sizes, trainable, _pointers(*objects), result.copy())
     return result
 
 
 _requires_grad, _grad, _data_ptr = attrgetter("requires_grad"), attrgetter("grad"), torch.Tensor.data_ptr
-_deref, _present, _partition = weakref.ref.__call__, partial(is_not, None), partial(is_not, _NO_PARTITION)
+_present, _partition = partial(is_not, None), partial(is_not, _NO_PARTITION)
 
 
 def _pointers(params, shards, masters, state) -> list:
