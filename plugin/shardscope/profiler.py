@@ -38,6 +38,8 @@ RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_para
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
                "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", "peak_tensor_bytes",
                *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase", *SAMPLED_FIELDS)
+# ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
+COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 
 
 def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
@@ -378,8 +380,7 @@ class ShardingProfiler:
 
     def _complete(self, rank: dict) -> dict:
         """Turn one rank's raw counts into reported figures."""
-        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS
-               if k.endswith("_bytes") and not k.startswith(("peak_", "comm_"))}  # comm_: the sampled steps' below
+        out = {k: _int_or_none(rank[k]) for k in COUNTED_BYTES}
         out["frozen_models"] = {name: _int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
