@@ -26,7 +26,7 @@ from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggle
 from .state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from .strategy import detect_strategy, family, num_nodes, wrapper_strategy
 from .summary import COMPONENTS, SUMMARY_FILE, write_summary
-from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, unwrap
+from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
 
@@ -130,6 +130,7 @@ class ShardingProfiler:
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
         self._counts = StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
+        self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
         self._precision, self._precision_ranks = None, []
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
@@ -147,6 +148,8 @@ class ShardingProfiler:
         with self.guard("parameter counts"):
             self._flops_model = self._flops_model or describe_flops(self._module)
             self._frozen_flops = {name: describe_flops(m) for name, m in self.frozen_models.items()}
+            self._patch_size = patch_size(self._module)
+            self._frozen_patch_sizes = {name: patch_size(m) for name, m in self.frozen_models.items()}
             self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
                                 "params_total": self._flops_model.total_params,
                                 "trainable_params": self._flops_model.trainable_total}
@@ -251,7 +254,7 @@ class ShardingProfiler:
     # --- Counting ----------------------------------------------------------------------------------------------
     def _batch_totals(self, batch):
         """(samples, tokens, training FLOPs) of one micro-batch; tokens None (noted once) when it has none."""
-        samples, tokens, seq_len = count_batch(batch, getattr(getattr(self._module, "config", None), "patch_size", None))
+        samples, tokens, seq_len = count_batch(batch, self._patch_size)
         if tokens is None:
             self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from its "
                                         "first dimension, tokens and FLOP/s are left out", note=True)
@@ -297,8 +300,7 @@ class ShardingProfiler:
                 self._windows("step_begin")  # the first training forward anchors the step's time
                 if self._counts.given:  # the loop hands its batches over (the callback does): nothing to count
                     return
-            patch_size = getattr(getattr(module, "config", None), "patch_size", None)
-            samples, tokens, seq_len = batch_counts(args, kwargs, patch_size)
+            samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
             if training:
                 flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
                     if tokens is not None and self._flops_model else None
@@ -310,8 +312,7 @@ class ShardingProfiler:
         if not self._module.training or self._step_peak is not None or self._sampled.active:
             return
         with self.guard("batch counting"):
-            patch_size = getattr(getattr(module, "config", None), "patch_size", None)
-            _, tokens, seq_len = batch_counts(args, kwargs, patch_size)
+            _, tokens, seq_len = batch_counts(args, kwargs, self._frozen_patch_sizes.get(name))
             flops_model = self._frozen_flops.get(name)
             if tokens is not None and flops_model is not None:
                 self._counts.inference_flops += tokens * (flops_model.forward_per_token(seq_len) / self._tp)
