@@ -140,6 +140,7 @@ class ShardingProfiler:
             self.preflight.update(self._strategy(model))
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
+        self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
         with self.guard("device"):
             self._device = _device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.guard, self.warn_once)
@@ -340,7 +341,7 @@ class ShardingProfiler:
 
     def _measure_all_ranks(self, window: ThroughputWindow) -> list[dict]:
         """Measure this rank, then exchange with every rank (one collective, called on all ranks)."""
-        fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))
+        fields = self._fields
         mine = dict.fromkeys(fields, math.nan)
         with self.guard("model-state bytes"):
             counted = count_state(self._module, self.optimizer, grad_entries=self._grads)

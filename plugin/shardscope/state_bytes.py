@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, repeat
@@ -170,14 +171,33 @@ def optimizer_layers(optimizer):
 
 def base_optimizer(optimizer):
     """The innermost `torch.optim.Optimizer` (the one whose `step` updates weights), or None."""
-    torch_optimizers = [o for o in optimizer_layers(optimizer) if isinstance(o, torch.optim.Optimizer)]
-    return torch_optimizers[-1] if torch_optimizers else None
+    return _base_and_zero(optimizer)[0]
 
 
 def zero_optimizer(optimizer):
     """The DeepSpeed ZeRO optimizer among `optimizer`'s layers, or None."""
-    return next((layer for layer in optimizer_layers(optimizer)
-                 if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None)
+    return _base_and_zero(optimizer)[1]
+
+
+# optimizer -> (base, zero): the layers of a built optimizer do not change (DeepSpeed sets its ZeRO buffers in
+# __init__; the profiler hooks these layers at its start), and finding them costs failed attribute lookups per layer
+_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _base_and_zero(optimizer) -> tuple:
+    if optimizer is None:
+        return None, None
+    try:
+        return _LAYERS[optimizer]
+    except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
+        pass
+    layers = optimizer_layers(optimizer)
+    torch_optimizers = [o for o in layers if isinstance(o, torch.optim.Optimizer)]
+    found = (torch_optimizers[-1] if torch_optimizers else None,
+             next((layer for layer in layers if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None))
+    with suppress(TypeError):
+        _LAYERS[optimizer] = found
+    return found
 
 
 def _tensors(value):
