@@ -30,6 +30,7 @@ import torch
 
 CATEGORIES = ("params", "grads", "optimizer")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors that are their own local part (not DTensor & co)
+_PLAIN_SET = frozenset(_PLAIN)
 
 # DeepSpeed ZeRO optimizer attributes that hold gradients between reduction and step
 # (runtime/zero/stage_1_and_2.py, runtime/zero/stage3.py).
@@ -71,8 +72,13 @@ def storage_entry(tensor):
     pointer = storage.data_ptr()
     if pointer == 0:
         return None
+    if tensor.is_cpu:  # no device object to build
+        return (_CPU, pointer), storage.nbytes(), "cpu"
     device = tensor.device
     return (device, pointer), storage.nbytes(), _device_type(device)
+
+
+_CPU = torch.device("cpu")
 
 
 _DEVICE_TYPES: dict = {}
@@ -245,9 +251,11 @@ def _live_objects(model, optimizer) -> tuple:
     weight copies, its state tensors)."""
     params = model_parameters(model)
     base = base_optimizer(optimizer)
-    values = chain.from_iterable(map(methodcaller("values"), base.state.values())) if base is not None else ()
+    state = [*chain.from_iterable(map(methodcaller("values"), base.state.values()))] if base is not None else []
+    if not set(map(type, state)) <= _PLAIN_SET:  # numbers, None: left out (a C loop decides it, most often)
+        state = [v for v in state if isinstance(v, torch.Tensor)]
     shards = list(map(getattr, params, repeat("ds_tensor"), repeat(_NO_PARTITION)))
-    return params, shards, master_weights(optimizer), [v for v in values if isinstance(v, torch.Tensor)]
+    return params, shards, master_weights(optimizer), state
 
 
 def live_tensors(model, optimizer=None, objects=None) -> list:
