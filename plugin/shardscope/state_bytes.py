@@ -24,7 +24,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, repeat
-from operator import attrgetter, is_not, methodcaller
+from operator import attrgetter, is_not, itemgetter, methodcaller
 
 import torch
 
@@ -144,11 +144,12 @@ def forget(model) -> None:
 
 
 def _owners(model) -> tuple:
-    """(modules holding parameters, FSDP1 modules holding a flat parameter) of `model`, walked once."""
+    """(live views of the parameter dicts of the modules holding any, FSDP1 modules holding a flat parameter) of
+    `model`, walked once."""
     owners = _OWNERS.get(model)
     if owners is None:
         modules = list(model.modules())
-        owners = _OWNERS[model] = (tuple(m._parameters for m in modules if m._parameters),
+        owners = _OWNERS[model] = (tuple(m._parameters.values() for m in modules if m._parameters),
                                    tuple(m for m in modules if isinstance(getattr(m, "_flat_param", None), torch.Tensor)))
     return owners
 
@@ -156,7 +157,7 @@ def _owners(model) -> tuple:
 def model_parameters(model):
     """Unique parameters of `model`, plus FSDP1 flat parameters hidden behind `use_orig_params=True`."""
     holders, fsdp1 = _owners(model)
-    found = [*chain.from_iterable(map(methodcaller("values"), holders))]
+    found = [*chain.from_iterable(holders)]
     params = dict(zip(map(id, found), found))  # C loops; a parameter registered as None is dropped below
     params.pop(id(None), None)
     for module in fsdp1:  # torch FSDP1 FullyShardedDataParallel
@@ -331,7 +332,11 @@ def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
     since, and its address reused by live state.
     """
     result = live_state(model, optimizer)
-    grads = StorageTally(result)
-    for entry in held_gradients(model, optimizer) if grad_entries is None else grad_entries:
-        grads.add("grads", entry)
+    entries = list(filter(None, held_gradients(model, optimizer) if grad_entries is None else grad_entries))
+    held = result.by_device["grads"]
+    for _, nbytes, device_type in dict(zip(map(_storage_key, entries), entries)).values():  # each storage once
+        held[device_type] += nbytes
     return result
+
+
+_storage_key = itemgetter(0)
