@@ -41,3 +41,18 @@ def test_a_new_module_is_seen_after_forget():
     model.append(torch.nn.Linear(4, 4))  # e.g. adapters added between two train() calls
     state_bytes.forget(model)
     assert count_state(model).total("params") == 2 * before
+
+
+def test_a_dead_tensor_is_never_mistaken_for_a_new_one_at_its_id():
+    """The cached count knows its tensors by id: when one dies (its id free for a new tensor) the count is stale
+    at once. Numbers in the optimizer state are no tensors: left out."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    assert count_state(model, optimizer).total("optimizer") == 4 * (16 + 4)  # momentum buffers
+    for state in optimizer.state.values():
+        state["momentum_buffer"] = torch.zeros(1)  # the old buffers die: their ids may come back
+        state["note"] = 1.5
+    assert state_bytes._LIVE[model].stale
+    assert count_state(model, optimizer).total("optimizer") == 4 * 2

@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from contextlib import contextmanager
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
+from .guard import Guard
 from .profiler import ShardingProfiler, validate_arguments
 from .step_counts import describe_flops
 from .summary import SUMMARY_FILE
@@ -175,12 +175,8 @@ class ShardingProfilerCallback(TrainerCallback):
             callbacks.remove(self)
             callbacks.insert(position, self)
 
-    @contextmanager
-    def _guard(self, what: str):
-        try:
-            yield
-        except Exception as error:  # measuring must never stop training
-            self._warn_once(what, f"could not measure {what}: {type(error).__name__}: {error}")
+    def _guard(self, what: str) -> Guard:  # measuring must never stop training
+        return Guard(self._warn_once, what)
 
     def _warn_once(self, key: str, message: str):
         if key not in self._warned:

@@ -11,13 +11,13 @@ import json
 import logging
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from . import __version__
+from .guard import Guard
 from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, StepPeak, figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
@@ -27,7 +27,7 @@ from .state_bytes import base_optimizer, count_state, forget, held_gradients, ze
 from .strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from .summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_time import StepWrap
-from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, unwrap
+from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
 
@@ -38,6 +38,8 @@ logger = logging.getLogger("shardscope")
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
                "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
+# ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
+COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 
 
 def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
@@ -128,6 +130,7 @@ class ShardingProfiler:
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
         self._counts = StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
+        self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
         self._precision, self._precision_ranks = None, []
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
@@ -137,6 +140,7 @@ class ShardingProfiler:
             self.preflight.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
+        self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
         with self.guard("device"):
             self._device = _device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.guard, self.warn_once)
@@ -145,6 +149,8 @@ class ShardingProfiler:
         with self.guard("parameter counts"):
             self._flops_model = self._flops_model or describe_flops(self._module)
             self._frozen_flops = {name: describe_flops(m) for name, m in self.frozen_models.items()}
+            self._patch_size = patch_size(self._module)
+            self._frozen_patch_sizes = {name: patch_size(m) for name, m in self.frozen_models.items()}
             self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
                                 "params_total": self._flops_model.total_params,
                                 "trainable_params": self._flops_model.trainable_total}
@@ -247,12 +253,12 @@ class ShardingProfiler:
     # --- Counting ----------------------------------------------------------------------------------------------
     def _batch_totals(self, batch):
         """(samples, tokens, training FLOPs) of one micro-batch; tokens None (noted once) when it has none."""
-        samples, tokens, seq_len = count_batch(batch, getattr(getattr(self._module, "config", None), "patch_size", None))
+        samples, tokens, seq_len = count_batch(batch, self._patch_size)
         if tokens is None:
             self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from its "
                                         "first dimension, tokens and FLOP/s are left out", note=True)
             return samples, None, None
-        flops = tokens * self._flops_model.per_token(seq_len) / self._tp if self._flops_model else None
+        flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) if self._flops_model else None
         return samples, tokens, flops
 
     def _install_hooks(self):
@@ -298,24 +304,22 @@ class ShardingProfiler:
                 self._windows("step_begin")  # the first training forward anchors the step's time
                 if self._counts.given:  # the loop hands its batches over (the callback does): nothing to count
                     return
-            patch_size = getattr(getattr(module, "config", None), "patch_size", None)
-            samples, tokens, seq_len = batch_counts(args, kwargs, patch_size)
+            samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
             if training:
-                flops = tokens * self._flops_model.per_token(seq_len) / self._tp \
+                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
                     if tokens is not None and self._flops_model else None
                 self._counts.saw_training(samples, tokens, flops)
             elif tokens is not None and self._flops_model:  # a reference / generation pass of the trained model
-                self._counts.inference_flops += tokens * self._flops_model.forward_per_token(seq_len) / self._tp
+                self._counts.inference_flops += tokens * (self._flops_model.forward_per_token(seq_len) / self._tp)
 
     def _on_frozen_forward(self, name, module, args, kwargs):
         if not self._module.training or self._step_peak is not None or self._sampled.active:
             return
         with self.guard("batch counting"):
-            patch_size = getattr(getattr(module, "config", None), "patch_size", None)
-            _, tokens, seq_len = batch_counts(args, kwargs, patch_size)
+            _, tokens, seq_len = batch_counts(args, kwargs, self._frozen_patch_sizes.get(name))
             flops_model = self._frozen_flops.get(name)
             if tokens is not None and flops_model is not None:
-                self._counts.inference_flops += tokens * flops_model.forward_per_token(seq_len) / self._tp
+                self._counts.inference_flops += tokens * (flops_model.forward_per_token(seq_len) / self._tp)
 
     def _remove_hooks(self):
         for handle in self._hooks:
@@ -340,7 +344,7 @@ class ShardingProfiler:
 
     def _measure_all_ranks(self, window: ThroughputWindow) -> list[dict]:
         """Measure this rank, then exchange with every rank (one collective, called on all ranks)."""
-        fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))
+        fields = self._fields
         mine = dict.fromkeys(fields, math.nan)
         with self.guard("model-state bytes"):
             counted = count_state(self._module, self.optimizer, grad_entries=self._grads)
@@ -379,8 +383,7 @@ class ShardingProfiler:
 
     def _complete(self, rank: dict) -> dict:
         """Turn one rank's raw counts into reported figures."""
-        out = {k: _int_or_none(rank[k]) for k in RANK_FIELDS
-               if k.endswith("_bytes") and not k.startswith(("peak_", "comm_"))}  # comm_: the sampled steps' below
+        out = {k: _int_or_none(rank[k]) for k in COUNTED_BYTES}
         out["frozen_models"] = {name: _int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
@@ -534,13 +537,9 @@ class ShardingProfiler:
             return self.memory.get("memory_kind")
         return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None
 
-    @contextmanager
-    def guard(self, what: str):
+    def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""
-        try:
-            yield
-        except Exception as error:
-            self.warn_once(what, f"could not measure {what}: {type(error).__name__}: {error}")
+        return Guard(self.warn_once, what)
 
     def warn_once(self, key: str, message: str, note: bool = False):
         """Log `message` the first time `key` is met; a note is a fact about the input, not a failure."""

@@ -32,6 +32,7 @@ class SampledSteps:
         self.comm, self.timed = None, []
         self._counter = self._timer = None
         self._padded_tokens = 0
+        self._fields = None  # `fields()` until `end()` keeps a new result
 
     @property
     def active(self) -> bool:
@@ -60,17 +61,20 @@ class SampledSteps:
             with self.guard("collective counting"):
                 counter.__exit__(None, None, None)
                 if keep:
-                    self.comm = {**counter.result(), "comm_padded_tokens": self._padded_tokens}
+                    self.comm, self._fields = {**counter.result(), "comm_padded_tokens": self._padded_tokens}, None
         if timer is not None:
             with self.guard("step time breakdown"):
                 result = timer.stop()
                 if keep:
                     self.timed.append(result)
+                    self._fields = None
         return counter is not None or timer is not None
 
     def fields(self) -> dict:
-        """This rank's figures as `RANK_FIELDS` floats (NaN: not measured)."""
-        return comm_count.to_fields(self.comm) | step_time.to_fields(step_time.mean_breakdown(self.timed))
+        """This rank's figures as `RANK_FIELDS` floats (NaN: not measured); the same dict until a step adds some."""
+        if self._fields is None:
+            self._fields = comm_count.to_fields(self.comm) | step_time.to_fields(step_time.mean_breakdown(self.timed))
+        return self._fields
 
     def complete(self, rank: dict) -> dict:
         """A rank's gathered fields -> its summary keys `comm`, `comm_sent_bytes_per_step`, `comm_padded_tokens`,

@@ -20,11 +20,17 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain, repeat
+from operator import attrgetter, is_not, itemgetter, methodcaller
 
 import torch
 
 CATEGORIES = ("params", "grads", "optimizer")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors that are their own local part (not DTensor & co)
+_PLAIN_SET = frozenset(_PLAIN)
 
 # DeepSpeed ZeRO optimizer attributes that hold gradients between reduction and step
 # (runtime/zero/stage_1_and_2.py, runtime/zero/stage3.py).
@@ -56,15 +62,23 @@ def local_tensor(tensor):
 
 def storage_entry(tensor):
     """`(key, nbytes, device_type)` of the storage behind `tensor`'s local part, or None."""
-    tensor = local_tensor(tensor)
-    if not isinstance(tensor, torch.Tensor):
-        return None
+    if type(tensor) not in _PLAIN:  # a DTensor's local shard; what is no tensor has no storage
+        tensor = local_tensor(tensor)
+        if not isinstance(tensor, torch.Tensor):
+            return None
     if tensor.is_meta:
         return None
-    device = tensor.device
     storage = tensor.untyped_storage()
     pointer = storage.data_ptr()
-    return None if pointer == 0 else ((device, pointer), storage.nbytes(), _device_type(device))
+    if pointer == 0:
+        return None
+    if tensor.is_cpu:  # no device object to build
+        return (_CPU, pointer), storage.nbytes(), "cpu"
+    device = tensor.device
+    return (device, pointer), storage.nbytes(), _device_type(device)
+
+
+_CPU = torch.device("cpu")
 
 
 _DEVICE_TYPES: dict = {}
@@ -84,7 +98,7 @@ _ENTRIES: dict = {}
 
 def cached_entry(tensor):
     """`storage_entry(tensor)`, reused while the tensor object and its data pointer are unchanged."""
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # DTensor & co: their local shard is a new object
+    if type(tensor) not in _PLAIN:  # DTensor & co: their local shard is a new object
         return storage_entry(tensor)
     hit = _ENTRIES.get(id(tensor))
     pointer = tensor.data_ptr()
@@ -120,7 +134,7 @@ class StorageTally:
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-# model -> (key, weak references, StateBytes) of its last live-state count (`live_state`).
+# model -> its last live-state count (`live_state`, `_LastCount`).
 _LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -130,11 +144,12 @@ def forget(model) -> None:
 
 
 def _owners(model) -> tuple:
-    """(modules holding parameters, FSDP1 modules holding a flat parameter) of `model`, walked once."""
+    """(live views of the parameter dicts of the modules holding any, FSDP1 modules holding a flat parameter) of
+    `model`, walked once."""
     owners = _OWNERS.get(model)
     if owners is None:
         modules = list(model.modules())
-        owners = _OWNERS[model] = (tuple(m._parameters for m in modules if m._parameters),
+        owners = _OWNERS[model] = (tuple(m._parameters.values() for m in modules if m._parameters),
                                    tuple(m for m in modules if isinstance(getattr(m, "_flat_param", None), torch.Tensor)))
     return owners
 
@@ -142,7 +157,9 @@ def _owners(model) -> tuple:
 def model_parameters(model):
     """Unique parameters of `model`, plus FSDP1 flat parameters hidden behind `use_orig_params=True`."""
     holders, fsdp1 = _owners(model)
-    params = {id(p): p for held in holders for p in held.values() if p is not None}
+    found = [*chain.from_iterable(holders)]
+    params = dict(zip(map(id, found), found))  # C loops; a parameter registered as None is dropped below
+    params.pop(id(None), None)
     for module in fsdp1:  # torch FSDP1 FullyShardedDataParallel
         flat = module._flat_param
         if isinstance(flat, torch.Tensor):
@@ -161,14 +178,33 @@ def optimizer_layers(optimizer):
 
 def base_optimizer(optimizer):
     """The innermost `torch.optim.Optimizer` (the one whose `step` updates weights), or None."""
-    torch_optimizers = [o for o in optimizer_layers(optimizer) if isinstance(o, torch.optim.Optimizer)]
-    return torch_optimizers[-1] if torch_optimizers else None
+    return _base_and_zero(optimizer)[0]
 
 
 def zero_optimizer(optimizer):
     """The DeepSpeed ZeRO optimizer among `optimizer`'s layers, or None."""
-    return next((layer for layer in optimizer_layers(optimizer)
-                 if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None)
+    return _base_and_zero(optimizer)[1]
+
+
+# optimizer -> (base, zero): the layers of a built optimizer do not change (DeepSpeed sets its ZeRO buffers in
+# __init__; the profiler hooks these layers at its start), and finding them costs failed attribute lookups per layer
+_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _base_and_zero(optimizer) -> tuple:
+    if optimizer is None:
+        return None, None
+    try:
+        return _LAYERS[optimizer]
+    except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
+        pass
+    layers = optimizer_layers(optimizer)
+    torch_optimizers = [o for o in layers if isinstance(o, torch.optim.Optimizer)]
+    found = (torch_optimizers[-1] if torch_optimizers else None,
+             next((layer for layer in layers if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None))
+    with suppress(TypeError):
+        _LAYERS[optimizer] = found
+    return found
 
 
 def _tensors(value):
@@ -205,44 +241,87 @@ def held_gradients(model, optimizer=None) -> list:
 
     Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    owners = {id(p): p for p in [*model_parameters(model), *master_weights(optimizer)]}
-    grads = [p.grad for p in owners.values()] + zero_grad_buffers(optimizer)
-    return [storage_entry(g) for g in grads if g is not None]
+    found = [*model_parameters(model), *master_weights(optimizer)]
+    owners = dict(zip(map(id, found), found))
+    grads = chain(map(_grad, owners.values()), zero_grad_buffers(optimizer))
+    return list(map(storage_entry, filter(_present, grads)))
 
 
-def live_tensors(model, optimizer=None) -> list:
+def _live_objects(model, optimizer) -> tuple:
+    """What `live_tensors` reads: (parameters, each one's ZeRO-3 partition or `_NO_PARTITION`, the optimizer's
+    weight copies, its state tensors)."""
+    params = model_parameters(model)
+    base = base_optimizer(optimizer)
+    state = [*chain.from_iterable(map(methodcaller("values"), base.state.values()))] if base is not None else []
+    if not set(map(type, state)) <= _PLAIN_SET:  # numbers, None: left out (a C loop decides it, most often)
+        state = [v for v in state if isinstance(v, torch.Tensor)]
+    shards = list(map(getattr, params, repeat("ds_tensor"), repeat(_NO_PARTITION)))
+    return params, shards, master_weights(optimizer), state
+
+
+def live_tensors(model, optimizer=None, objects=None) -> list:
     """(category, tensor, trainable) for every long-lived state tensor, in the order storages are claimed:
     parameters (and ZeRO-3 partitions), then the optimizer's weight copies and state."""
-    params = model_parameters(model)
-    items = [("params", stored, p.requires_grad) for p in params
-             for stored in (p, getattr(p, "ds_tensor", None)) if isinstance(stored, torch.Tensor)]
+    params, shards, masters, state = objects or _live_objects(model, optimizer)
+    items = [("params", stored, p.requires_grad) for p, shard in zip(params, shards)
+             for stored in (p, shard) if isinstance(stored, torch.Tensor)]
     claimed = {id(p) for p in params}  # model parameters were claimed first
-    items += [("optimizer", copy, False) for copy in master_weights(optimizer)
+    items += [("optimizer", copy, False) for copy in masters
               if id(copy) not in claimed and isinstance(copy, torch.Tensor)]
-    base = base_optimizer(optimizer)
-    if base is not None:
-        items += [("optimizer", value, False) for state in base.state.values() for value in state.values()
-                  if isinstance(value, torch.Tensor)]
+    items += [("optimizer", value, False) for value in state]
     return items
 
 
+class _LastCount:
+    """A model's last live-state count and what it was counted from (`live_state`). Its objects are known by id:
+    an id names the same object while that object lives, and a weak reference's callback marks the count stale
+    as soon as one of them dies (before its id can be reused)."""
+
+    def __init__(self, current: list, sizes: tuple, trainable: list, pointers: list, counted: StateBytes):
+        self.ids, self.sizes, self.trainable, self.pointers, self.counted = \
+            list(map(id, current)), sizes, trainable, pointers, counted
+        self._died = died = []  # the callback holds this list, not the count: no reference cycle
+        self._refs = [weakref.ref(t, died.append) for t in current]
+
+    @property
+    def stale(self) -> bool:
+        return bool(self._died)
+
+
+class _NoPartition:
+    """Stands for a parameter's missing ZeRO-3 partition (a weak reference can point at it, unlike None)."""
+
+
+_NO_PARTITION = _NoPartition()
+
+
 def live_state(model, optimizer=None) -> StateBytes:
-    """Parameter and optimizer-state bytes (no gradients). The last count is reused while every tensor is the same
-    plain tensor at the same address (the `cached_entry` rule applied to the whole list): a measurement then only
-    reads each tensor's identity and pointer."""
-    items = live_tensors(model, optimizer)
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for _, t, _ in items)  # DTensor & co: counted afresh
-    key = tuple((category, id(t), t.data_ptr(), trainable) for category, t, trainable in items) if plain else None
-    hit = _LIVE.get(model)
-    if key is not None and hit is not None and hit[0] == key and all(r() is t for r, (_, t, _) in zip(hit[1], items)):
-        return hit[2].copy()
+    """Parameter and optimizer-state bytes (no gradients). The last count is reused while every object read is the
+    same plain tensor at the same address (the `cached_entry` rule applied to the whole list) and the same
+    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops)."""
+    objects = params, shards, masters, state = _live_objects(model, optimizer)
+    current = [*params, *shards, *masters, *state]
+    sizes, trainable = (len(params), len(masters), len(state)), list(map(_requires_grad, params))
+    last = _LIVE.get(model)
+    if (last is not None and not last.stale and last.sizes == sizes and last.trainable == trainable
+            and last.ids == list(map(id, current)) and last.pointers == _pointers(*objects)):
+        return last.counted.copy()
     result = StateBytes()
     tally = StorageTally(result)
-    for category, tensor, trainable in items:
-        tally.add(category, cached_entry(tensor), trainable)
-    if key is not None:
-        _LIVE[model] = (key, [weakref.ref(t) for _, t, _ in items], result.copy())
+    for category, tensor, trainable_tensor in live_tensors(model, optimizer, objects):
+        tally.add(category, cached_entry(tensor), trainable_tensor)
+    # DTensor & co: counted afresh each time
+    if all(type(t) in _PLAIN for t in chain(params, filter(_partition, shards), masters, state)):
+        _LIVE[model] = _LastCount(current, sizes, trainable, _pointers(*objects), result.copy())
     return result
+
+
+_requires_grad, _grad, _data_ptr = attrgetter("requires_grad"), attrgetter("grad"), torch.Tensor.data_ptr
+_present, _partition = partial(is_not, None), partial(is_not, _NO_PARTITION)
+
+
+def _pointers(params, shards, masters, state) -> list:
+    return list(map(_data_ptr, chain(params, filter(_partition, shards), masters, state)))
 
 
 def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
@@ -253,7 +332,11 @@ def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
     since, and its address reused by live state.
     """
     result = live_state(model, optimizer)
-    grads = StorageTally(result)
-    for entry in held_gradients(model, optimizer) if grad_entries is None else grad_entries:
-        grads.add("grads", entry)
+    entries = list(filter(None, held_gradients(model, optimizer) if grad_entries is None else grad_entries))
+    held = result.by_device["grads"]
+    for _, nbytes, device_type in dict(zip(map(_storage_key, entries), entries)).values():  # each storage once
+        held[device_type] += nbytes
     return result
+
+
+_storage_key = itemgetter(0)

@@ -71,6 +71,11 @@ class StepCounts:
         return out_samples, out_tokens, flops
 
 
+def patch_size(module) -> int | None:
+    """A vision model's patch size (its tokens are patches), None for others."""
+    return getattr(getattr(module, "config", None), "patch_size", None)
+
+
 def first_adapter_layer(module):
     """A PEFT adapter layer of `module` (its `disable_adapters` says whether adapters are off), or None."""
     try:

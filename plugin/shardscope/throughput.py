@@ -140,14 +140,14 @@ def rates(totals: WindowTotals, peak: float | None) -> dict:
 def batch_counts(args: tuple, kwargs: dict, patch_size: int | None = None):
     """(samples, tokens, sequence length) of one forward's inputs.
 
-    Tokens are the attention-mask sum (padding excluded; a tensor, so no device sync), all of
-    `input_ids` when there is no mask, or patches + CLS per image for a vision transformer; None
+    Tokens are the attention-mask sum (padding excluded; an int for a CPU mask, a tensor otherwise, so no
+    device sync), all of `input_ids` when there is no mask, or patches + CLS per image for a vision transformer; None
     when the inputs carry nothing countable as tokens.
     """
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     if input_ids is not None:
         mask = kwargs.get("attention_mask")
-        tokens = mask.sum() if mask is not None else input_ids.numel()
+        tokens = input_ids.numel() if mask is None else int(mask.sum()) if mask.is_cpu else mask.sum()
         return input_ids.shape[0], tokens, input_ids.shape[-1]
     pixels = kwargs.get("pixel_values")
     if pixels is not None:
