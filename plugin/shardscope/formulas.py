@@ -278,7 +278,7 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     fsdp_shard_grad_op: as full shard but buffers P*e + 2*U*e (all units stay gathered from forward
                       to backward; steady state holds only the shards)
     fsdp_hybrid_shard: as full shard with N = GPUs per node (replicated across nodes)
-    fsdp_offload:     GPU buffers 3*U*e only; CPU s(P)*p + s(T)*g + optim
+    fsdp_offload:     GPU buffers 4*U*e only; CPU s(P)*p + s(T)*g + optim
     Grads are what a rank holds as the optimizer step begins (what the callback measures). Inside
     the step DeepSpeed makes an fp32 copy of the grads, copy32: ZeRO-1/2 of the whole partition
     s(T)*4, only when grads are 16-bit (they cast a pre-flattened partition) - with bf16, model
