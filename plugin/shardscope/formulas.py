@@ -249,7 +249,8 @@ class Row:
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
                  activations: int | None = None, trace=None) -> Row:
     """Per-rank bytes of one strategy. P = all params, T = trainable, N = ranks sharding, s(X) = the
-    rank's padded shard of X, U = largest FSDP unit, LL = largest layer (DeepSpeed's definition),
+    rank's padded shard of X, U = largest FSDP unit (accelerate gives
+    FSDP2 an untied input embedding its own unit), LL = largest layer (DeepSpeed's definition),
     B = bucket elements, steps = 4 B per AdamW `step` tensor (one per trainable tensor for torch
     optimizers, one per param group for ZeRO's flat partitions); p, g, m, o, e from `element_bytes`.
 
@@ -257,33 +258,37 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
                       buckets are a second copy of the grads unless gradient_as_bucket_view)
     zero1, zero2:     params P*p, grads s(T)*g (zero2: whole tensors straddling a partition edge too,
                       `zero2_grad_partition`), optim s(T)*(m+o), buffers B*g, 2*B*g with overlap_comm (DeepSpeed's
-                      reduce bucket, doubled to overlap) + copy32; zero1
-                      with gradient accumulation > 1 also holds the full T*g between micro-steps
-                      (at an accumulation boundary DeepSpeed reduces and frees grads bucket by
-                      bucket in stage 1 too)
+                      reduce bucket, doubled to overlap) + copy32; zero2 + s(T)*g at the end of
+                      backward (the flat partition its epilogue builds); zero1 holds the full T*g
+                      until backward ends (stage 1 reduces then)
     zero2_offload:    GPU params P*p, buffers as zero2; CPU s(T)*(4 + p) + optim
                       (fp32 grad partition, 16-bit staging copy, master, moments)
     zero3:            params s(P)*p + persistent*p (each tensor's `ds_tensor` partition; tensors
                       <= stage3_param_persistence_threshold also stay whole on every rank), grads
-                      s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*g (one reduce bucket) + copy32
+                      s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*g (one reduce bucket) + copy32 +
+                      ((1-r)*G - LL)*p (kept gathered into backward, r and G as in comm below) + the
+                      bucket's reduce-scatter output s(min(B, T))*g at the end of backward
     zero3_offload:    Setup.zero3_offload "all": GPU params persistent*p, buffers as zero3 without
                       copy32; CPU s(P)*p + s(T)*(g + 4) + optim. "params" (offload_param only):
                       as zero3 with params persistent*p on GPU and s(P)*p on CPU. "optimizer"
                       (offload_optimizer only): as "all" with params s(P)*p + persistent*p on GPU
-    fsdp_full_shard:  params s(P)*p, grads s(T)*g, optim s(T)*o + steps, buffers 3*U*e
-                      (current and prefetched unit gathered, plus the unit's unsharded grad);
+    fsdp_full_shard:  params s(P)*p, grads s(T)*g, optim s(T)*o + steps, buffers 4*U*e (current and
+                      prefetched unit gathered, the unit's unsharded grad and FSDP2's reduce-scatter copy);
                       s() per tensor by rows for FSDP2, per unit (flat parameter) for FSDP1
-    fsdp_shard_grad_op: as full shard but buffers P*e + U*e (all units stay gathered from forward
+    fsdp_shard_grad_op: as full shard but buffers P*e + 2*U*e (all units stay gathered from forward
                       to backward; steady state holds only the shards)
     fsdp_hybrid_shard: as full shard with N = GPUs per node (replicated across nodes)
-    fsdp_offload:     GPU buffers 3*U*e only; CPU s(P)*p + s(T)*g + optim
+    fsdp_offload:     GPU buffers 4*U*e only; CPU s(P)*p + s(T)*g + optim
     Grads are what a rank holds as the optimizer step begins (what the callback measures). Inside
     the step DeepSpeed makes an fp32 copy of the grads, copy32: ZeRO-1/2 of the whole partition
     s(T)*4, only when grads are 16-bit (they cast a pre-flattened partition) - with bf16, model
     states + copy32 are DeepSpeed's own 18 B/param estimate; ZeRO-3 one sub-group at a time,
     min(s(T), sub_group_size)*4 (stage3 `_prepare_fp32_grad_for_sub_group` / `_release_sub_group`),
     where DeepSpeed's estimator charges 4 B/param for the whole partition and no 16-bit grads.
-    ZeRO-1/2 flatten all trainable params and pad to a multiple of 2*N elements.
+    ZeRO-1/2 flatten all trainable params and pad to a multiple of 2*N elements. With grad_accum_steps
+    A > 1 a later micro-batch carries gradients from the earlier ones (`peak_plan`): DDP and ZeRO-1 the full
+    T*g, FSDP the full unsharded T*e (no_sync: reduce-scattered in the last micro-batch only), ZeRO-2 and
+    ZeRO-3 their partition s(T)*g (reduced every micro-batch).
 
     Tensor parallel rows (transformers `DistributedConfig`; t = `tp_degree`, S = dp_shard, R =
     dp_replicate from `tp_mesh`), torch AdamW on DTensors, bytes per element as fsdp:
@@ -346,7 +351,7 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
         moments, source = trace.at(spec.num_layers), "simulated" if trace.simulated else "traced"
     else:
         moments, source = formula_moments(act, setup.activation_checkpointing), FORMULA
-    peak = step_peak(row, detail, moments, *_gathered(strategy, spec, c, eb, detail))
+    peak = step_peak(row, detail, moments, _held(strategy, spec, setup, c, eb, row, detail))
     # A frozen reference is built and sharded like the trained model, in the dtype its parameters are held in
     # (fp32 under torch mixed precision, 16-bit DeepSpeed partitions), with no grads or optimizer state; it is
     # held through the whole step, so it adds to the worst moment.
@@ -362,18 +367,37 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
                peak_breakdown=peak["peak_breakdown"], peak_phase=peak["peak_phase"], activations_source=source, **row)
 
 
-def _gathered(strategy, spec, c, eb, detail) -> tuple[int, int]:
-    """Bytes a rank gathers to compute (FSDP: its largest unit, or everything for shard-grad-op; TP+FSDP:
-    one local unit; ZeRO-3: the largest layer), and FSDP's unsharded gradient of one unit."""
-    if strategy == "fsdp_shard_grad_op":
-        return c.total * eb.compute, max(c.units) * eb.compute
-    if family(strategy) == "fsdp":
-        return max(c.units) * eb.compute, max(c.units) * eb.compute
-    if detail.get("gathered_units"):
-        return detail["gathered_units"] // 2, detail.get("unit_grad", 0)
-    if strategy.startswith("zero3"):
-        return spec.largest_layer_params * eb.param, 0
-    return 0, 0
+def _held(strategy, spec, setup, c, eb, row, detail) -> dict:
+    """What `peak_plan.step_peak` adds to the states (see its docstring): what a rank gathers to compute and the
+    fresh gradient of the unit or layer being reduced, the gradients it holds at the end of backward where they
+    are not its shard (ZeRO-1), and what it carries from earlier micro-batches into a later one."""
+    fam, g, held = family(strategy), eb.grad, {}
+    if fam == "fsdp":
+        unit = max(_fsdp_units(spec, setup, c)) * eb.compute
+        held = {"gathered": c.total * eb.compute if strategy == "fsdp_shard_grad_op" else unit, "gathered_end": unit,
+                "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": detail["unit_grad"]}
+    elif detail.get("gathered_units"):  # TP + FSDP2
+        held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
+    elif strategy.startswith("zero3"):
+        held = {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
+                "fresh_unit": spec.largest_layer_params * g}
+    if strategy == "zero1":
+        held["backward_grads"] = c.trainable * g
+    if setup.grad_accum_steps == 1 or fam == "tp":
+        return held
+    if fam == "torch" or strategy == "zero1":  # torch's AccumulateGrad adds each fresh gradient into .grad
+        return {**held, "carried": c.trainable * g}
+    if fam == "fsdp":  # unsharded, reduce-scattered unit by unit in the last micro-batch
+        return {**held, "carried": c.trainable * eb.compute}
+    return {**held, "carried": row["grads_bytes"], "carried_kept": strategy == "zero2"}
+
+
+def _fsdp_units(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, ...]:
+    """FSDP's wrap units; accelerate gives FSDP2 an untied input embedding a unit of its own (out of the root)."""
+    embedding = spec.vocab_size * spec.hidden_size if spec.vocab_size and not spec.tied_embeddings else 0
+    if setup.fsdp_version != 2 or not embedding or len(c.units) < 2 or c.units[-1] <= embedding:
+        return c.units
+    return c.units[:-1] + (embedding, c.units[-1] - embedding)
 
 
 def _step_tensors(setup: Setup, tensors: int) -> int:
@@ -409,9 +433,9 @@ def _zero12_states(strategy, spec, setup, c, eb, mesh):
         return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
             shard * (4 + eb.param) + optim, detail, n
     detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
-    if strategy == "zero1" and setup.grad_accum_steps > 1:
-        detail["accumulated_full_grads"] = c.trainable * g
     grads = zero2_grad_partition(c, n) if strategy == "zero2" else shard
+    if strategy == "zero2":  # the flat partition DeepSpeed's end-of-backward epilogue builds for the step
+        detail["flat_grad_partition"] = shard * g
     return dict(params_bytes=c.total * eb.param, grads_bytes=grads * g, optimizer_bytes=optim), 0, detail, n
 
 
@@ -422,9 +446,14 @@ def _zero3_states(strategy, spec, setup, c, eb, mesh):
     threshold = _zero3_threshold(spec, setup)
     pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
     optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-    detail = {"gathered_layer": spec.largest_layer_params * (p + g), "reduce_bucket": _bucket(spec, setup) * g}
+    gathered, regather = _zero3_gathered(spec, setup, c)
+    # what stays gathered from forward into backward beyond the layer in use (not re-gathered: see comm_terms)
+    kept = max(0, int((1 - regather) * gathered) - spec.largest_layer_params) * p
+    detail = {"gathered_layer": spec.largest_layer_params * (p + g), "kept_gathered": kept,
+              "reduce_bucket": _bucket(spec, setup) * g,  # + the bucket's reduce-scatter output at the end of backward
+              "reduce_scatter_output": ceil_div(min(_bucket(spec, setup), c.trainable), n) * g}
     # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
-    persistent = sum(d * r for d, r, _ in c.tensors if d * r <= threshold) * p
+    persistent = (c.total - gathered) * p
     on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
     cpu = 0
     if strategy == "zero3_offload" and setup.zero3_offload in ("all", "params"):  # offload_param
@@ -447,11 +476,12 @@ def _fsdp_states(strategy, spec, setup, c, eb, mesh):
         pshard = shard_tensors(c, n, by_rows=True)
         tshard = shard_tensors(c, n, trainable_only=True, by_rows=True)
     optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors)
-    unit, e = max(c.units), eb.compute
+    unit, e = max(_fsdp_units(spec, setup, c)), eb.compute
     if strategy == "fsdp_shard_grad_op":
         detail = {"gathered_params": c.total * e, "unit_grad": unit * e}
     else:
         detail = {"gathered_units": 2 * unit * e, "unit_grad": unit * e}
+    detail["reduce_scatter_input"] = unit * e  # FSDP2 copies the unit's grads in; the output is the rank's shard
     if strategy == "fsdp_offload":
         return dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0), pshard * eb.param + tshard * eb.grad + optim, \
             detail, n
@@ -480,6 +510,13 @@ def _zero3_threshold(spec: ModelSpec, setup: Setup) -> int:
 ZERO3_REUSE_DISTANCE = 10 ** 9  # DeepSpeed's stage3_max_reuse_distance default (elements)
 
 
+def _zero3_gathered(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, float]:
+    """ZeRO-3's G, elements gathered to compute (all but the persistent tensors), and r, the fraction backward
+    re-gathers: modelled r = max(0, 1 - D/(2G)) with D = stage3_max_reuse_distance (see `strategy_row`)."""
+    gathered = c.total - sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, setup))
+    return gathered, max(0.0, 1 - ZERO3_REUSE_DISTANCE / (2 * gathered)) if gathered else 0.0
+
+
 def _ring(k: int) -> float:
     """Bytes each rank sends per byte all-gathered / reduce-scattered over k ranks (ring algorithm)."""
     return (k - 1) / k
@@ -496,9 +533,8 @@ def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
     if fam == "deepspeed" and strategy.startswith("zero2"):  # all-reduced buckets (use_multi_rank_bucket_allreduce)
         return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g * A, "param_all_gather": _ring(N) * c.total * p}
     if fam == "deepspeed":
-        persistent = sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, setup))
-        gathered = c.total - persistent
-        regather = max(0.0, 1 - ZERO3_REUSE_DISTANCE / (2 * gathered)) if gathered else 0.0
+        gathered, regather = _zero3_gathered(spec, setup, c)
+        persistent = c.total - gathered
         return {"param_all_gather": _ring(N) * (A * (1 + regather) * gathered + persistent) * p,
                 "grad_reduce_scatter": A * _ring(N) * c.trainable * g}
     if fam == "fsdp":
