@@ -6,10 +6,11 @@ sys), one run each:
 - `plan --dry-run` with a world size that does not fit the mesh, a fresh process (tests/test_dry_run.py: refused
   before torch or transformers is imported);
 - the causal-LM recipe given a missing local folder, then a missing hub id with HF_HUB_OFFLINE unset and the
-  real hub endpoint (tests/test_hostile_input.py: the hub asked once, a folder never); on a machine without
-  network the difference is the one hub request (huggingface_hub alone retried for ~25 s);
+  hub endpoint a closed loopback port (benchmarks send traffic to loopback only) (tests/test_hostile_input.py:
+  the hub asked once, a folder never): the difference is what huggingface_hub spends on the one unanswered
+  request;
 - three bad two-node `accelerate launch`es (tests/test_multinode.py: each fails or is killed, nothing survives):
-  main port in use, unreachable main address with a 3 s rendezvous timeout, and a node whose main node never
+  main port in use, a main address answering nothing with a 3 s rendezvous timeout, and a node whose main node never
   comes up (killed at the launch helper's 8 s timeout).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/failure_speed.py --out benchmarks/results/failure_speed.md
@@ -80,7 +81,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table here (Markdown)")
     args = parser.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "plugin")}
-    online = {k: v for k, v in cpu_env().items() if k != "HF_HUB_OFFLINE"}
+    online = {**{k: v for k, v in cpu_env().items() if k != "HF_HUB_OFFLINE"},
+              "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}  # a hub that answers nothing, on loopback
     recipe = [sys.executable, str(ROOT / "recipes" / "causal_lm_sft.py"), "--output_dir", tempfile.mkdtemp()]
     tmp = Path(tempfile.mkdtemp(prefix="failure-speed-"))
     with socket.socket() as busy:
@@ -92,7 +94,7 @@ def main() -> None:
              command([sys.executable, "-m", "shardscope", "plan", "--model", "llama-2-7b", "--dry-run",
                       "--world-size", "10", "--nodes", "4"], env)),
             ("recipe, missing local folder", command([*recipe, "--model_name_or_path", "./no/such/folder"], online)),
-            ("recipe, missing hub id, HF_HUB_OFFLINE unset",
+            ("recipe, missing hub id, HF_HUB_OFFLINE unset, hub endpoint closed",
              command([*recipe, "--model_name_or_path", "shardscope-test/no-such-model"], online)),
             ("2-node launch, main port in use", bad_launch(tmp / "port", main_process_port=busy.getsockname()[1],
                                                            machine_ranks=[0], timeout=30)),

@@ -11,7 +11,7 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.
-LAUNCHING_FIXTURES = {"strategy_runs", "runs", "comparison", "trained", "trl_runs", "fsdp2_run"}
+LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "comparison", "trained", "trl_runs", "fsdp2_run"}
 
 
 def pytest_collection_modifyitems(items):
@@ -20,8 +20,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.launch)
 
 
-# Launching fixtures defined here, session-scoped: several test files share their runs.
-SHARED_RUNS = ("strategy_runs",)
+# Launching fixtures defined here, session-scoped, by the runs they share: several test files use them.
+SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs"}
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
@@ -34,8 +34,8 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     here = Path(__file__).parent
-    groups = {f"{here.name}/{path.name}": name for path in sorted(here.glob("test_*.py"))
-              for name in SHARED_RUNS if name in path.read_text()}
+    groups = {f"{here.name}/{path.name}": group for path in sorted(here.glob("test_*.py"))
+              for name, group in SHARED_RUNS.items() if name in path.read_text()}
 
     class SharedRunScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -129,6 +129,26 @@ def strategy_runs(strategy_model, tmp_path_factory):
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def strategy_plans(strategy_runs, tmp_path_factory):
+    """`strategy_plans(config, model, grad_accum)`: (summary, `planner.plan_vs_run` of it, what `plan --compare`
+    prints) of a `strategy_runs` run, planned once however many tests read it."""
+    from shardscope.planner import plan_vs_run
+
+    cache = {}
+
+    def plan(config, model="shard_llama", grad_accum=1):
+        key = (config, model, grad_accum)
+        if key not in cache:
+            summary, _ = strategy_runs(config, model, grad_accum=grad_accum)
+            path = tmp_path_factory.mktemp(f"plan-{config.replace('/', '_')}-{model}-accum{grad_accum}") / "summary.json"
+            path.write_text(json.dumps(summary))
+            cache[key] = summary, plan_vs_run(path)
+        return cache[key]
+
+    return plan
 
 
 @pytest.fixture(scope="session")

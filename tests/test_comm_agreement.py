@@ -4,11 +4,7 @@ Runs are shared with test_strategies.py / test_planner_agreement.py: the tiny Ll
 ~50M Llama at accumulation 2 (the planner agreement's realistic shape), because accumulation changes what ZeRO-2,
 ZeRO-3 and FSDP send (they communicate in every micro-batch, DDP and ZeRO-1 once per step).
 """
-import json
-
 import pytest
-
-from shardscope.planner import plan_vs_run
 
 AGREEING = ["ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op"]
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -33,11 +29,8 @@ def counted_by_kind(comm: dict) -> dict:
 @pytest.mark.launch
 @pytest.mark.parametrize("model, accum", [("shard_llama", 1), ("llama_50m", 2)])
 @pytest.mark.parametrize("config", AGREEING)
-def test_planned_communication_matches_counted_collectives(config, model, accum, strategy_runs, tmp_path):
-    summary, _ = strategy_runs(config, model, grad_accum=accum)
-    path = tmp_path / "summary.json"
-    path.write_text(json.dumps(summary))
-    result = plan_vs_run(path)
+def test_planned_communication_matches_counted_collectives(config, model, accum, strategy_plans):
+    _, result = strategy_plans(config, model, grad_accum=accum)
     assert result["grad_accum_steps"] == accum
     planned = planned_by_kind(result["planned_comm"])
     for rank in result["ranks"]:

@@ -70,12 +70,9 @@ PHASE_DIFFERS = {"fsdp_shard_grad_op"}
 
 
 @pytest.mark.parametrize("config", ACCUMULATION_RUNS)
-def test_planned_peak_of_the_50m_llama_with_gradient_accumulation(config, strategy_runs, tmp_path):
-    summary, _ = strategy_runs(config, "llama_50m", grad_accum=2)
+def test_planned_peak_of_the_50m_llama_with_gradient_accumulation(config, strategy_plans):
+    summary, plan = strategy_plans(config, "llama_50m", grad_accum=2)
     assert summary["gradient_accumulation_steps"] == 2
-    path = tmp_path / "shardscope_summary.json"
-    path.write_text(json.dumps(summary))
-    plan = plan_vs_run(path)
     assert plan["strategy"] == config and plan["trace_note"] is None
     for rank in plan["ranks"]:
         peak = rank["peak"]
