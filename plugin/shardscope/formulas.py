@@ -373,9 +373,9 @@ def _held(strategy, spec, setup, c, eb, row, detail) -> dict:
     are not its shard (ZeRO-1), and what it carries from earlier micro-batches into a later one."""
     fam, g, held = family(strategy), eb.grad, {}
     if fam == "fsdp":
-        unit = max(_fsdp_units(spec, setup, c)) * eb.compute
-        held = {"gathered": c.total * eb.compute if strategy == "fsdp_shard_grad_op" else unit, "gathered_end": unit,
-                "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": detail["unit_grad"]}
+        unit = detail["unit_grad"]  # the largest unit in the compute dtype (_fsdp_states)
+        held = {"gathered": detail.get("gathered_params", unit), "gathered_end": unit,
+                "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": unit}
     elif detail.get("gathered_units"):  # TP + FSDP2
         held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
     elif strategy.startswith("zero3"):
