@@ -22,6 +22,7 @@ from accelerate import Accelerator, PartialState
 from transformers import AutoModelForCausalLM
 
 from shardscope import ShardingProfiler
+from shardscope.recipe_training import end_of_run
 
 
 def padded_batches(vocab: int, batch_size: int, max_len: int = 48, n: int = 64, seed: int = 0):
@@ -84,5 +85,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_of_run()

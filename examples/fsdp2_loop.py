@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from shardscope import ShardingProfiler
+from shardscope.recipe_training import end_of_run
 
 from accelerate_loop import padded_batches, tiny_model  # same folder: the data and model of the Accelerate example
 
@@ -92,4 +93,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    dist.destroy_process_group()
+    end_of_run()

@@ -38,6 +38,8 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
+from shardscope.recipe_training import end_of_run
+
 
 class Stage(torch.nn.Module):
     """Decoder layers `layers` of a LlamaForCausalLM, plus the embedding (first stage) or norm + lm_head (last)."""
@@ -150,9 +152,7 @@ def main():
                   "microbatches": args.microbatches if pipelined else 1, "losses": reports[-1]["losses"],
                   "stages": [{k: v for k, v in r.items() if k != "losses"} for r in reports]}
         Path(out_path).write_text(json.dumps(result, indent=2))
-    if pipelined:
-        dist.barrier()
-        dist.destroy_process_group()
+    end_of_run()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ and the end of the distributed run.
 """
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 from pathlib import Path
 
 from transformers import Trainer
@@ -64,12 +67,28 @@ def gather_full_state_dict_on_save(trainer) -> None:
 
 
 def end_of_run() -> None:
-    """Barrier and tear down the process group (avoids 'terminate called without an active exception')."""
+    """End a distributed run whose outputs are saved: barrier, destroy the process group, and on a gloo (CPU)
+    group leave the process at once, after its exit handlers, without Python's finalization.
+
+    Why the exit: a gloo process group outlives `destroy_process_group`. DDP's reducer and FSDP's hooks keep it
+    through references the garbage collector cannot follow, so its worker threads still run while Python
+    finalizes. A worker that drops the last reference to a Python-owned tensor then takes the GIL, which a
+    finalizing CPython refuses by ending the thread, and the process aborts with "terminate called without an
+    active exception" after a successful run (the race pytorch/pytorch#179291 describes). Exit handlers (a
+    logger finishing its run) still run; threads still running are not waited for. NCCL groups exit normally.
+    """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gloo = "gloo" in str(dist.get_backend())  # "gloo", or "cpu:gloo,cuda:nccl"
+    dist.barrier()
+    dist.destroy_process_group()
+    if gloo:
+        atexit._run_exitfuncs()  # what a normal exit runs first; CPython's one way to run them early
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def save_outputs(trainer, processor, logits_batch: dict | None = None) -> None:

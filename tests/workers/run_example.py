@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from shardscope.recipe_training import end_of_run
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from train_tiny import local_param_bytes, optimizer_state_bytes  # noqa: E402  (same folder)
@@ -25,9 +27,7 @@ def write_facts(result, output_dir: Path):
 def main():
     name, argv = sys.argv[1], sys.argv[2:]
     write_facts(importlib.import_module(name).main(argv), Path(argv[argv.index("--output_dir") + 1]))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_of_run()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
                           TrainerCallback, TrainingArguments)
 
 from shardscope import ShardingProfilerCallback
+from shardscope.recipe_training import end_of_run
 
 
 @dataclass
@@ -128,9 +129,7 @@ def main():
 
         batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask")}
         save_final_logits(trainer, batch, worker.logits_out)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_of_run()
 
 
 if __name__ == "__main__":
