@@ -16,6 +16,7 @@ $(STAMP): setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[deepspeed,peft,recipes,test]'
+	$(PY) scripts/build_deepspeed_ops.py
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: fine-tune a tiny random Llama on a synthetic Alpaca task under DeepSpeed ZeRO-3, 2 CPU processes.
 # Everything is built offline under demo_out/; the launch is the same command a GPU user runs, shrunk
-# on the command line (2 processes). Takes 1-2 minutes on 2 cores, plus the install and DeepSpeed's one-time
-# build of a CPU op (about 2 minutes on a loaded 2-core machine) the first time.
+# on the command line (2 processes). Takes 1-2 minutes on 2 cores, plus the install the first time (which
+# builds DeepSpeed's CPU ops, scripts/build_deepspeed_ops.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
