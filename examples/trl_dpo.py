@@ -84,4 +84,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from shardscope.recipe_training import end_of_run
+
     main()
+    end_of_run()
