@@ -38,8 +38,8 @@ def test_each_kind_is_sized_by_its_logical_tensor(group):
         dist.reduce_scatter_tensor(torch.empty(10, 4), x)
         dist.broadcast(x, 0)
         dist.barrier()
-        funcol.all_reduce(x, "sum", group)
-        funcol.all_gather_tensor(x, 0, group)  # functional: sized as input x group size
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", group))  # waited: an unwaited one outlives the test
+        funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))  # functional: sized as input x group size
     comm = counter.result()["comm"]
     assert comm["all_reduce"] == {"calls": 3, "bytes": 160 + 320 + 160, "sent_bytes": 0}  # one rank sends nothing
     assert comm["all_gather"]["calls"] == 3 and comm["all_gather"]["bytes"] == 3 * 160
