@@ -4,7 +4,7 @@ of the start-up).
 
 One JSON file per key in `SHARDSCOPE_CACHE` (a folder; `off` turns the cache off), by default
 `$XDG_CACHE_HOME/shardscope/specs` (`~/.cache/...`). A key hashes the config.json bytes, the installed torch
-and transformers versions, the source of the module that computes the value, and whatever else the value
+and transformers versions (and peft's, for LoRA traces), the source of the module that computes the value, and whatever else the value
 depends on, so a change to any of them is a miss. Files are written atomically and read with safe_io's
 bounded JSON reader (never unpickled); a file that cannot be read, parsed or written is a miss, never an error.
 """
@@ -20,6 +20,7 @@ from .errors import UsageError
 from .safe_io import atomic_write_text, load_json
 
 ENV = "SHARDSCOPE_CACHE"
+LIBRARIES = ("torch", "transformers")  # whose versions every key includes
 HERE = Path(__file__).parent
 
 
@@ -34,12 +35,12 @@ def cache_dir() -> Path | None:
     return Path(os.path.expanduser(base)) / "shardscope" / "specs"
 
 
-def cache_key(config_bytes: bytes, module: str | tuple, *parts: str) -> str | None:
+def cache_key(config_bytes: bytes, module: str | tuple, *parts: str, libraries: tuple = LIBRARIES) -> str | None:
     """The key of what `module` (a file of this package, e.g. "model_spec.py", or a tuple of the files it runs)
-    computes from a config.json's bytes and `parts`, under this install (None: torch or transformers not
-    installed)."""
+    computes from a config.json's bytes and `parts`, under this install's versions of `libraries` (None: one of
+    them not installed)."""
     try:
-        versions = f"torch {metadata.version('torch')} transformers {metadata.version('transformers')}"
+        versions = " ".join(f"{library} {metadata.version(library)}" for library in libraries)
         code = b"".join((HERE / name).read_bytes() for name in ((module,) if isinstance(module, str) else module))
     except (metadata.PackageNotFoundError, OSError):
         return None

@@ -23,9 +23,9 @@ def cached_traces_for(model: str, setup: Setup, simulate: bool = False) -> tuple
     """`traces_for(load_model_config(model), setup, simulate)`, from the cache when it holds them."""
     config = config_bytes(model)
     shape = {f.name: getattr(setup, f.name) for f in fields(Setup) if f.name not in NOT_TRACED}
-    lora = f"peft {_version('peft')}" if setup.lora_rank else ""  # LoRA is traced with peft's own adapters
+    libraries = (*spec_cache.LIBRARIES, "peft") if setup.lora_rank else spec_cache.LIBRARIES  # peft's adapters
     key = spec_cache.cache_key(config, ("step_trace.py", "peak.py"), "traces", json.dumps(shape, sort_keys=True),
-                               str(simulate), lora) if config is not None else None
+                               str(simulate), libraries=libraries) if config is not None else None
     cached = spec_cache.load(key) if key else None
     if isinstance(cached, dict) and set(cached) == {"traces", "note"}:
         try:
@@ -36,15 +36,6 @@ def cached_traces_for(model: str, setup: Setup, simulate: bool = False) -> tuple
     if key:
         spec_cache.store(key, {"traces": {regime: asdict(t) for regime, t in traces.items()}, "note": note})
     return traces, note
-
-
-def _version(package: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def _trace(value: dict) -> StepTrace:
