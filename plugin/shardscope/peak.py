@@ -147,14 +147,21 @@ class StepPeak:
 
 def step_shape(module, args: tuple, kwargs: dict) -> dict:
     """`STEP_SHAPE` of one forward: rows, the token ids' length or the pixels' size (None where absent), and
-    whether the module recomputes activations in backward (transformers' `is_gradient_checkpointing`)."""
+    whether the module recomputes activations in backward (`checkpointing`)."""
     ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     pixels = kwargs.get("pixel_values") if ids is None else None
     first = ids if ids is not None else pixels
     return {"micro_batch": None if first is None else int(first.shape[0]),
             "seq_len": None if ids is None else int(ids.shape[-1]),
             "image_size": None if pixels is None else int(pixels.shape[-1]),
-            "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False))}
+            "gradient_checkpointing": checkpointing(module)}
+
+
+def checkpointing(module) -> bool:
+    """transformers' `is_activation_checkpointing` (5.x; earlier releases name it `is_gradient_checkpointing`, which
+    5.x keeps as an alias that warns on every read)."""
+    on = getattr(module, "is_activation_checkpointing", None)
+    return bool(getattr(module, "is_gradient_checkpointing", False) if on is None else on)
 
 
 def figures(result: dict) -> dict:

@@ -346,18 +346,18 @@ def preflight_plan(model, strategy: str | None, mesh: dict | None, world: int, n
     {strategy, peak_bytes, total_bytes, peak_phase, activations_source, micro_batch, seq_len, fits,
     gpu_memory_bytes, usable_bytes, recommendation, warning (when it does not fit)}, or None for a strategy it
     has no row for."""
+    from .peak import step_shape
+
     config, lora = live_config(model)
-    ids, pixels = ((inputs or {}).get(k) for k in ("input_ids", "pixel_values"))
-    batch = ids if ids is not None else pixels
+    shape = step_shape(model, (), inputs or {})
     setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=gpu_memory_bytes,
                   precision={"bf16": "bf16-mixed", "fp16": "fp16-mixed"}.get(precision, "fp32"),
-                  micro_batch=int(batch.shape[0]) if batch is not None else 1,
-                  seq_len=int(ids.shape[-1]) if ids is not None else 0,
-                  image_size=int(pixels.shape[-1]) if pixels is not None else None,
-                  activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)), **lora)
+                  micro_batch=shape["micro_batch"] or 1, seq_len=shape["seq_len"] or 0,
+                  image_size=shape["image_size"], activation_checkpointing=shape["gradient_checkpointing"], **lora)
     if mesh and mesh.get("tp", 1) > 1:
         strategy, setup = setup_for_mesh(setup, mesh)
-    plan = estimate(spec_from_config(config), setup, traces_for(config, setup)[0] if batch is not None else None)
+    batch = shape["micro_batch"] is not None
+    plan = estimate(spec_from_config(config), setup, traces_for(config, setup)[0] if batch else None)
     row = next((r for r in plan["rows"] if r["strategy"] == strategy), None)
     if row is None:
         return None
