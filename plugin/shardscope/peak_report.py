@@ -29,11 +29,16 @@ def row_facts(plan: dict | None) -> dict:
                      "trace_note": plan.get("trace_note")}}
 
 
-def step_label(step: dict) -> str:
-    """`2 x 256 tokens, checkpointing`: what the planned step was."""
+def step_size(step: dict) -> str:
+    """`2 x 256 tokens`, `2 x 224 px images` or `2 rows`: the planned step's micro-batch and input size."""
     size = f" x {step['seq_len']} tokens" if step.get("seq_len") is not None else \
         f" x {step['image_size']} px images" if step.get("image_size") else " rows"
-    return f"{step['micro_batch']}{size}" + (", checkpointing" if step.get("gradient_checkpointing") else "")
+    return f"{step['micro_batch']}{size}"
+
+
+def step_label(step: dict) -> str:
+    """`2 x 256 tokens, checkpointing`: what the planned step was."""
+    return step_size(step) + (", checkpointing" if step.get("gradient_checkpointing") else "")
 
 
 def percent(error) -> str:

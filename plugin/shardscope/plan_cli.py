@@ -11,6 +11,7 @@ from .errors import UsageError
 from .mesh import HEADROOM, Setup
 from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, shipped_source
 from .trace_cache import cached_traces_for
+from .peak_report import percent, step_size
 from .planner import convention_table, estimate, fit_rule, plan_vs_run
 from .strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from .units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
@@ -146,10 +147,8 @@ def format_compare(result: dict) -> str:
                          f"{comp['measured']:>14,}{diff:>10}")
         peak = rank.get("peak")
         if peak:  # the same step planned: its shape from the summary
-            step = peak["step"]
-            shape = (f"{step['micro_batch']} x {step['seq_len']} tokens" if step["seq_len"] is not None else
-                     f"{step['micro_batch']} x {step['image_size']} px" if step["image_size"] else f"{step['micro_batch']} rows")
-            error = "-" if peak["error"] is None else f"{peak['error']:+.2%}"
+            step, shape = peak["step"], step_size(peak["step"])
+            error = percent(peak["error"])
             lines.append(f"{'':<5}{'peak of one step':<20}{peak['planned']['peak_bytes']:>14,}"
                          f"{peak['measured']['peak_tensor_bytes']:>14,}{error:>10}   (planned - measured) / measured; "
                          f"{shape}, checkpointing {'on' if step['gradient_checkpointing'] else 'off'}, activations "
