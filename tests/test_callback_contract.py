@@ -248,10 +248,10 @@ def _broken(*args, **kwargs):
 # ("module:" where it is looked up, the profiler unless named; what to break) -> the warning that names it; each
 # piece the callback relies on
 FAULTS = {
-    "count_state": "model-state bytes", "held_gradients": "gradient bytes", "read_memory": "peak memory",
+    "count_state": "model-state bytes", "held_gradients": "state_bytes disabled", "read_memory": "peak memory",
     "reset_peak": "peak memory", "count_batch": "batch counting", "rates": "reported figures",
-    "all_gather_figures": "cross-rank gather", "write_summary": "summary file", "StepPeak": "peak tensor memory",
-    "PrecisionWatch": "precision", "gather_reports": "precision", "detect_strategy": "strategy",
+    "all_gather_figures": "cross-rank gather", "write_summary": "summary file", "StepPeak": "memory disabled",
+    "PrecisionWatch": "precision disabled", "gather_reports": "precision", "detect_strategy": "strategy",
     "log_metrics": "metric logging", "callback:describe_flops": "parameter counts",
     "ThroughputWindow.step_end": "throughput", "callback:ShardingProfilerCallback._run_before_reporters": "callback order",
     "callback:frozen_models_of": "frozen models",

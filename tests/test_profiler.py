@@ -126,7 +126,7 @@ def test_a_collators_batch_encoding_is_counted_like_its_dict(llama, tmp_path, ca
 def test_step_wraps_of_one_optimizer_come_off_in_any_order():
     """The profiler's gradient snapshot and a sampled step's timer both wrap a ZeRO optimizer's `step`: removing
     the later one first must leave the earlier one working, and every removal must succeed."""
-    from shardscope.step_time import StepWrap
+    from shardscope.guard import Instrument, MethodWrap, WarnOnce
 
     class Zero:  # DeepSpeed's ZeRO optimizers: a plain `step` method, no step hooks
         def step(self):
@@ -134,8 +134,9 @@ def test_step_wraps_of_one_optimizer_come_off_in_any_order():
 
     for order in ((1, 0), (0, 1)):
         calls, optimizer = [], Zero()
-        wraps = [StepWrap(optimizer, lambda: calls.append("snapshot")),
-                 StepWrap(optimizer, lambda: calls.append("timer"), lambda: calls.append("timed"))]
+        instrument = Instrument("test", WarnOnce())
+        wraps = [MethodWrap(instrument, optimizer, "step", lambda: calls.append("snapshot")),
+                 MethodWrap(instrument, optimizer, "step", lambda: calls.append("timer"), lambda: calls.append("timed"))]
         optimizer.step()
         assert calls == ["timer", "snapshot", "step", "timed"]
         wraps[order[0]].remove()

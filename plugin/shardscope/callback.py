@@ -7,42 +7,26 @@ sample count, and puts the metrics into the Trainer's logs (so every `report_to`
 """
 from __future__ import annotations
 
-import functools
 import inspect
-import logging
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from .guard import Guard
+from .guard import Guard, MethodWrap, WarnOnce, never_raises
 from .profiler import ShardingProfiler, validate_arguments
 from .step_counts import describe_flops
 from .summary import SUMMARY_FILE
-
-logger = logging.getLogger("shardscope")
 
 # Trainer attributes holding a frozen model -> the name it has in the summary (others: the attribute's name).
 FROZEN_NAMES = {"ref_model": "reference", "reward_model": "reward", "value_model": "value",
                 "teacher_model": "teacher"}
 
 
-def _never_raises(event):
-    """A Trainer event that cannot stop training: whatever its own guards miss is warned about once."""
-    @functools.wraps(event)
-    def safe(self, *args, **kwargs):
-        try:
-            return event(self, *args, **kwargs)
-        except Exception as error:
-            self._warn_once(event.__name__, f"{event.__name__} failed: {type(error).__name__}: {error}")
-        return None
-
-    return safe
-
-
 def _events_never_raise(cls):
+    """Each Trainer event is `never_raises`: whatever its own guards miss is warned about once."""
     for name in ("on_init_end", "on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end"):
-        setattr(cls, name, _never_raises(getattr(cls, name)))
+        setattr(cls, name, never_raises()(getattr(cls, name)))
     return cls
 
 
@@ -84,7 +68,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self.summary_file, self.memory_step = summary_file, memory_step
         self.profiler: ShardingProfiler | None = None
         self._flops_model, self._trainer, self._pending = None, None, {}
-        self._warned: set[str] = set()
+        self.warn_once = WarnOnce()
 
     # --- Trainer events (each also wrapped by `_never_raises`) --------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -129,9 +113,7 @@ class ShardingProfilerCallback(TrainerCallback):
             self._pending = {}
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.profiler.close()
-        if self._trainer is not None and "training_step" in vars(self._trainer):
-            del self._trainer.training_step  # the class's own method shows through again
+        self.profiler.close()  # removes every instrument, the batch feed's wrapped training_step included
         self._trainer = None
 
     # --- Helpers ----------------------------------------------------------------------------------------------
@@ -141,13 +123,12 @@ class ShardingProfilerCallback(TrainerCallback):
             return  # no Trainer found: the profiler counts the training forwards it sees
         if "training_step" in vars(self._trainer):  # left by a train() that raised before its train end
             del self._trainer.training_step
-        original, profiler = self._trainer.training_step, self.profiler
+        profiler = self.profiler
 
-        def training_step(model, inputs, *args, **kwargs):
-            profiler.add_batch(inputs, samples=rows_per_batch)  # never raises
-            return original(model, inputs, *args, **kwargs)
+        def feed(model, inputs, *args, **kwargs):
+            profiler.add_batch(inputs, samples=rows_per_batch)
 
-        self._trainer.training_step = training_step
+        MethodWrap(profiler.instrument("batch_feed"), self._trainer, "training_step", before=feed)
 
     def _find_trainer(self):
         """The Trainer calling this event (found on the call stack: the Trainer hands callbacks no reference)."""
@@ -166,7 +147,7 @@ class ShardingProfilerCallback(TrainerCallback):
         while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
             frame = frame.f_back
         if frame is None:
-            self._warn_once("callback order", "could not find the Trainer's callback list; shardscope metrics "
+            self.warn_once("callback order", "could not find the Trainer's callback list; shardscope metrics "
                             "reach trainer_state.json and the summary file but not the report_to backends")
             return
         callbacks = frame.f_locals["self"].callbacks
@@ -176,12 +157,7 @@ class ShardingProfilerCallback(TrainerCallback):
             callbacks.insert(position, self)
 
     def _guard(self, what: str) -> Guard:  # measuring must never stop training
-        return Guard(self._warn_once, what)
-
-    def _warn_once(self, key: str, message: str):
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("shardscope: %s (warned once; training continues)", message)
+        return Guard(self.warn_once, what)
 
 
 def frozen_models_of(trainer, model) -> dict:

@@ -23,13 +23,12 @@ is the algorithm's, not the backend's.) An operator the table does not know is c
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-logger = logging.getLogger("shardscope")
+from .guard import Instrument, WarnOnce
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter",
          "send", "recv", "barrier", "other")
@@ -108,12 +107,14 @@ def collective_size(kind: str, func, args, kwargs) -> tuple[int, int]:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """`with CollectiveCounter() as counter: <one optimizer step>`, then `counter.result()`."""
+    """`with CollectiveCounter() as counter: <one optimizer step>`, then `counter.result()`. Counting runs under
+    `instrument` (a failure disables it; every operator still runs, once)."""
 
-    def __init__(self, warn=None):
+    def __init__(self, instrument: Instrument | None = None):
         super().__init__()
         self.totals = {kind: dict.fromkeys(FIELDS, 0) for kind in KINDS}
-        self._warn = warn or _warn_once
+        self.instrument = instrument or Instrument("collectives", WarnOnce())
+        self._count = self.instrument.wrap(self._record)
         self.unknown: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -123,10 +124,7 @@ class CollectiveCounter(TorchDispatchMode):
         if any(getattr(t, "__torch_dispatch__", PLAIN) is not PLAIN for t in types):
             return NotImplemented  # let DTensor (and other subclasses) desugar into the collectives it issues
         if func.namespace in NAMESPACES:
-            try:
-                self._record(func, args, kwargs)
-            except Exception as error:  # counting must never stop the collective
-                self._warn("collective counting", f"could not count {func}: {type(error).__name__}: {error}")
+            self._count(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _record(self, func, args, kwargs):
@@ -136,7 +134,7 @@ class CollectiveCounter(TorchDispatchMode):
         kind = KIND_OF.get(name, "other")
         if kind == "other" and name not in self.unknown:
             self.unknown.add(name)
-            self._warn(f"collective {name}", f"collective {func.namespace}.{name} is not in shardscope's table: "
+            self.instrument.warn(f"collective {name}", f"collective {func.namespace}.{name} is not in shardscope's table: "
                                              "counted as 'other' (its tensors' bytes, nothing sent)")
         nbytes, n = collective_size(kind, func, args, kwargs)
         total = self.totals[kind]
@@ -172,11 +170,3 @@ def from_fields(rank: dict) -> dict:
     return {"comm": comm, "comm_sent_bytes_per_step": int(total),
             "comm_padded_tokens": None if tokens is None or math.isnan(tokens) else int(tokens)}
 
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning("shardscope: %s (warned once; training continues)", message)

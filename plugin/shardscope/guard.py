@@ -1,6 +1,39 @@
-"""Measuring never stops training: `Guard`, the context manager each measurement of the profiler and the callback
-runs in."""
+"""Measuring never stops training. One owner for the three ways the profiler keeps that promise:
+
+- `Guard`: the context manager each of the profiler's own measurements runs in (a failure is warned about once
+  and that figure is left out; the next measurement tries again).
+- `Instrument`: everything an instrument puts into the user's code path (module and optimizer hooks, wrapped
+  methods, dispatch-mode callbacks) goes in through `Instrument.hook`, `Instrument.wrap` or `MethodWrap`. A
+  failure inside disables that instrument for the rest of the run: its hooks are removed, whatever of it is still
+  called passes straight through, it is warned about once (naming the instrument and the reason), and the user's
+  code gets what it expects (a hook returns None, a wrapped method still runs the original once).
+  `with instrument:` guards the profiler's own work for that instrument (set-up, the gather, the summary) the same
+  way. `Instrument.status` is "ok" or the reason: the summary's `instruments`.
+- `WarnOnce`: the one warning per key.
+"""
 from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger("shardscope")
+
+GUARDED = "__shardscope_guarded__"  # set on every callable an instrument installs (tests/test_never_breaks.py)
+
+
+class WarnOnce:
+    """`warn(key, message, note=False)` logs `message` the first time `key` is met; a note is a fact about the
+    input, not a failure."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def __call__(self, key: str, message: str, note: bool = False) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            logger.warning("shardscope: %s" + ("" if note else " (warned once; training continues)"), message)
 
 
 class Guard:
@@ -23,3 +56,120 @@ class Guard:
             return False
         self.warn(self.what, f"could not measure {self.what}: {kind.__name__}: {error}")
         return True
+
+
+def _returns_none(*_args, **_kwargs):
+    return None
+
+
+class Instrument:
+    """One instrument of the profiler and what it installed (see the module docstring)."""
+
+    def __init__(self, name: str, warn):
+        self.name, self.warn = name, warn
+        self.failure: str | None = None  # the reason it was disabled
+        self._installed: list = []  # handles with `remove()`
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.failure is None else self.failure
+
+    def fail(self, reason: str) -> None:
+        """Disable the instrument for the rest of the run (first reason kept, warned about once)."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.remove()
+        self.warn(f"instrument {self.name}", f"{self.name} disabled for the rest of the run: {reason}")
+
+    def wrap(self, fn, fallback=_returns_none):
+        """`fn`, safe to call from the user's code: it runs while the instrument is ok; an exception disables the
+        instrument, and then (as on every later call) `fallback(*args, **kwargs)` answers instead."""
+        def guarded(*args, **kwargs):
+            if self.failure is None:
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as error:
+                    self.fail(f"{type(error).__name__}: {error}")
+            return fallback(*args, **kwargs)
+
+        setattr(guarded, GUARDED, self.name)
+        return guarded
+
+    def hook(self, register, fn, **options):
+        """`register(wrap(fn), **options)` (a `register_*hook` method), its handle removed with the instrument."""
+        return self.keep(register(self.wrap(fn), **options))
+
+    def keep(self, handle):
+        """Remove `handle` (anything with `remove()`) with the instrument."""
+        self._installed.append(handle)
+        return handle
+
+    def remove(self) -> None:
+        """Take out everything installed (also at the instrument's normal end)."""
+        installed, self._installed = self._installed, []
+        for handle in installed:
+            handle.remove()
+
+    def __enter__(self) -> "Instrument":
+        return self
+
+    def __exit__(self, kind, error, _traceback) -> bool:
+        """`with instrument:` the profiler's own work for it; a failure disables it like one in a hook."""
+        if kind is None or not issubclass(kind, Exception):
+            return False
+        self.fail(f"{kind.__name__}: {error}")
+        return True
+
+
+class MethodWrap:
+    """`before()` and `after()` (guarded by `instrument`) around `owner.<name>` on this one instance (DeepSpeed's
+    ZeRO optimizers have no step hooks; the Trainer's `training_step`); the original always runs, once. Several may
+    wrap one method and be removed in any order: one removed under another passes straight through."""
+
+    def __init__(self, instrument: Instrument, owner, name: str, before=_returns_none, after=_returns_none):
+        original, before, after = getattr(owner, name), instrument.wrap(before), instrument.wrap(after)
+
+        def wrapped(*args, **kwargs):
+            if not self.active:
+                return original(*args, **kwargs)
+            before(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                after()
+
+        setattr(wrapped, GUARDED, instrument.name)
+        self.owner, self.name, self.wrapped, self.active = owner, name, wrapped, True
+        self.previous = vars(owner).get(name)  # a wrap set on the instance before this one
+        setattr(owner, name, wrapped)
+        instrument.keep(self)
+
+    def remove(self) -> None:
+        self.active = False
+        if vars(self.owner).get(self.name) is self.wrapped:  # on top: unwrap
+            if self.previous is None:
+                delattr(self.owner, self.name)  # the class's own method shows through again
+            else:
+                setattr(self.owner, self.name, self.previous)
+
+
+def never_raises(default=lambda: None):
+    """Decorator for a method the user's loop calls (a profiler call, a Trainer event): whatever its own guards
+    miss is warned about once through `self.warn_once`, and `default()` is returned."""
+    def decorate(method):
+        @functools.wraps(method)
+        def safe(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as error:
+                self.warn_once(method.__name__, f"{method.__name__} failed: {type(error).__name__}: {error}")
+            return default()
+
+        return safe
+
+    return decorate

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from .guard import Instrument, WarnOnce
 from .state_bytes import master_weights, optimizer_layers, zero_grad_buffers
 
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -45,73 +46,91 @@ class _NoHook:
         pass
 
 
-def tracker():
-    """torch's MemTracker hooking the gradients of trainable parameters only (see the module docstring)."""
+# MemTracker's (and its ModTracker's) methods that run inside the user's step: hooks, dispatch-time tracking,
+# weakref and resize callbacks. Each is replaced on the instance by its instrument-guarded version.
+TRACKER_CALLBACKS = ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook", "_track", "_update_snap",
+                     "_update_peak_stats", "_delete_callback", "_track_optimizer_states")
+MOD_TRACKER_CALLBACKS = ("_fw_pre_hook", "_fw_post_hook")
+MOD_TRACKER_FACTORIES = ("_get_append_fn", "_get_pop_fn")  # make the backward hooks ModTracker registers
+
+
+def tracker(instrument: Instrument | None = None):
+    """torch's MemTracker hooking the gradients of trainable parameters only (see the module docstring), a module run
+    again in one step tracked anew, and in a user's run (`instrument` given) every callback it runs inside the step
+    guarded by `instrument`; without one (a traced step) its errors are raised."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class TrainableOnlyTracker(MemTracker):
+    class StepTracker(MemTracker):
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             for p in module.parameters():  # a frozen parameter counts as hooked already: no hook is installed
                 if not p.requires_grad:
                     self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
-    return TrainableOnlyTracker()
+        def _pre_fw_hook(self, module, inputs):
+            """A top-level module run again in the same step (the next micro-batch, LoRA-DPO's adapter-disabled
+            reference pass, a second forward in `compute_loss`, generation) is refused by MemTracker ("multiple
+            iterative calls"). Its per-module statistics are not what is read here (the step's peak by category
+            is), so the earlier call's are dropped and the call is tracked as a first one."""
+            name = self._mod_tracker.get_known_fqn(module)
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                    set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    step_tracker = StepTracker()
+    if instrument is None:
+        return step_tracker
+    _guard_methods(step_tracker, TRACKER_CALLBACKS, instrument)
+    step_tracker._update_and_maybe_create_winfos = instrument.wrap(step_tracker._update_and_maybe_create_winfos,
+                                                                  fallback=lambda *_: [])
+    mod_tracker = step_tracker._mod_tracker
+    _guard_methods(mod_tracker, MOD_TRACKER_CALLBACKS, instrument)
+    for name in MOD_TRACKER_FACTORIES:
+        make = getattr(mod_tracker, name)
+        setattr(mod_tracker, name, lambda *args, make=make: instrument.wrap(make(*args)))
+    return step_tracker
+
+
+def _guard_methods(owner, names: tuple, instrument: Instrument) -> None:
+    for name in names:
+        setattr(owner, name, instrument.wrap(getattr(owner, name)))
 
 
 class StepPeak:
-    """Context manager around one optimizer step: `with StepPeak(model, optimizer) as peak: <step>`, then
-    `peak.result()`. Phase boundaries come from hooks on the model's forward and the optimizer's step."""
+    """Context manager around one optimizer step: `with StepPeak(model, optimizer, instrument) as peak: <step>`,
+    then `peak.result()`. Phase boundaries come from hooks on the model's forward and the optimizer's step; every
+    hook and tracker callback runs under `instrument` (a failure disables it, the step goes on)."""
 
-    def __init__(self, model, optimizer=None):
+    def __init__(self, model, optimizer=None, instrument: Instrument | None = None):
         if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):  # FSDP1 marks its parameters
             # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses a gradient hook there
             raise ValueError("FSDP1 flat parameters cannot be tracked by MemTracker")
-        self.tracker = tracker()
+        self.instrument = instrument or Instrument("memory", WarnOnce())
+        self.tracker = tracker(self.instrument)
         self.model, self.optimizer = model, optimizer
         self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
         self.shape: dict | None = None  # the first training forward's (`step_shape`)
-        self._handles = []
 
     def __enter__(self) -> "StepPeak":
         optimizers = [o for o in optimizer_layers(self.optimizer) if isinstance(o, torch.optim.Optimizer)]
         extra = [t for t in (*master_weights(self.optimizer), *zero_grad_buffers(self.optimizer))
                  if isinstance(t, torch.Tensor)]
         self.tracker.track_external(self.model, *optimizers, *extra)
-        # Gradient accumulation runs the model's forward several times in one step; MemTracker refuses a second
-        # outermost forward (the model, or a DDP wrapper around it) unless its per-module stats are cleared (the
-        # peak so far is kept). Global hooks registered before the tracker's own run first; an outermost
-        # forward is one at depth 0 outside backward (checkpointing's recomputation runs inside backward).
-        depth, forwards = [0], []
-
-        def next_micro_batch(module, _args):
-            # Only the tracked model's own training forward starts a micro-batch: another model run in the step (a
-            # frozen reference, under no_grad) must not clear the stats the pending backward still needs.
-            ours = module is self.model or getattr(module, "module", None) is self.model
-            if depth[0] == 0 and torch._C._current_graph_task_id() == -1 and ours and torch.is_grad_enabled():
-                if forwards:
-                    self.tracker.reset_mod_stats()
-                forwards.append(True)
-            depth[0] += 1
-
-        def leave(*_):
-            depth[0] -= 1
-
-        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(next_micro_batch),
-                         torch.nn.modules.module.register_module_forward_hook(leave, always_call=True),
-                         self.model.register_forward_pre_hook(self._forward, with_kwargs=True),
-                         self.model.register_forward_hook(lambda *_: self._mark("backward"))]
+        hook = self.instrument.hook
+        hook(self.model.register_forward_pre_hook, self._forward, with_kwargs=True)
+        hook(self.model.register_forward_hook, lambda *_: self._mark("backward"))
         for opt in optimizers[-1:]:  # the innermost torch optimizer steps last: its hooks bracket the update
-            self._handles += [opt.register_step_pre_hook(lambda *_: self._mark("optimizer step")),
-                              opt.register_step_post_hook(lambda *_: self._mark("after step"))]
+            hook(opt.register_step_pre_hook, lambda *_: self._mark("optimizer step"))
+            hook(opt.register_step_post_hook, lambda *_: self._mark("after step"))
         self.tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.tracker.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        try:
+            self.tracker.__exit__(*exc)
+        finally:
+            self.instrument.remove()
 
     def _peak_total(self) -> int:
         return sum(snap.get("Total", 0) for snap in self.tracker.get_tracker_snapshot("peak").values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .guard import Instrument, WarnOnce
 from .rank_gather import gather_objects
 from .state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
                           storage_entry, zero_optimizer)
@@ -126,21 +127,21 @@ def classify(model, optimizer=None, autocast: str | None = None) -> dict:
 
 class ForwardProbe:
     """Records the dtype the first Linear of a training forward outputs: the compute dtype really used
-    (autocast, an FSDP policy's cast, or 16-bit weights). `remove()` detaches it."""
+    (autocast, an FSDP policy's cast, or 16-bit weights). Its hook runs under `instrument`; `remove()` detaches it."""
 
-    def __init__(self, model):
+    def __init__(self, model, instrument: Instrument | None = None):
         self.seen: str | None = None
+        self.instrument = instrument or Instrument("precision", WarnOnce())
         linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
-        self._handle = linear.register_forward_hook(self._record) if linear is not None else None
+        if linear is not None:
+            self.instrument.hook(linear.register_forward_hook, self._record)
 
     def _record(self, module, args, output):
         if self.seen is None and module.training and torch.is_tensor(output):
             self.seen = dtype_name(output.dtype)
 
     def remove(self):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.instrument.remove()
 
 
 def configured_precision(bf16: bool, fp16: bool) -> str:
@@ -203,12 +204,12 @@ def loaded_dtype(model) -> str | None:
 class PrecisionWatch:
     """One rank's precision facts for a Trainer run: installed at train begin, read at train end."""
 
-    def __init__(self, model, optimizer, args, strategy: str | None):
+    def __init__(self, model, optimizer, args, strategy: str | None, instrument: Instrument | None = None):
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.configured = configured_precision(args.bf16, args.fp16)
         self.autocast = "bf16" if args.bf16 else "fp16" if args.fp16 else None
         self.loaded = loaded_dtype(model)
-        self.probe = ForwardProbe(getattr(model, "module", model))
+        self.probe = ForwardProbe(getattr(model, "module", model), instrument)
 
     def report(self) -> dict:
         """`{dtypes, master_params_bytes, compute_dtype, precision_verdict}` for this rank, now."""

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from . import __version__
-from .guard import Guard
+from .guard import Guard, Instrument, WarnOnce, MethodWrap, never_raises
 from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, StepPeak, figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
@@ -26,7 +26,6 @@ from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggle
 from .state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from .strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from .summary import COMPONENTS, SUMMARY_FILE, write_summary
-from .step_time import StepWrap
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
                          rates)
@@ -53,19 +52,6 @@ def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMAR
         raise ValueError(f"peak_tflops must be a positive number of TFLOP/s or None, got {peak_tflops!r}")
     if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
         raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")
-
-
-def _never_raises(method):
-    """A profiler call from the user's loop cannot stop it: whatever its own guards miss is warned about once."""
-    @functools.wraps(method)
-    def safe(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as error:
-            self.warn_once(method.__name__, f"{method.__name__} failed: {type(error).__name__}: {error}")
-        return {} if method.__name__ == "step" else None
-
-    return safe
 
 
 class ShardingProfiler:
@@ -123,8 +109,11 @@ class ShardingProfiler:
         self.instruments, self.last_step = list(instruments), last_step  # last_step: when known (max_steps)
         self.summary_extra = dict(summary_extra or {})  # top-level summary keys the caller owns (the callback's fit)
         self.global_step = start_step  # optimizer steps taken (a resumed Trainer run starts past 0)
-        self._warned: set[str] = set()
-        self._hooks: list = []
+        self.warn_once = WarnOnce()
+        # What the profiler installs into the loop, by instrument (guard.py): "ok" or why not, in the summary
+        self._throughput, self._state, self._memory, self._precision_probe = (
+            Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
+        self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
         self._closed = False
         clock = time.perf_counter
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
@@ -143,7 +132,7 @@ class ShardingProfiler:
         self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
         with self.guard("device"):
             self._device = _device_of(accelerator, self._module)
-        self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.guard, self.warn_once)
+        self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
         self._sampled_due = True  # the next step's counter and timer are still to start
         forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
         with self.guard("parameter counts"):
@@ -154,9 +143,9 @@ class ShardingProfiler:
             self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
                                 "params_total": self._flops_model.total_params,
                                 "trainable_params": self._flops_model.trainable_total}
-        with self.guard("throughput hooks"):
+        with self._throughput:
             self._install_hooks()
-        with self.guard("precision"):
+        with self._precision_probe:
             self._watch_precision()
         with self.guard("device peak FLOP/s"):
             self._peak = self._peak_flops()
@@ -164,12 +153,12 @@ class ShardingProfiler:
         if _rank() == 0:
             with self.guard("preflight log"):
                 logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
-        if not self._hooks:  # no forward to anchor the first step's time on: start the clock now
+        if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
             self._windows("step_begin")
         self._begin()
 
     # --- The loop's calls --------------------------------------------------------------------------------------
-    @_never_raises
+    @never_raises()
     def begin_step(self) -> None:
         """Optional: where a step's time starts (by default at its first training forward, or where the previous
         `step()` returned); the Trainer callback calls it at each step begin."""
@@ -177,7 +166,7 @@ class ShardingProfiler:
             self._windows("step_begin")
         self._begin_sampled()
 
-    @_never_raises
+    @never_raises()
     def add_batch(self, batch, samples: int | None = None) -> None:
         """Count one micro-batch as it is fed (loops that accumulate gradients may call this per micro-batch and
         `step()` without a batch); `samples` overrides the rows counted from the batch."""
@@ -185,7 +174,7 @@ class ShardingProfiler:
             counted, tokens, flops = self._batch_totals(batch)
             self._counts.add_batch(counted if samples is None else samples, tokens, flops)
 
-    @_never_raises
+    @never_raises(default=dict)
     def step(self, batch=None, tokens: int | None = None, samples: int | None = None, *, pause: bool = False) -> dict:
         """Close one optimizer step (call it after `optimizer.step()`). `batch`: the dict fed to the model or a
         list of the step's micro-batches; `tokens=` / `samples=` override what is counted from it. `pause=True`
@@ -197,11 +186,7 @@ class ShardingProfiler:
         for micro in (batch if isinstance(batch, list) else [] if batch is None else [batch]):
             self.add_batch(micro)
         instrumented = self._sampled.end() or self._step_peak is not None
-        if self._step_peak is not None:
-            with self.guard("peak tensor memory"):
-                self._step_peak.__exit__(None, None, None)
-                self.step_peak = self._step_peak.result()
-            self._step_peak = None
+        self._end_step_peak(keep=True)
         self._instruments("stop", self.global_step + 1)
         with self.guard("throughput"):
             counted = self._counts.close(samples, tokens, self._flops_model, self._tp)
@@ -215,7 +200,7 @@ class ShardingProfiler:
         self._begin(sampled=not pause)  # after evaluation or a save: at the next begin_step (or training forward)
         return metrics
 
-    @_never_raises
+    @never_raises()
     def close(self) -> Path | None:
         """Measure the whole run on every rank (collectives: call it on every rank) and write the summary on
         rank 0; returns its path there. A second call does nothing."""
@@ -223,23 +208,20 @@ class ShardingProfiler:
             return None
         self._closed = True
         self._sampled.end(keep=False)  # a timer started for a step that never ran
-        if self._step_peak is not None:  # a step begun and never closed is not measured
-            with self.guard("peak tensor memory"):
-                self._step_peak.__exit__(None, None, None)
-            self._step_peak = None
+        self._end_step_peak(keep=False)  # a step begun and never closed is not measured
         ranks = self._measure_all_ranks(self._run)
         with self.guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
-        instruments = [{}] * len(ranks)
-        if self.instruments:
-            with self.guard("instruments"):
-                instruments = gather_objects(self._instruments("result"))
-        with self.guard("hooks"):
-            self._remove_hooks()
+        extra, statuses = [{}] * len(ranks), [self._statuses()] * len(ranks)
+        with self.guard("instruments"):  # one collective: every rank's instrument statuses and results
+            gathered = gather_objects({"status": self._statuses(), "results": self._instruments("result")})
+            extra, statuses = [g["results"] for g in gathered], [g["status"] for g in gathered]
+        self._release()
         if _rank() != 0 or not self.summary_file:
             return None
         with self.guard("summary file"):
-            path = write_summary(self.output_dir / self.summary_file, self._summary(ranks, instruments))
+            summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
+            path = write_summary(self.output_dir / self.summary_file, summary)
             logger.warning("shardscope summary written to %s", path)
             return path
         return None
@@ -263,24 +245,23 @@ class ShardingProfiler:
 
     def _install_hooks(self):
         """Forward hooks tell training forwards from those that do not train; a step hook snapshots gradients."""
-        self._remove_hooks()
-        self._hooks.append(self._module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._throughput.hook(self._module.register_forward_pre_hook, self._on_forward, with_kwargs=True)
         for name, module in self.frozen_models.items():
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._on_frozen_forward, name),
-                                                                with_kwargs=True))
+            self._throughput.hook(module.register_forward_pre_hook, functools.partial(self._on_frozen_forward, name),
+                                  with_kwargs=True)
         self._adapter_layer = first_adapter_layer(self._module)
 
         def snapshot_gradients(*_):  # on the first step, steps that measure and the last one (when known)
             upcoming = self.global_step + 1
             if self._grads is None or self._is_measure_step(upcoming) or upcoming == self.last_step:
-                with self.guard("gradient bytes"):
-                    self._grads = held_gradients(self._module, self.optimizer)
+                self._grads = held_gradients(self._module, self.optimizer)
 
         zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
-        if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
-            self._hooks.append(StepWrap(zero, snapshot_gradients))
-        elif base is not None:
-            self._hooks.append(base.register_step_pre_hook(snapshot_gradients))
+        with self._state:
+            if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
+                MethodWrap(self._state, zero, "step", snapshot_gradients)
+            elif base is not None:
+                self._state.hook(base.register_step_pre_hook, snapshot_gradients)
 
     def _on_forward(self, module, args, kwargs):
         if not module.training:  # evaluation
@@ -321,12 +302,29 @@ class ShardingProfiler:
             if tokens is not None and flops_model is not None:
                 self._counts.inference_flops += tokens * (flops_model.forward_per_token(seq_len) / self._tp)
 
-    def _remove_hooks(self):
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._precision is not None:
-            self._precision.remove()
+    def _release(self):
+        """Leave nothing behind that a run without the profiler would not have: every hook, wrapped method and
+        dispatch mode out, no reference to the model, the optimizer, their tensors or the process group."""
+        for instrument in self._all_instruments():
+            instrument.remove()
+        self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
+        self.frozen_models, self._grads, self._precision = {}, None, None
+
+    def _all_instruments(self) -> tuple[Instrument, ...]:
+        return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
+                *self._loop_instruments)
+
+    def instrument(self, name: str) -> Instrument:
+        """A new instrument for what the loop's adapter installs (warned, reported and removed as the profiler's)."""
+        self._loop_instruments.append(Instrument(name, self.warn_once))
+        return self._loop_instruments[-1]
+
+    def _statuses(self) -> dict:
+        """{instrument: "ok" or why it stopped} on this rank (memory: why the memory step was not measured)."""
+        out = {i.name: i.status for i in self._all_instruments()}
+        if self.memory_step is None:
+            out["memory"] = "off (memory_step=None)"
+        return out
 
     # --- Measuring ---------------------------------------------------------------------------------------------
     def _measure_and_log(self) -> dict:
@@ -362,10 +360,11 @@ class ShardingProfiler:
             mine["cpu_peak_rss_bytes"] = self.memory.get("cpu_peak_rss_bytes", math.nan)
             if self._device.type == "cuda":
                 mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
-        if self.step_peak:
-            mine.update(peak_figures(self.step_peak))
-            if self._device.type != "cuda":
-                mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
+        if self.step_peak and self._memory.ok:
+            with self._memory:
+                mine.update(peak_figures(self.step_peak))
+                if self._device.type != "cuda":
+                    mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
         with self.guard("throughput"):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
@@ -388,7 +387,9 @@ class ShardingProfiler:
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
         out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
-        out.update(peak_reported(rank))  # peak_tensor_bytes, peak_breakdown, peak_phase, peak_step
+        out.update(peak_reported({}))  # peak_tensor_bytes, peak_breakdown, peak_phase, peak_step: None ...
+        with self._memory:
+            out.update(peak_reported(rank))  # ... unless measured
         totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "samples": _int_or_none(totals.samples),
@@ -435,7 +436,8 @@ class ShardingProfiler:
         if self.precision is None:
             self.precision = effective_precision(classify(self._module, self.optimizer)).split("-")[0]
         flags = SimpleNamespace(bf16=self.precision == "bf16", fp16=self.precision == "fp16")
-        self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.preflight.get("strategy"))
+        self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.preflight.get("strategy"),
+                                         self._precision_probe)
         if _rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
 
@@ -468,11 +470,20 @@ class ShardingProfiler:
         upcoming = self.global_step + 1
         self._sampled_due = True
         self._instruments("start", upcoming)
-        if self.memory_step is not None and upcoming == self.memory_step:
-            with self.guard("peak tensor memory"):
-                self._step_peak = StepPeak(self._module, self.optimizer).__enter__()
+        if self.memory_step is not None and upcoming == self.memory_step and self._memory.ok:
+            with self._memory:
+                self._step_peak = StepPeak(self._module, self.optimizer, self._memory).__enter__()
         if sampled:  # after the tracker: dispatch modes leave in reverse order (the counter first, in step())
             self._begin_sampled()
+
+    def _end_step_peak(self, keep: bool) -> None:
+        """Stop the memory step's tracker (also after its instrument failed: its dispatch mode must leave)."""
+        peak, self._step_peak = self._step_peak, None
+        if peak is not None:
+            with self._memory:
+                peak.__exit__(None, None, None)
+                if keep and self._memory.ok:
+                    self.step_peak = peak.result()
 
     def _begin_sampled(self):
         if self._sampled_due and not self._closed:
@@ -541,11 +552,15 @@ class ShardingProfiler:
         """Measuring never stops training: a failure inside is warned about once and left out."""
         return Guard(self.warn_once, what)
 
-    def warn_once(self, key: str, message: str, note: bool = False):
-        """Log `message` the first time `key` is met; a note is a fact about the input, not a failure."""
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("shardscope: %s" + ("" if note else " (warned once; training continues)"), message)
+
+def instrument_statuses(ranks: list[dict]) -> dict:
+    """The summary's `instruments`: {name: "ok", or the first failing rank's reason as "rank R: reason"}."""
+    out = {}
+    for rank, statuses in enumerate(ranks):
+        for name, status in statuses.items():
+            if out.get(name, "ok") == "ok":
+                out[name] = status if status == "ok" or len(ranks) == 1 else f"rank {rank}: {status}"
+    return out
 
 
 def _device_of(accelerator, module) -> torch.device:

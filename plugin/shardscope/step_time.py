@@ -26,6 +26,7 @@ import math
 import torch
 from torch.autograd.profiler import record_function
 
+from .guard import Instrument, MethodWrap
 from .state_bytes import base_optimizer, zero_optimizer
 
 PREFIX = "shardscope::"
@@ -36,13 +37,13 @@ RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
 
 
 class StepTimer:
-    """`timer.start()` where the step begins, `timer.stop()` -> breakdown dict where it ends (same thread)."""
+    """`timer.start()` where the step begins, `timer.stop()` -> breakdown dict where it ends (same thread). Its
+    hooks and phase marks run under `instrument`: after a failure `stop()` returns None and the step goes on."""
 
-    def __init__(self, model, optimizer=None, device: torch.device | None = None):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, device: torch.device | None, instrument: Instrument):
+        self.model, self.optimizer, self.instrument = model, optimizer, instrument
         self.cuda = device is not None and device.type == "cuda"
         self._open = self._step = self._profiler = None
-        self._handles: list = []
 
     def start(self) -> "StepTimer":
         from torch.profiler import ProfilerActivity, profile
@@ -56,16 +57,17 @@ class StepTimer:
         self._install()
         return self
 
-    def stop(self) -> dict:
+    def stop(self) -> dict | None:
+        """The step's breakdown (None when the instrument failed during the step)."""
         try:
             self._mark(None)
-            if self.cuda:
+            if self.cuda and self.instrument.ok:
                 torch.cuda.synchronize()
             self._step.__exit__(None, None, None)
         finally:
-            self._remove()
+            self.instrument.remove()
             self._profiler.__exit__(None, None, None)
-        return breakdown(_intervals(self._profiler.events(), self.cuda))
+        return breakdown(_intervals(self._profiler.events(), self.cuda)) if self.instrument.ok else None
 
     def _mark(self, phase: str | None) -> None:
         """Close the phase range that is open and open `phase` (None: none)."""
@@ -76,52 +78,17 @@ class StepTimer:
             self._open = record_function(PREFIX + phase).__enter__()
 
     def _install(self) -> None:
-        model = self.model
-        self._handles = [model.register_forward_pre_hook(lambda *_: self._mark("forward"), prepend=True),
-                         model.register_forward_hook(lambda *_: self._mark("backward"), always_call=True)]
+        model, hook = self.model, self.instrument.hook
+        hook(model.register_forward_pre_hook, lambda *_: self._mark("forward"), prepend=True)
+        hook(model.register_forward_hook, lambda *_: self._mark("backward"), always_call=True)
         zero = zero_optimizer(self.optimizer)
         if zero is not None:  # ZeRO's step holds the partition update and the all-gather: time it whole
-            self._handles.append(StepWrap(zero, lambda: self._mark("optimizer"), lambda: self._mark(None)))
+            MethodWrap(self.instrument, zero, "step", lambda *_: self._mark("optimizer"), lambda: self._mark(None))
             return
         base = base_optimizer(self.optimizer)
         if base is not None:
-            self._handles += [base.register_step_pre_hook(lambda *_: self._mark("optimizer")),
-                              base.register_step_post_hook(lambda *_: self._mark(None))]
-
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-class StepWrap:
-    """Calls `before()` and `after()` around `optimizer.step` on this one instance (DeepSpeed's ZeRO optimizers
-    have no step hooks); `remove()` undoes it. Several may wrap one optimizer (the profiler's gradient snapshot,
-    a sampled step's timer) and be removed in any order: one removed under another passes straight through."""
-
-    def __init__(self, optimizer, before, after=lambda: None):
-        original = optimizer.step
-
-        def step(*args, **kwargs):
-            if not self.active:
-                return original(*args, **kwargs)
-            before()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                after()
-
-        self.optimizer, self.step, self.active = optimizer, step, True
-        self.previous = vars(optimizer).get("step")  # a wrap set on the instance before this one
-        optimizer.step = step
-
-    def remove(self):
-        self.active = False
-        if vars(self.optimizer).get("step") is self.step:  # on top: unwrap
-            if self.previous is None:
-                del self.optimizer.step  # the class's own method shows through again
-            else:
-                self.optimizer.step = self.previous
+            hook(base.register_step_pre_hook, lambda *_: self._mark("optimizer"))
+            hook(base.register_step_post_hook, lambda *_: self._mark(None))
 
 
 def _intervals(events, cuda: bool) -> dict:
