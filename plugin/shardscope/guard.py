@@ -4,8 +4,8 @@
   and that figure is left out; the next measurement tries again).
 - `Instrument`: everything an instrument puts into the user's code path (module and optimizer hooks, wrapped
   methods, dispatch-mode callbacks) goes in through `Instrument.hook`, `Instrument.wrap` or `MethodWrap`. A
-  failure inside disables that instrument for the rest of the run: its hooks are removed, whatever of it is still
-  called passes straight through, it is warned about once (naming the instrument and the reason), and the user's
+  failure inside disables that instrument for the rest of the run: whatever of it is still called passes straight
+  through (and is removed at the next step end), it is warned about once (naming the instrument and the reason), and the user's
   code gets what it expects (a hook returns None, a wrapped method still runs the original once).
   `with instrument:` guards the profiler's own work for that instrument (set-up, the gather, the summary) the same
   way. `Instrument.status` is "ok" or the reason: the summary's `instruments`.
@@ -79,12 +79,12 @@ class Instrument:
         return "ok" if self.failure is None else self.failure
 
     def fail(self, reason: str) -> None:
-        """Disable the instrument for the rest of the run (first reason kept, warned about once)."""
-        if self.failure is not None:
-            return
-        self.failure = reason
-        self.remove()
-        self.warn(f"instrument {self.name}", f"{self.name} disabled for the rest of the run: {reason}")
+        """Disable the instrument for the rest of the run (first reason kept, warned about once). What it installed
+        passes straight through from now on and is removed at the profiler's next step end (`remove`): taken out
+        here, inside one of its own hooks, it would change the hook registry torch is walking."""
+        if self.failure is None:
+            self.failure = reason
+            self.warn(f"instrument {self.name}", f"{self.name} disabled for the rest of the run: {reason}")
 
     def wrap(self, fn, fallback=_returns_none):
         """`fn`, safe to call from the user's code: it runs while the instrument is ok; an exception disables the

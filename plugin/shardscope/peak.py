@@ -32,6 +32,7 @@ from .state_bytes import master_weights, optimizer_layers, zero_grad_buffers
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer step")
 STEP_SHAPE = ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")
+SUMMARY_KEYS = ("peak_tensor_bytes", "peak_breakdown", "peak_phase", "peak_step")  # per rank, from `reported`
 # What one rank sends in the profiler's gather (NaN: not measured there): `figures` -> gather -> `reported`.
 RANK_FIELDS = ("peak_tensor_bytes", *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase",
                *(f"peak_step_{k}" for k in STEP_SHAPE))

@@ -17,9 +17,10 @@ from types import SimpleNamespace
 import torch
 
 from . import __version__
-from .guard import Guard, Instrument, WarnOnce, MethodWrap, never_raises
+from .guard import Guard, Instrument, MethodWrap, WarnOnce, never_raises
 from .memory import read_memory, reset_peak
-from .peak import RANK_FIELDS as PEAK_FIELDS, StepPeak, figures as peak_figures, reported as peak_reported
+from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
+from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
 from .rank_gather import all_gather_figures, gather_objects, log_metrics
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
@@ -171,7 +172,12 @@ class ShardingProfiler:
         """Count one micro-batch as it is fed (loops that accumulate gradients may call this per micro-batch and
         `step()` without a batch); `samples` overrides the rows counted from the batch."""
         with self.guard("batch counting"):
-            counted, tokens, flops = self._batch_totals(batch)
+            try:
+                counted, tokens, flops = self._batch_totals(batch)
+            except TypeError as error:  # rows not yet collated (GRPO hands its prompts over): count the forwards
+                self.warn_once("uncountable batch", f"{error}: samples, tokens and FLOPs are counted from the "
+                               "training forwards instead", note=True)
+                return
             self._counts.add_batch(counted if samples is None else samples, tokens, flops)
 
     @never_raises(default=dict)
@@ -188,6 +194,9 @@ class ShardingProfiler:
         instrumented = self._sampled.end() or self._step_peak is not None
         self._end_step_peak(keep=True)
         self._instruments("stop", self.global_step + 1)
+        for instrument in self._all_instruments():
+            if not instrument.ok:  # a failed instrument's hooks come out here, outside them
+                instrument.remove()
         with self.guard("throughput"):
             counted = self._counts.close(samples, tokens, self._flops_model, self._tp)
             if not instrumented:
@@ -256,8 +265,8 @@ class ShardingProfiler:
             if self._grads is None or self._is_measure_step(upcoming) or upcoming == self.last_step:
                 self._grads = held_gradients(self._module, self.optimizer)
 
-        zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
         with self._state:
+            zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
             if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
                 MethodWrap(self._state, zero, "step", snapshot_gradients)
             elif base is not None:
@@ -387,9 +396,9 @@ class ShardingProfiler:
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
         out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
-        out.update(peak_reported({}))  # peak_tensor_bytes, peak_breakdown, peak_phase, peak_step: None ...
+        out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
         with self._memory:
-            out.update(peak_reported(rank))  # ... unless measured
+            out.update(peak_reported(rank))
         totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "samples": _int_or_none(totals.samples),

@@ -84,7 +84,7 @@ class SampledSteps:
     def complete(self, rank: dict) -> dict:
         """A rank's gathered fields -> its summary keys `comm`, `comm_sent_bytes_per_step`, `comm_padded_tokens`,
         `time_breakdown` (None where not measured)."""
-        out = comm_count.from_fields({})
+        out = dict.fromkeys(comm_count.SUMMARY_KEYS)  # None unless counted
         with self.collectives:
             out = comm_count.from_fields(rank)
         out["time_breakdown"] = None

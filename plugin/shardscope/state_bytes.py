@@ -186,7 +186,8 @@ def zero_optimizer(optimizer):
     return _base_and_zero(optimizer)[1]
 
 
-# optimizer -> (base, zero): the layers of a built optimizer do not change (DeepSpeed sets its ZeRO buffers in
+# optimizer -> (base, zero), held through weak references (the base is often the key itself: a strong one would keep
+# the optimizer alive for ever): the layers of a built optimizer do not change (DeepSpeed sets its ZeRO buffers in
 # __init__; the profiler hooks these layers at its start), and finding them costs failed attribute lookups per layer
 _LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -195,7 +196,7 @@ def _base_and_zero(optimizer) -> tuple:
     if optimizer is None:
         return None, None
     try:
-        return _LAYERS[optimizer]
+        return tuple(None if ref is None else ref() for ref in _LAYERS[optimizer])
     except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
         pass
     layers = optimizer_layers(optimizer)
@@ -203,7 +204,7 @@ def _base_and_zero(optimizer) -> tuple:
     found = (torch_optimizers[-1] if torch_optimizers else None,
              next((layer for layer in layers if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None))
     with suppress(TypeError):
-        _LAYERS[optimizer] = found
+        _LAYERS[optimizer] = tuple(None if layer is None else weakref.ref(layer) for layer in found)
     return found
 
 
