@@ -117,3 +117,31 @@ def test_mfu_uses_dense_peak_and_is_omitted_when_unknown():
     assert peak_flops("Some Future GPU", "bf16", overrides={"future": {"bf16": 100.0}}) == pytest.approx(100e12)
     half = rates(WindowTotals(1, 1, 494.7e12, 1.0), peak=peak_flops("NVIDIA H100 80GB HBM3", "bf16"))
     assert half["mfu"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("durations", [[0.5], [0.3, 0.1], [0.2, 0.9, 0.4, 0.4, 1.3, 0.25, 0.7]])
+def test_step_time_is_the_median_and_deciles_of_the_counted_steps(durations):
+    """Each counted step's time, as numpy's percentiles (linear interpolation) would put them; a step left out of the
+    count (instrumented) or after a pause's gap is not among them."""
+    import numpy
+
+    from shardscope.throughput import step_time_summary
+
+    clock = FakeClock()
+    window = ThroughputWindow(clock)
+    for seconds in durations:
+        timed_step(window, clock, seconds)
+        window.step_begin()
+        clock.tick(7.0)  # an instrumented step: not counted
+        window.step_end(count=False, pause_after=True)
+        clock.tick(11.0)  # an evaluation after it: not timed
+    summary = step_time_summary(window.durations)
+    expected = numpy.percentile(durations, [50, 10, 90])
+    assert [summary[k] for k in ("median", "p10", "p90")] == pytest.approx(list(expected), rel=1e-12)
+    assert summary["steps"] == len(durations) and window.seconds == pytest.approx(sum(durations))
+
+
+def test_step_time_of_no_counted_step_is_none():
+    from shardscope.throughput import step_time_summary
+
+    assert step_time_summary([]) == {"median": None, "p10": None, "p90": None, "steps": 0}

@@ -126,6 +126,16 @@ class Instrument:
         return True
 
 
+def instrument_statuses(ranks: list[dict]) -> dict:
+    """The summary's `instruments`: {name: "ok", or the first failing rank's reason as "rank R: reason"}."""
+    out = {}
+    for rank, statuses in enumerate(ranks):
+        for name, status in statuses.items():
+            if out.get(name, "ok") == "ok":
+                out[name] = status if status == "ok" or len(ranks) == 1 else f"rank {rank}: {status}"
+    return out
+
+
 class MethodWrap:
     """`before()` and `after()` (guarded by `instrument`) around `owner.<name>` on this one instance (DeepSpeed's
     ZeRO optimizers have no step hooks; the Trainer's `training_step`); the original always runs, once. Several may

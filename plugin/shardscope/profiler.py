@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from . import __version__
-from .guard import Guard, Instrument, MethodWrap, WarnOnce, never_raises
+from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises
 from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
@@ -28,8 +28,8 @@ from .state_bytes import base_optimizer, count_state, forget, held_gradients, ze
 from .strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from .summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
-from .throughput import (FLOPS_CONVENTION, FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops,
-                         rates)
+from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
+                         peak_flops, rates, step_time_summary)
 
 logger = logging.getLogger("shardscope")
 
@@ -37,7 +37,8 @@ logger = logging.getLogger("shardscope")
 # `frozen:<name>` field per frozen model follows them.
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
-               "samples", "tokens", "flops", "seconds", "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
+               "samples", "tokens", "flops", "seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
+               "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 
@@ -84,7 +85,8 @@ class ShardingProfiler:
     {rates above, samples, tokens, seconds, flops_convention}; from `precision.py`: `dtypes`, `master_params_bytes`,
     `compute_dtype`; top level `precision_verdict`. Each instrument's `result()` under its `name`. Sampled steps
     (`sampled_steps.py`, issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`,
-    `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th); top
+    `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th);
+    `step_time_s` {median, p10, p90, steps} over the throughput window's optimizer steps; top
     level `straggler`. Instrumented steps are left out of throughput.
 
     Counting: a sample is a row of the batch (`samples=` overrides it: the callback passes the Trainer's count);
@@ -378,6 +380,7 @@ class ShardingProfiler:
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
                         tokens=_float(totals.tokens), flops=_float(totals.flops))
+            mine.update({f"step_time_{k}": _float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields())
         gathered = [mine]
         with self.guard("cross-rank gather"):
@@ -404,6 +407,8 @@ class ShardingProfiler:
         out["throughput"] = {**rates(totals, self._peak), "samples": _int_or_none(totals.samples),
                              "tokens": _int_or_none(totals.tokens), "seconds": totals.seconds,
                              "flops_convention": FLOPS_CONVENTION}
+        step_time = {k: _none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
+        out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
         out.update(self._sampled.complete(rank))
         return out
 
@@ -560,16 +565,6 @@ class ShardingProfiler:
     def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""
         return Guard(self.warn_once, what)
-
-
-def instrument_statuses(ranks: list[dict]) -> dict:
-    """The summary's `instruments`: {name: "ok", or the first failing rank's reason as "rank R: reason"}."""
-    out = {}
-    for rank, statuses in enumerate(ranks):
-        for name, status in statuses.items():
-            if out.get(name, "ok") == "ok":
-                out[name] = status if status == "ok" or len(ranks) == 1 else f"rank {rank}: {status}"
-    return out
 
 
 def _device_of(accelerator, module) -> torch.device:

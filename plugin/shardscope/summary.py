@@ -47,9 +47,14 @@ FIELDS = {
     "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, "
              "dtypes {params, grads, optimizer, master_params}, master_params_bytes, compute_dtype, "
              "comm {kind: {calls, bytes, sent_bytes}}, comm_sent_bytes_per_step, time_breakdown (optional, issue 21), "
+             "step_time_s {median, p10, p90, steps} (the optimizer steps of the throughput window: instrumented "
+             "steps excluded), "
              "peak_tensor_bytes, peak_breakdown, peak_phase, peak_step {micro_batch, seq_len, image_size, "
              "gradient_checkpointing} (the instrumented step), ...",
     "straggler": "optional: {slowest_rank, step_s, busy_s, spread} across ranks on the timed step",
+    "instruments": "optional: {instrument: 'ok' or why it stopped} for what the profiler installs (throughput, "
+                   "state_bytes, precision, memory, collectives, step_time, batch_feed); the fields of one that "
+                   "stopped are null",
 }
 REQUIRED = ("world_size", "strategy", "ranks")
 

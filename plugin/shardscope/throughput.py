@@ -95,6 +95,7 @@ class ThroughputWindow:
     def reset(self):
         self.samples, self.tokens, self.flops, self.seconds = 0.0, 0.0, 0.0, 0.0
         self.has_tokens = self.has_flops = False
+        self.durations: list[float] = []  # seconds of each step counted
 
     def step_begin(self):
         if self.anchor is None:
@@ -117,11 +118,31 @@ class ThroughputWindow:
         now = self.clock()
         if self.anchor is not None and count:
             self.seconds += now - self.anchor
+            self.durations.append(now - self.anchor)
         self.anchor = None if pause_after else now
 
     def totals(self) -> WindowTotals:
         return WindowTotals(self.samples, self.tokens if self.has_tokens else None,
                             self.flops if self.has_flops else None, self.seconds)
+
+
+STEP_TIME_KEYS = ("median", "p10", "p90", "steps")
+
+
+def step_time_summary(durations: list[float]) -> dict:
+    """`step_time_s`: the median, 10th and 90th percentiles (linear interpolation between the sorted steps, as
+    numpy's default) and the count of the optimizer steps timed; values None when no step was."""
+    if not durations:
+        return {"median": None, "p10": None, "p90": None, "steps": 0}
+    ordered = sorted(durations)
+
+    def quantile(q: float) -> float:
+        at = q * (len(ordered) - 1)
+        low = int(at)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+    return {"median": quantile(0.5), "p10": quantile(0.1), "p90": quantile(0.9), "steps": len(ordered)}
 
 
 def rates(totals: WindowTotals, peak: float | None) -> dict:
