@@ -119,9 +119,9 @@ def test_one_process_run_reports_a_breakdown_that_sums_to_its_step(tiny_llama, t
     # steps 3 (memory and collectives), 2, 4 and 6 (timed) are instrumented: only 1 and 5 are throughput
     assert rank["throughput"]["samples"] == 2 * 2
     # the same 2 plain steps timed one by one: with two, the median is their mean
-    step_time = rank["step_time_s"]
-    assert step_time["steps"] == 2 and step_time["p10"] <= step_time["median"] <= step_time["p90"]
-    assert 2 * step_time["median"] == pytest.approx(rank["throughput"]["seconds"], rel=1e-9)
+    timing = rank["step_time_s"]
+    assert timing["steps"] == 2 and timing["p10"] <= timing["median"] <= timing["p90"]
+    assert 2 * timing["median"] == pytest.approx(rank["throughput"]["seconds"], rel=1e-9)
 
 
 def test_a_profiler_already_running_costs_the_breakdown_not_the_training(tiny_llama, tmp_path, caplog):
