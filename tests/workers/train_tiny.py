@@ -5,7 +5,8 @@ Besides the profiler's summary, every rank writes `independent_count_rank{R}.jso
 counted here through each library's own accessors (element counts of ZeRO-3 partitions, DTensor local
 shards, FSDP1 flat parameters, ZeRO master partitions, torch optimizer state), not by the profiler's
 storage walk, so the test compares two different ways of counting the same live objects. Under DeepSpeed it
-also writes what the engine's config says of its reduce bucket (`zero_reduce_bucket_size()`, `zero_overlap_comm()`).
+also writes what the engine's config says of its buckets (`zero_reduce_bucket_size()`, `zero_overlap_comm()`,
+`zero_prefetch_bucket_size()`, `zero_param_persistence_threshold()`).
 """
 import json
 from dataclasses import dataclass
@@ -100,7 +101,9 @@ class IndependentCount(TrainerCallback):
         counts = {"params_bytes": local_param_bytes(model), "optimizer_bytes": optimizer_state_bytes(optimizer, model)}
         engine = getattr(self.trainer, "model_wrapped", None)
         if type(engine).__name__ == "DeepSpeedEngine":  # the engine's own config, DeepSpeed's defaults applied
-            counts.update(reduce_bucket_size=engine.zero_reduce_bucket_size(), overlap_comm=engine.zero_overlap_comm())
+            counts.update(reduce_bucket_size=engine.zero_reduce_bucket_size(), overlap_comm=engine.zero_overlap_comm(),
+                          prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
+                          persistence_threshold=engine.zero_param_persistence_threshold())
         Path(args.output_dir, f"independent_count_rank{rank}.json").write_text(json.dumps(counts))
 
 
