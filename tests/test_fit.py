@@ -220,6 +220,8 @@ def test_fit_training_args_applies_the_search_winner(cpu_args, tiny_model):
     assert fitted.per_device_train_batch_size * fitted.gradient_accumulation_steps == 16
     assert fitted.activation_checkpointing == fitted.gradient_checkpointing
     assert cpu_args.per_device_train_batch_size == 16  # a copy: the caller's arguments are unchanged
+    as_float = fit_training_args(cpu_args, tiny_model, global_batch_size=16, memory_budget=float(budget), seq_len=128)
+    assert as_float.shardscope_fit == fitted.shardscope_fit  # 40e9-style floats are bytes too
     record = fitted.shardscope_fit
     assert record["budget_bytes"] == budget and record["predicted_peak_bytes"] == best.peak_bytes
     assert "shardscope_fit" not in fitted.to_dict()  # not a Trainer argument
@@ -229,6 +231,8 @@ def test_fit_training_args_applies_the_search_winner(cpu_args, tiny_model):
     ({}, "give memory_budget"),
     ({"memory_budget": 1000}, "below the model states"),
     ({"memory_budget": "lots"}, "memory_budget 'lots' is not a size"),
+    ({"memory_budget": 2.5e9 + 0.5}, "a whole float like 40e9"),
+    ({"memory_budget": float("nan")}, "a whole float like 40e9"),
     ({"memory_budget": 10 ** 9, "global_batch_size": 0}, "global_batch_size must be a positive integer"),
 ])
 def test_fit_training_args_bad_input_is_one_usage_error(cpu_args, tiny_model, kw, message):

@@ -36,8 +36,9 @@ def fit_training_args(args, model, global_batch_size: int, memory_budget=None, *
     (activation) checkpointing chosen so that micro-batch x accumulation x data-parallel size ==
     `global_batch_size` and the planner's peak fits `memory_budget` less `headroom`, fastest first.
 
-    memory_budget: bytes (int) or a size ("2GB", "20GiB") per device; None on CUDA takes the smallest
-    free memory over the ranks (plus what this process already reserved), and is required on CPU.
+    memory_budget: bytes (an int, or a whole float such as 40e9) or a size ("2GB", "20GiB") per device; None on
+    CUDA takes the smallest free memory over the ranks (plus what this process already reserved), and is required
+    on CPU.
     seq_len / image_size: the longest sample the run will see (default: the model's
     max_position_embeddings / the config's image size)."""
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
@@ -70,9 +71,11 @@ def local_budget(device, memory_budget) -> int:
     """This rank's memory budget in bytes: the given one, else CUDA's free memory plus what this process
     already reserved (the model already on the device is part of the plan, not lost to it)."""
     if memory_budget is not None:
+        if isinstance(memory_budget, float) and memory_budget.is_integer():  # Python users write 40e9
+            memory_budget = int(memory_budget)
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, str)):
-            raise UsageError(f"fit_training_args: memory_budget must be bytes or a size like '2GB', "
-                             f"got {memory_budget!r}")
+            raise UsageError(f"fit_training_args: memory_budget must be bytes (an int, or a whole float like 40e9) "
+                             f"or a size like '2GB', got {memory_budget!r}")
         if isinstance(memory_budget, int):
             if memory_budget < 1:
                 raise UsageError(f"fit_training_args: memory_budget must be positive, got {memory_budget}")
