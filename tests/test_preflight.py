@@ -1,0 +1,215 @@
+"""`shardscope preflight` on loopback (gloo, CPU), as docs/cluster.md's "Before the first multi-node run" runs it.
+
+Node check (one process per "node", no launcher): all joined with equal fingerprints exits 0; a node never
+started is named by the deadline and every joined process exits 1 within it + 10 s; a node with another NCCL
+variable is a finding. Full check, launched like training as two "nodes" of 2 ranks: torchrun (rank 3 slowed
+on purpose with the hidden `--test-slow-rank`: named as the straggler), accelerate's multi-node yaml, and
+DeepSpeed's hostfile launch (one `deepspeed --no_ssh` launcher per host, as tests/test_multinode.py does).
+Every launch is shared by the assertions about it; the JSON is read back by `calibration_from_preflight`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import BIN, ROOT, accelerate_multinode_launch, cpu_env, free_port, multinode_launch
+
+from shardscope.cli import main
+from shardscope.configs import find_config
+from shardscope.preflight import calibration_from_preflight
+from shardscope.preflight.links import KINDS
+
+SIZES = [64 * 2 ** 10, 256 * 2 ** 10]  # small: a launch takes seconds on CPU
+SIZE_ARG = ",".join(f"{s // 2 ** 10}KiB" for s in SIZES)
+DEADLINE_SLACK = 10  # the issue's bound: a missing node is reported within the deadline + 10 s
+TABLE = "shardscope preflight ("
+pytestmark = pytest.mark.launch
+
+
+# ----------------------------------------------------------------------------- the node check
+def node_check(out, nnodes, ranks, timeout=30, env=None, extra=()):
+    """Start `shardscope preflight --node-rank K` for each K in `ranks` on one port; -> {K: (rc, output, seconds)}."""
+    port, procs, start = free_port(), {}, time.monotonic()
+    for rank in ranks:
+        folder = out / f"node{rank}"
+        folder.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "shardscope", "preflight", "--nnodes", str(nnodes), "--node-rank", str(rank),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", str(timeout),
+               "--sizes", SIZE_ARG, "--output-dir", str(folder), *extra]
+        procs[rank] = subprocess.Popen(cmd, env=cpu_env(**(env or {}).get(rank, {})), cwd=ROOT, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    results = {}
+    try:
+        for rank, proc in procs.items():
+            output, _ = proc.communicate(timeout=timeout + 60)
+            results[rank] = (proc.returncode, output, time.monotonic() - start)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return results
+
+
+def bus(row, ranks):
+    """nccl-tests' bus bandwidth, written out here: size / seconds x 2(n-1)/n (all_reduce), x (n-1)/n otherwise."""
+    factor = 2 * (ranks - 1) / ranks if row["kind"] == "all_reduce" else (ranks - 1) / ranks
+    return row["size_bytes"] / row["seconds"] * factor
+
+
+def test_node_check_all_joined_times_the_link_and_exits_0(tmp_path):
+    results = node_check(tmp_path, 2, [0, 1])
+    assert [rc for rc, _, _ in results.values()] == [0, 0], results
+    assert "all 2 nodes joined" in results[0][1] and "findings: none" in results[0][1]
+    assert TABLE not in results[1][1] and "all 2 nodes joined; 0 finding(s)" in results[1][1]
+    doc = json.loads((tmp_path / "node0" / "preflight.json").read_text())
+    assert not (tmp_path / "node1" / "preflight.json").exists()  # node 0 writes, the others print one line
+    assert (doc["check"], doc["missing"], doc["findings"], doc["exit_code"]) == ("node", [], [], 0)
+    assert [n["node"] for n in doc["nodes"]] == [0, 1]
+    assert doc["nodes"][0]["fingerprint"] == doc["nodes"][1]["fingerprint"] | {"host": doc["nodes"][0]["host"]}
+    collectives = [r for r in doc["links"] if r["scope"] != "pair"]
+    assert sorted((r["kind"], r["scope"]) for r in collectives) == sorted((k, "inter") for k in KINDS for _ in SIZES)
+    for row in collectives:  # one process per node: every collective crosses nodes
+        assert row["ranks"] == [0, 1] and row["seconds"] > 0
+        assert math.isclose(row["busbw_bytes_per_s"], bus(row, 2))
+    pairs = [r for r in doc["links"] if r["scope"] == "pair"]
+    assert sorted(tuple(r["nodes"]) for r in pairs) == [(0, 1), (1, 0)]
+    assert doc["slowest_pair"]["nodes"] == [0, 1]
+    assert doc["slowest_pair"]["busbw_bytes_per_s"] == min(r["busbw_bytes_per_s"] for r in pairs)
+    calibration = calibration_from_preflight(tmp_path / "node0" / "preflight.json")
+    assert calibration["link_bytes_per_s"]["send_recv"] == {"inter": doc["slowest_pair"]["busbw_bytes_per_s"]}
+    top = {r["kind"]: r["busbw_bytes_per_s"] for r in collectives if r["size_bytes"] == max(SIZES)}
+    assert {k: v["inter"] for k, v in calibration["link_bytes_per_s"].items() if k in KINDS} == top
+    assert calibration["matmul_flops_per_s"] == {}  # the node check times no compute
+
+
+def test_a_node_never_started_is_named_by_the_deadline(tmp_path):
+    timeout = 6
+    alone = node_check(tmp_path / "node0_alone", 2, [0], timeout=timeout, extra=["--hosts", "gpu-a,gpu-b"])
+    rc, output, seconds = alone[0]
+    assert rc == 1 and seconds < timeout + DEADLINE_SLACK, (seconds, output)
+    assert "1 of 2 nodes never joined by the deadline: node 1 (gpu-b)" in output
+    doc = json.loads((tmp_path / "node0_alone" / "node0" / "preflight.json").read_text())
+    assert doc["missing"] == [{"node": 1, "host": "gpu-b"}] and doc["exit_code"] == 1 and doc["links"] == []
+    # node 0, which hosts the meeting point, never started: node 1 says so by the deadline
+    rc, output, seconds = node_check(tmp_path / "node1_alone", 2, [1], timeout=timeout)[1]
+    assert rc == 1 and seconds < timeout + DEADLINE_SLACK, (seconds, output)
+    assert "node 0 (the meeting point 127.0.0.1:" in output and f"never answered within {timeout} s" in output
+    assert "Traceback" not in output
+
+
+def test_a_node_with_another_nccl_variable_is_named(tmp_path):
+    results = node_check(tmp_path, 2, [0, 1], env={1: {"NCCL_IB_DISABLE": "1"}})
+    assert [rc for rc, _, _ in results.values()] == [1, 1], results
+    doc = json.loads((tmp_path / "node0" / "preflight.json").read_text())
+    (finding,) = doc["findings"]
+    assert (finding["code"], finding["key"], finding["nodes"]) == ("fingerprint", "NCCL_IB_DISABLE", [1])
+    assert finding["values"] == {"1": "1"} and finding["majority"] == "(unset)"  # a tie: node 0's value
+    assert "NCCL_IB_DISABLE differs: node 1 has '1'" in results[0][1]
+    assert "1 finding(s) (node 0 printed them)" in results[1][1]
+
+
+def test_bad_options_exit_2_with_one_line(tmp_path, capsys):
+    for argv in (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a"], ["--nnodes", "2"],
+                 ["--sizes", "1XB"], ["--timeout", "0"], ["--output-dir", str(tmp_path / "none")],
+                 ["--nnodes", "2", "--node-rank", "0", "--master-addr", "a", "--hosts", "x"]):
+        assert main(["preflight", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shardscope: error: ") and err.count("\n") == 1, err
+
+
+# ----------------------------------------------------------------------------- the full check
+def launch_args(out, *extra):
+    return ["preflight", "--sizes", SIZE_ARG, "--output-dir", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """Two torchrun launchers as two "nodes" of 2 ranks; rank 3 slowed on purpose (--test-slow-rank 3)."""
+    out, port = tmp_path_factory.mktemp("preflight_torchrun"), free_port()
+    cmds = {node: [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "shardscope",
+                   *launch_args(out, "--test-slow-rank", "3")] for node in (0, 1)}
+    return multinode_launch(cmds, cpu_env(), out, timeout=150)
+
+
+def full_doc(run):
+    assert not run.timed_out and run.survivors() == []
+    return json.loads((run.output_dir / "preflight.json").read_text())
+
+
+def check_full_document(doc):
+    """What every full check on two "nodes" of 2 ranks must hold, whatever the launcher."""
+    assert doc["check"] == "full" and doc["missing"] == [] and doc["expected"] == 4
+    assert [(r["rank"], r["node"], r["local_rank"]) for r in doc["ranks"]] == [(0, 0, 0), (1, 0, 1), (2, 1, 0),
+                                                                               (3, 1, 1)]
+    groups = {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
+    collectives = [r for r in doc["links"] if r["scope"] != "pair"]
+    assert sorted((r["kind"], r["scope"], r["ranks"], r["size_bytes"]) for r in collectives) == sorted(
+        (k, s, g, size) for k in KINDS for s, gs in groups.items() for g in gs for size in SIZES)
+    for row in collectives:
+        assert math.isclose(row["busbw_bytes_per_s"], bus(row, 2))
+        assert row["nodes"] == ([row["ranks"][0] // 2] if row["scope"] == "intra" else [0, 1])
+    pairs = [r for r in doc["links"] if r["scope"] == "pair"]
+    assert [(r["ranks"], r["nodes"]) for r in sorted(pairs, key=lambda r: r["ranks"])] == [([0, 2], [0, 1]),
+                                                                                           ([2, 0], [1, 0])]
+    assert doc["slowest_pair"]["nodes"] == [0, 1]
+    assert [c["rank"] for c in doc["compute"]] == [0, 1, 2, 3]
+    assert all(c["flops_per_s"] > 0 and c["dtype"] == "float32" for c in doc["compute"])
+    fingerprints = [r["fingerprint"] for r in doc["ranks"]]
+    assert all(fp["torch"] == fingerprints[0]["torch"] and fp["backend"] == "gloo" for fp in fingerprints)
+
+
+def test_torchrun_full_check_names_the_slowed_rank_as_the_straggler(torchrun_run):
+    doc = full_doc(torchrun_run)
+    check_full_document(doc)
+    stragglers = [f for f in doc["findings"] if f["code"] == "straggler"]
+    assert [f["ranks"] for f in stragglers] == [[3]] and doc["findings"] == stragglers
+    assert "rank 3 (node 1) is a straggler" in stragglers[0]["message"]
+    flops = {c["rank"]: c["flops_per_s"] for c in doc["compute"]}
+    assert min(flops, key=flops.get) == 3
+    assert doc["exit_code"] == 1 and torchrun_run.returncodes == [1, 1]  # every rank exits with the verdict
+    node0, node1 = torchrun_run.outputs
+    assert node0.count(TABLE) == 1 and TABLE not in node1  # rank 0 prints the table, once
+    assert "findings: 1" in node0 and "rank 3 (node 1) is a straggler" in node0
+
+
+def test_calibration_reads_back_what_the_full_check_wrote(torchrun_run):
+    doc = full_doc(torchrun_run)
+    calibration = calibration_from_preflight(torchrun_run.output_dir / "preflight.json")
+    for kind in KINDS:
+        for scope in ("intra", "inter"):
+            rows = [r for r in doc["links"] if (r["kind"], r["scope"], r["size_bytes"]) == (kind, scope, max(SIZES))]
+            assert calibration["link_bytes_per_s"][kind][scope] == min(r["busbw_bytes_per_s"] for r in rows)
+    assert calibration["matmul_flops_per_s"] == {c["rank"]: c["flops_per_s"] for c in doc["compute"]}
+    assert calibration["dtype"] == "float32"
+
+
+def test_accelerate_multinode_yaml_full_check_all_clear(tmp_path):
+    """accelerate's multi-node yaml, two launchers (ACCELERATE_USE_CPU=1 set by the helper; docs/cluster.md)."""
+    run = accelerate_multinode_launch(find_config("ddp_multinode").path, "shardscope", launch_args(tmp_path),
+                                      tmp_path, launcher_flags=["-m"], timeout=150)
+    doc = full_doc(run)
+    check_full_document(doc)
+    assert doc["findings"] == [] and doc["exit_code"] == 0, doc["findings"]
+    run.check()
+    assert run.outputs[0].count(TABLE) == 1 and "findings: none" in run.outputs[0]
+
+
+def test_deepspeed_hostfile_full_check(tmp_path):
+    """DeepSpeed's multi-node launch as tests/test_multinode.py runs it: a hostfile of two hosts x 2 slots, one
+    `deepspeed --hostfile F --no_ssh --node_rank N` per host; --no_local_rank keeps --local_rank out of argv."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    port = free_port()
+    cmds = {node: [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank", "--module",
+                   "shardscope", *launch_args(tmp_path)] for node in (0, 1)}
+    run = multinode_launch(cmds, cpu_env(), tmp_path, timeout=150)
+    doc = full_doc(run)
+    check_full_document(doc)
+    assert doc["findings"] == [] and doc["exit_code"] == 0, doc["findings"]
+    run.check()
