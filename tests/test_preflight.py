@@ -28,30 +28,39 @@ SIZES = [64 * 2 ** 10, 256 * 2 ** 10]  # small: a launch takes seconds on CPU
 SIZE_ARG = ",".join(f"{s // 2 ** 10}KiB" for s in SIZES)
 DEADLINE_SLACK = 10  # the issue's bound: a missing node is reported within the deadline + 10 s
 TABLE = "shardscope preflight ("
-pytestmark = pytest.mark.launch
 
 
 # ----------------------------------------------------------------------------- the node check
-def node_check(out, nnodes, ranks, timeout=30, env=None, extra=()):
-    """Start `shardscope preflight --node-rank K` for each K in `ranks` on one port; -> {K: (rc, output, seconds)}."""
-    port, procs, start = free_port(), {}, time.monotonic()
-    for rank in ranks:
-        folder = out / f"node{rank}"
-        folder.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "shardscope", "preflight", "--nnodes", str(nnodes), "--node-rank", str(rank),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", str(timeout),
-               "--sizes", SIZE_ARG, "--output-dir", str(folder), *extra]
-        procs[rank] = subprocess.Popen(cmd, env=cpu_env(**(env or {}).get(rank, {})), cwd=ROOT, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def together(specs: dict, timeout: float) -> dict:
+    """Start `shardscope preflight ARGS` for each name -> (args, extra env) at once; -> {name: (rc, output, s)}."""
+    procs, start = {}, time.monotonic()
+    for name, (args, env) in specs.items():
+        procs[name] = subprocess.Popen([sys.executable, "-m", "shardscope", "preflight", *map(str, args)],
+                                       env=cpu_env(**env), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT)
     results = {}
     try:
-        for rank, proc in procs.items():
+        for name, proc in procs.items():
             output, _ = proc.communicate(timeout=timeout + 60)
-            results[rank] = (proc.returncode, output, time.monotonic() - start)
+            results[name] = (proc.returncode, output, time.monotonic() - start)
     finally:
         for proc in procs.values():
             proc.kill()
     return results
+
+
+def node_args(out, nnodes, rank, port, timeout, *extra):
+    folder = out / f"node{rank}"
+    folder.mkdir(parents=True)
+    return ["--nnodes", nnodes, "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", port,
+            "--timeout", timeout, "--sizes", SIZE_ARG, "--output-dir", folder, *extra]
+
+
+def node_check(out, nnodes, ranks, timeout=30, env=None):
+    """One node-check process per rank in `ranks`, on one port; -> {rank: (rc, output, seconds)}."""
+    port = free_port()
+    return together({rank: (node_args(out, nnodes, rank, port, timeout), (env or {}).get(rank, {}))
+                     for rank in ranks}, timeout)
 
 
 def bus(row, ranks):
@@ -60,6 +69,7 @@ def bus(row, ranks):
     return row["size_bytes"] / row["seconds"] * factor
 
 
+@pytest.mark.launch
 def test_node_check_all_joined_times_the_link_and_exits_0(tmp_path):
     results = node_check(tmp_path, 2, [0, 1])
     assert [rc for rc, _, _ in results.values()] == [0, 0], results
@@ -86,21 +96,31 @@ def test_node_check_all_joined_times_the_link_and_exits_0(tmp_path):
     assert calibration["matmul_flops_per_s"] == {}  # the node check times no compute
 
 
-def test_a_node_never_started_is_named_by_the_deadline(tmp_path):
+@pytest.mark.launch
+def test_a_member_never_started_is_named_by_the_deadline(tmp_path):
+    """Three checks at once, each alone: node 0 (node 1 never started), node 1 (node 0, the meeting point, never
+    started), and the full check's rank 0 of 2 started by hand (the launcher's variables, no launcher)."""
     timeout = 6
-    alone = node_check(tmp_path / "node0_alone", 2, [0], timeout=timeout, extra=["--hosts", "gpu-a,gpu-b"])
-    rc, output, seconds = alone[0]
-    assert rc == 1 and seconds < timeout + DEADLINE_SLACK, (seconds, output)
-    assert "1 of 2 nodes never joined by the deadline: node 1 (gpu-b)" in output
-    doc = json.loads((tmp_path / "node0_alone" / "node0" / "preflight.json").read_text())
+    full = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    results = together({
+        "node0": (node_args(tmp_path / "a", 2, 0, free_port(), timeout, "--hosts", "gpu-a,gpu-b"), {}),
+        "node1": (node_args(tmp_path / "b", 2, 1, free_port(), timeout), {}),
+        "rank0": (["--timeout", timeout, "--sizes", SIZE_ARG, "--output-dir", tmp_path], full)}, timeout)
+    for rc, output, seconds in results.values():
+        assert rc == 1 and seconds < timeout + DEADLINE_SLACK, (seconds, output)
+        assert "Traceback" not in output
+    assert "1 of 2 nodes never joined by the deadline: node 1 (gpu-b)" in results["node0"][1]
+    doc = json.loads((tmp_path / "a" / "node0" / "preflight.json").read_text())
     assert doc["missing"] == [{"node": 1, "host": "gpu-b"}] and doc["exit_code"] == 1 and doc["links"] == []
-    # node 0, which hosts the meeting point, never started: node 1 says so by the deadline
-    rc, output, seconds = node_check(tmp_path / "node1_alone", 2, [1], timeout=timeout)[1]
-    assert rc == 1 and seconds < timeout + DEADLINE_SLACK, (seconds, output)
+    output = results["node1"][1]
     assert "node 0 (the meeting point 127.0.0.1:" in output and f"never answered within {timeout} s" in output
-    assert "Traceback" not in output
+    assert "1 of 2 ranks never joined by the deadline: rank 1" in results["rank0"][1]
+    doc = json.loads((tmp_path / "preflight.json").read_text())
+    assert (doc["check"], doc["missing"], doc["compute"]) == ("full", [{"rank": 1, "node": 1, "host": None}], [])
 
 
+@pytest.mark.launch
 def test_a_node_with_another_nccl_variable_is_named(tmp_path):
     results = node_check(tmp_path, 2, [0, 1], env={1: {"NCCL_IB_DISABLE": "1"}})
     assert [rc for rc, _, _ in results.values()] == [1, 1], results
@@ -163,6 +183,7 @@ def check_full_document(doc):
     assert all(fp["torch"] == fingerprints[0]["torch"] and fp["backend"] == "gloo" for fp in fingerprints)
 
 
+@pytest.mark.launch
 def test_torchrun_full_check_names_the_slowed_rank_as_the_straggler(torchrun_run):
     doc = full_doc(torchrun_run)
     check_full_document(doc)
@@ -177,6 +198,7 @@ def test_torchrun_full_check_names_the_slowed_rank_as_the_straggler(torchrun_run
     assert "findings: 1" in node0 and "rank 3 (node 1) is a straggler" in node0
 
 
+@pytest.mark.launch
 def test_calibration_reads_back_what_the_full_check_wrote(torchrun_run):
     doc = full_doc(torchrun_run)
     calibration = calibration_from_preflight(torchrun_run.output_dir / "preflight.json")
@@ -188,6 +210,7 @@ def test_calibration_reads_back_what_the_full_check_wrote(torchrun_run):
     assert calibration["dtype"] == "float32"
 
 
+@pytest.mark.launch
 def test_accelerate_multinode_yaml_full_check_all_clear(tmp_path):
     """accelerate's multi-node yaml, two launchers (ACCELERATE_USE_CPU=1 set by the helper; docs/cluster.md)."""
     run = accelerate_multinode_launch(find_config("ddp_multinode").path, "shardscope", launch_args(tmp_path),
@@ -199,6 +222,7 @@ def test_accelerate_multinode_yaml_full_check_all_clear(tmp_path):
     assert run.outputs[0].count(TABLE) == 1 and "findings: none" in run.outputs[0]
 
 
+@pytest.mark.launch
 def test_deepspeed_hostfile_full_check(tmp_path):
     """DeepSpeed's multi-node launch as tests/test_multinode.py runs it: a hostfile of two hosts x 2 slots, one
     `deepspeed --hostfile F --no_ssh --node_rank N` per host; --no_local_rank keeps --local_rank out of argv."""
@@ -213,3 +237,60 @@ def test_deepspeed_hostfile_full_check(tmp_path):
     check_full_document(doc)
     assert doc["findings"] == [] and doc["exit_code"] == 0, doc["findings"]
     run.check()
+
+
+# ----------------------------------------------------------------------------- the pure pieces
+def test_fingerprint_differences_name_the_odd_members_and_the_majority():
+    from shardscope.preflight.fingerprint import differences
+
+    prints = {0: {"torch": "2.13.0", "host": "a"}, 1: {"torch": "2.13.0", "host": "b"},
+              2: {"torch": "2.12.1", "host": "c", "NCCL_IB_HCA": "mlx5_0"}}
+    found = {f["key"]: f for f in differences(prints)}
+    assert sorted(found) == ["NCCL_IB_HCA", "torch"]  # the host differs by design: never compared
+    assert (found["torch"]["nodes"], found["torch"]["majority"]) == ([2], "2.13.0")
+    assert (found["NCCL_IB_HCA"]["nodes"], found["NCCL_IB_HCA"]["majority"]) == ([2], "(unset)")
+    (by_rank,) = differences({0: {"gpu": "H100"}, 1: {"gpu": "A100"}}, "rank", lambda r: f" (node {r // 8})")
+    assert by_rank["ranks"] == [1] and "rank 1 (node 0) has 'A100'" in by_rank["message"]
+
+
+def test_links_below_half_the_expected_speed_or_of_their_peers():
+    from shardscope.fit import LINKS, Hardware
+    from shardscope.preflight.verdict import expected_links, link_findings, slowest_pair
+
+    expected = expected_links("NVIDIA H100 80GB HBM3")
+    assert expected["intra"] == LINKS["H100"][0] * 1e9  # the fit model's table, not a copy
+    assert expected["inter"] == Hardware.network_bytes_per_s and expected_links(None) is None
+
+    def row(scope, who, busbw, kind="all_reduce"):
+        return {"kind": kind, "scope": scope, "group": who, "ranks": [who], "nodes": [who] if scope == "intra" else who,
+                "size_bytes": 2 ** 20, "seconds": 1.0, "busbw_bytes_per_s": busbw}
+
+    rows = [row("intra", 0, 0.49 * expected["intra"]), row("intra", 1, 0.6 * expected["intra"])]
+    (found,) = link_findings(rows, expected)
+    assert (found["code"], found["who"]) == ("slow-link", "node 0") and "under half the expected" in found["message"]
+    assert link_findings(rows, None) == []  # CPU: nothing expected, and two nodes have no odd one out
+    pairs = [row("pair", [a, b], value, "send_recv") for (a, b), value in
+             {(0, 1): 10e9, (1, 0): 10e9, (0, 2): 10e9, (2, 0): 9e9, (1, 2): 4e9, (2, 1): 4.5e9}.items()]
+    (found,) = link_findings(pairs, None)
+    assert found["who"] == "nodes 1 and 2" and "under half the median" in found["message"]
+    assert slowest_pair(pairs) == {"nodes": [1, 2], "busbw_bytes_per_s": 4e9, "pairs_measured": 3}
+
+
+def test_stragglers_are_below_80_percent_of_the_median():
+    from shardscope.preflight.compute import stragglers
+
+    assert [f["ranks"] for f in stragglers({0: 100e12, 1: 100e12, 2: 100e12, 3: 79e12, 4: 81e12})] == [[3]]
+    assert stragglers({0: 100e12}) == []
+
+
+def test_calibration_refuses_a_file_that_is_not_a_preflight(tmp_path):
+    from shardscope.errors import UsageError
+
+    other = tmp_path / "shardscope_summary.json"
+    other.write_text(json.dumps({"world_size": 4}))
+    with pytest.raises(UsageError, match="not a preflight.json"):
+        calibration_from_preflight(other)
+    broken = tmp_path / "preflight.json"
+    broken.write_text(json.dumps({"schema_version": 1, "links": [{"kind": "all_reduce"}], "compute": []}))
+    with pytest.raises(UsageError, match="malformed 'links' or 'compute'"):
+        calibration_from_preflight(broken)

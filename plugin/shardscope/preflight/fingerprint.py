@@ -29,7 +29,7 @@ def collect(device=None, env=os.environ) -> dict[str, str]:
         values["peft"] = metadata.version("peft")
     except metadata.PackageNotFoundError:
         pass
-    values["cuda"] = str(torch.version.cuda)
+    values["cuda"] = torch.version.cuda or "none (CPU build)"
     if torch.cuda.is_available():
         index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
         props = torch.cuda.get_device_properties(index)

@@ -56,14 +56,14 @@ def run(args) -> int:
     if me not in joined:
         return say(me, 1, "arrived after the deadline: rank 0 closed the meeting without this rank")
     missing = [{"rank": r, "node": r // place["per_node"], "host": None} for r in range(world) if r not in joined]
-    rows, flops = [], []
+    measured = [], [], []
     if not missing:
         args.compute = True
-        rows, flops = session.run_measurements(store, [records[r] for r in range(world)], me, args, device,
-                                               args.timeout)
+        measured = session.run_measurements(store, [records[r] for r in range(world)], me, args, device,
+                                            args.timeout)
     outcome = None
     if me == 0:
-        doc = session.document("full", records, world, missing, rows, flops, args, device)
+        doc = session.document("full", records, world, missing, measured, args, device)
         path = output.write(doc, args.output_dir)
         print(output.table(doc), f"\nwrote {path}", flush=True)
         outcome = {"code": doc["exit_code"]}

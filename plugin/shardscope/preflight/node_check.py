@@ -34,13 +34,13 @@ def run(args) -> int:
         return say(me, 1, "joined after the deadline: node 0 closed the meeting without this node")
     hosts = dict(enumerate(args.hosts or []))
     missing = [{"node": m, "host": hosts.get(m)} for m in range(count) if m not in joined]
-    rows = []
+    measured = [], [], []
     if not missing and count > 1:
         args.compute = False  # the node check times links only; the full check measures compute
-        rows, _ = session.run_measurements(store, [records[m] for m in joined], me, args, device, args.timeout)
+        measured = session.run_measurements(store, [records[m] for m in joined], me, args, device, args.timeout)
     outcome = None
     if me == 0:
-        doc = session.document("node", records, count, missing, rows, [], args, device)
+        doc = session.document("node", records, count, missing, measured, args, device)
         path = output.write(doc, args.output_dir)
         print(output.table(doc), f"\nwrote {path}", flush=True)
         outcome = {"code": doc["exit_code"], "line": output.missing_line(doc)

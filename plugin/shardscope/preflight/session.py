@@ -28,15 +28,16 @@ def dtype_for(name: str | None, device):
     return getattr(torch, DTYPES[name or ("bf16" if device.type == "cuda" else "fp32")])
 
 
-def run_measurements(store, members: list[dict], me: int, args, device, timeout_s: float) -> tuple[list, list]:
-    """(link rows, compute rows) of every member, gathered on all; the group is formed and destroyed here."""
+def run_measurements(store, members: list[dict], me: int, args, device, timeout_s: float) -> tuple[list, list, list]:
+    """(link rows, compute rows, findings) of every member, gathered on all; the group is formed and destroyed
+    here. A collective that fails or times out (`timeout_s`) is a `link-failed` finding, not a traceback."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(meet.key("pg"), store), rank=me,
-                            world_size=len(members), timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
     try:
+        dist.init_process_group(backend, store=dist.PrefixStore(meet.key("pg"), store), rank=me,
+                                world_size=len(members), timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
         dtype = dtype_for(args.dtype, device)
         rows = links.measure_collectives(members, me, args.sizes, device, dtype)
         rows += links.measure_pairs(members, me, max(args.sizes), device, dtype)
@@ -46,21 +47,27 @@ def run_measurements(store, members: list[dict], me: int, args, device, timeout_
             mine = [{"rank": me, "node": members[me]["node"], **figure}]
         gathered = [None] * len(members)
         dist.all_gather_object(gathered, (rows, mine))
-        return [r for rows, _ in gathered for r in rows], [c for _, mine in gathered for c in mine]
+        return [r for rows, _ in gathered for r in rows], [c for _, mine in gathered for c in mine], []
+    except RuntimeError as error:  # torch's DistError and the backends' errors
+        return [], [], [{"code": "link-failed", "key": backend, "message": f"the {backend} process group failed on "
+                         f"member {me} after the meeting: {str(error).splitlines()[0]}; check NCCL_DEBUG=INFO "
+                         "and the *_SOCKET_IFNAME variables"}]
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def document(check: str, records: dict[int, dict], expected: int, missing: list[dict], rows: list, flops: list,
+def document(check: str, records: dict[int, dict], expected: int, missing: list[dict], measured: tuple,
              args, device) -> dict:
     """The preflight.json document (schema in output.py's docstring) with its findings and exit code."""
+    rows, flops, failed = measured
     who = "node" if check == "node" else "rank"
     members = [records[m] for m in sorted(records)]
     gpu = members[0]["fingerprint"].get("gpu") if device.type == "cuda" and members else None
     expected_links = verdict.expected_links(gpu)
     where = None if check == "node" else (lambda rank: f" (node {records[rank]['node']})")
     findings = fingerprint.differences({m: records[m]["fingerprint"] for m in records}, who, where)
-    findings += verdict.link_findings(rows, expected_links)
+    findings += failed + verdict.link_findings(rows, expected_links)
     findings += compute.stragglers({c["rank"]: c["flops_per_s"] for c in flops},
                                    lambda rank: f" (node {records[rank]['node']})")
     doc = {"schema_version": SCHEMA_VERSION, "check": check, "backend": "nccl" if device.type == "cuda" else "gloo",
