@@ -50,7 +50,7 @@ def register(subparsers) -> None:
                         help="message sizes, comma-separated (default 1MiB,4MiB,16MiB,64MiB,256MiB)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                         help="training dtype for the matmuls and messages (default bf16 on GPU, fp32 on CPU)")
-    # For tests only: this rank's matmul timing reads as a GPU 4x slower (compute.SLOW_FACTOR).
+    # For tests only: this rank computes each matmul 4 times and counts it once (compute.SLOW_FACTOR).
     parser.add_argument("--test-slow-rank", type=int, help=argparse.SUPPRESS)
     parser.set_defaults(func=run)
 

@@ -72,10 +72,13 @@ def meet(store, me: int, count: int, record: dict, deadline: float) -> tuple[lis
             while store.add(key("arrived"), 0) < count and time.monotonic() < deadline:
                 time.sleep(POLL_S)
             joined = [m for m in range(count) if store.check([key("member", m)])]
-            store.set(key("verdict"), json.dumps(joined))
+            store.set(key("verdict"), json.dumps({"joined": joined, "count": count}))
         elif not poll(store, key("verdict"), deadline + GRACE_S):
             raise Unreachable("member 0 gave no verdict by the deadline")
-        joined = json.loads(store.get(key("verdict")))
+        verdict = json.loads(store.get(key("verdict")))
+        if verdict["count"] != count:
+            raise Unreachable(f"member 0 expects {verdict['count']} members, this one was told {count}")
+        joined = verdict["joined"]
         return joined, {m: json.loads(store.get(key("member", m))) for m in joined}
     except RuntimeError as error:  # the store's host went away
         raise Unreachable(str(error).splitlines()[0]) from None
