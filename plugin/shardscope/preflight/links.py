@@ -54,8 +54,9 @@ def _call(kind: str, buffers, group) -> None:
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, full, group=group)
 
 
-def time_collective(kind: str, size: int, group, ranks: int, device, dtype) -> float:
-    """Seconds per call of one collective on `group` (this rank's view; the caller takes the slowest rank)."""
+def time_collective(kind: str, size: int, group, ranks: int, device, dtype) -> tuple[float, int]:
+    """(seconds per call, bytes of the whole buffer: `size` rounded down to a multiple of the ranks' elements)
+    of one collective on `group`, this rank's view (the caller takes the slowest rank's)."""
     import torch
     import torch.distributed as dist
 
@@ -70,7 +71,7 @@ def time_collective(kind: str, size: int, group, ranks: int, device, dtype) -> f
     for _ in range(ITERS):
         _call(kind, buffers, group)
     sync(device)
-    return (time.perf_counter() - start) / ITERS
+    return (time.perf_counter() - start) / ITERS, numel * element
 
 
 def slowest(seconds: float, group, device) -> float:
@@ -86,11 +87,9 @@ def slowest(seconds: float, group, device) -> float:
 def measure_collectives(members: list[dict], me: int, sizes: list[int], device, dtype) -> list[dict]:
     """Rows of every collective x size, per group of each scope (recorded by the group's first rank). Every rank
     calls this: each group is made by all ranks, and the groups of one scope run at the same time."""
-    import torch
     import torch.distributed as dist
 
     _, scopes = topology(members)
-    element = torch.empty((), dtype=dtype).element_size()
     rows = []
     for scope, groups in scopes.items():
         handles = [dist.new_group(ranks) for ranks in groups]
@@ -99,8 +98,8 @@ def measure_collectives(members: list[dict], me: int, sizes: list[int], device, 
                 continue
             for kind in KINDS:
                 for size in sizes:
-                    real = max(size // element // len(ranks), 1) * len(ranks) * element
-                    seconds = slowest(time_collective(kind, size, group, len(ranks), device, dtype), group, device)
+                    seconds, real = time_collective(kind, size, group, len(ranks), device, dtype)
+                    seconds = slowest(seconds, group, device)
                     if me == ranks[0]:
                         rows.append({"kind": kind, "scope": scope, "group": index, "ranks": ranks,
                                      "nodes": sorted({members[r]["node"] for r in ranks}), "size_bytes": real,

@@ -21,16 +21,15 @@ def device_for(local_rank: int):
     return torch.device("cpu")
 
 
-def dtype_for(name: str | None, device):
-    """--dtype, or bf16 on GPUs and fp32 on CPU (where bf16 matmuls are emulated, not what training gets)."""
-    import torch
-
-    return getattr(torch, DTYPES[name or ("bf16" if device.type == "cuda" else "fp32")])
+def dtype_name(name: str | None, device) -> str:
+    """--dtype as torch names it, or bf16 on GPUs and fp32 on CPU (where bf16 matmuls are slow emulation)."""
+    return DTYPES[name or ("bf16" if device.type == "cuda" else "fp32")]
 
 
 def run_measurements(store, members: list[dict], me: int, args, device, timeout_s: float) -> tuple[list, list, list]:
     """(link rows, compute rows, findings) of every member, gathered on all; the group is formed and destroyed
     here. A collective that fails or times out (`timeout_s`) is a `link-failed` finding, not a traceback."""
+    import torch
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -38,7 +37,7 @@ def run_measurements(store, members: list[dict], me: int, args, device, timeout_
         dist.init_process_group(backend, store=dist.PrefixStore(meet.key("pg"), store), rank=me,
                                 world_size=len(members), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-        dtype = dtype_for(args.dtype, device)
+        dtype = getattr(torch, dtype_name(args.dtype, device))
         rows = links.measure_collectives(members, me, args.sizes, device, dtype)
         rows += links.measure_pairs(members, me, max(args.sizes), device, dtype)
         mine = []
@@ -71,7 +70,7 @@ def document(check: str, records: dict[int, dict], expected: int, missing: list[
     findings += compute.stragglers({c["rank"]: c["flops_per_s"] for c in flops},
                                    lambda rank: f" (node {records[rank]['node']})")
     doc = {"schema_version": SCHEMA_VERSION, "check": check, "backend": "nccl" if device.type == "cuda" else "gloo",
-           "dtype": DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")],
+           "dtype": dtype_name(args.dtype, device),
            "sizes_bytes": sorted(args.sizes), "expected": expected, who + "s": members, "missing": missing,
            "links": rows, "slowest_pair": verdict.slowest_pair(rows), "expected_links": expected_links,
            "compute": flops, "findings": findings, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
