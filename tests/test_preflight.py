@@ -255,20 +255,22 @@ def test_fingerprint_differences_name_the_odd_members_and_the_majority():
 
 def test_links_below_half_the_expected_speed_or_of_their_peers():
     from shardscope.fit import LINKS, Hardware
-    from shardscope.preflight.verdict import expected_links, link_findings, slowest_pair
+    from shardscope.preflight.verdict import COMPARED_FROM, expected_links, link_findings, slowest_pair
 
     expected = expected_links("NVIDIA H100 80GB HBM3")
     assert expected["intra"] == LINKS["H100"][0] * 1e9  # the fit model's table, not a copy
     assert expected["inter"] == Hardware.network_bytes_per_s and expected_links(None) is None
 
-    def row(scope, who, busbw, kind="all_reduce"):
+    def row(scope, who, busbw, kind="all_reduce", size=COMPARED_FROM):
         return {"kind": kind, "scope": scope, "group": who, "ranks": [who], "nodes": [who] if scope == "intra" else who,
-                "size_bytes": 2 ** 20, "seconds": 1.0, "busbw_bytes_per_s": busbw}
+                "size_bytes": size, "seconds": 1.0, "busbw_bytes_per_s": busbw}
 
     rows = [row("intra", 0, 0.49 * expected["intra"]), row("intra", 1, 0.6 * expected["intra"])]
     (found,) = link_findings(rows, expected)
     assert (found["code"], found["who"]) == ("slow-link", "node 0") and "under half the expected" in found["message"]
     assert link_findings(rows, None) == []  # CPU: nothing expected, and two nodes have no odd one out
+    small = [row("intra", 0, 0.1 * expected["intra"], size=COMPARED_FROM // 2)]
+    assert link_findings(small, expected) == []  # latency-bound sizes are not held against the link's speed
     pairs = [row("pair", [a, b], value, "send_recv") for (a, b), value in
              {(0, 1): 10e9, (1, 0): 10e9, (0, 2): 10e9, (2, 0): 9e9, (1, 2): 4e9, (2, 1): 4.5e9}.items()]
     (found,) = link_findings(pairs, None)

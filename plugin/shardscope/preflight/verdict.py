@@ -1,7 +1,8 @@
 """From the measured rows to findings: links below half their expected speed, the slowest node pair, stragglers.
 
 Expected link speed (GPU runs only) is the fit model's (`fit.hardware`: NVLink or PCIe per GPU inside a node,
-the network per GPU across nodes), compared with the bus bandwidth at the largest size measured. Without a
+the network per GPU across nodes), compared with the bus bandwidth at the largest size measured when that is
+at least COMPARED_FROM (smaller messages never approach a link's speed). Without a
 GPU nothing is expected; a group (or node pair) below half the median of its peers is still named when there
 are at least three to compare (with two, neither is the odd one out).
 """
@@ -11,6 +12,7 @@ import statistics
 
 SLOW_LINK = 0.5  # below half of the expected (or of the peers' median) bus bandwidth: a finding
 MIN_PEERS = 3
+COMPARED_FROM = 64 * 2 ** 20  # smaller messages are latency-bound: not held against a link's speed
 
 
 def expected_links(gpu: str | None) -> dict | None:
@@ -59,6 +61,7 @@ def slowest_pair(rows: list[dict]) -> dict | None:
 def link_findings(rows: list[dict], expected: dict | None) -> list[dict]:
     """Links below SLOW_LINK of the expected speed, or of their peers' median (module docstring)."""
     found, top = [], largest(rows)
+    size = max((row["size_bytes"] for row in top), default=0)
     measured = [(f"nodes {a} and {b}", "pair", "send_recv", value) for (a, b), value in pairs(top).items()]
     measured += [(f"node {row['nodes'][0]}" if row["scope"] == "intra" else f"ranks {row['ranks']}", row["scope"],
                   row["kind"], row["busbw_bytes_per_s"]) for row in top if row["scope"] != "pair"]
@@ -66,7 +69,7 @@ def link_findings(rows: list[dict], expected: dict | None) -> list[dict]:
         peers = [(who, value) for who, s, k, value in measured if (k, s) == (kind, scope)]
         median = statistics.median(v for _, v in peers)
         for who, value in peers:
-            if expected and value < SLOW_LINK * expected[scope]:
+            if expected and size >= COMPARED_FROM and value < SLOW_LINK * expected[scope]:
                 than = f"under half the expected {gbps(expected[scope])} ({expected['source']})"
             elif len(peers) >= MIN_PEERS and value < SLOW_LINK * median:
                 than = f"under half the median {gbps(median)} of the {len(peers)} measured"
