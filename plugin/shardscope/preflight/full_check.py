@@ -67,7 +67,7 @@ def run(args) -> int:
         path = output.write(doc, args.output_dir)
         print(output.table(doc), f"\nwrote {path}", flush=True)
         outcome = {"code": doc["exit_code"]}
-    outcome = meet.finish(store, me, joined, outcome, wait_s=meet.GRACE_S + world)
+    outcome = meet.finish(store, me, joined, outcome, wait_s=args.timeout)
     return 1 if outcome is None else outcome["code"]
 
 

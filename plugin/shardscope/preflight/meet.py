@@ -74,10 +74,10 @@ def meet(store, me: int, count: int, record: dict, deadline: float) -> tuple[lis
             joined = [m for m in range(count) if store.check([key("member", m)])]
             store.set(key("verdict"), json.dumps({"joined": joined, "count": count}))
         elif not poll(store, key("verdict"), deadline + GRACE_S):
-            raise Unreachable("member 0 gave no verdict by the deadline")
+            raise Unreachable("member 0 (node 0 / rank 0) gave no verdict by the deadline")
         verdict = json.loads(store.get(key("verdict")))
         if verdict["count"] != count:
-            raise Unreachable(f"member 0 expects {verdict['count']} members, this one was told {count}")
+            raise Unreachable(f"member 0 expects {verdict['count']} members, this one was started with {count}")
         joined = verdict["joined"]
         return joined, {m: json.loads(store.get(key("member", m))) for m in joined}
     except RuntimeError as error:  # the store's host went away
@@ -85,12 +85,13 @@ def meet(store, me: int, count: int, record: dict, deadline: float) -> tuple[lis
 
 
 def finish(store, me: int, joined: list[int], outcome: dict | None, wait_s: float) -> dict | None:
-    """The leader publishes the outcome and waits (up to `wait_s`) for every joined member to read it before its
-    store closes; a member reads it. Returns the outcome (None where the leader is gone)."""
+    """The leader publishes the outcome and waits (up to GRACE_S) for every joined member to read it before its
+    store closes; a member waits up to `wait_s` for it (the leader may still be writing its report). Returns the
+    outcome (None where the leader is gone)."""
     try:
         if me == 0:
             store.set(key("outcome"), json.dumps(outcome))
-            end = time.monotonic() + wait_s
+            end = time.monotonic() + GRACE_S
             for member in joined:
                 if member != 0 and not poll(store, key("done", member), end):
                     break

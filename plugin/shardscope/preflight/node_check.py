@@ -29,7 +29,7 @@ def run(args) -> int:
     try:
         joined, records = meet.meet(store, me, count, record, deadline)
     except meet.Unreachable as error:
-        return say(me, 1, f"node 0 at {where} stopped answering ({error})")
+        return say(me, 1, f"the meeting at {where} failed: {error}")
     if me not in joined:
         return say(me, 1, "joined after the deadline: node 0 closed the meeting without this node")
     hosts = dict(enumerate(args.hosts or []))
@@ -48,7 +48,7 @@ def run(args) -> int:
     elif missing:
         print(f"preflight node {me}: " + output.missing_line({"check": "node", "missing": missing, "expected": count}),
               flush=True)
-    outcome = meet.finish(store, me, joined, outcome, wait_s=meet.GRACE_S + 5 * count)
+    outcome = meet.finish(store, me, joined, outcome, wait_s=args.timeout)
     if outcome is None:
         return say(me, 1, "node 0 published no result (it stopped answering)")
     if me == 0 or missing:  # node 0 printed the table; a node with missing peers printed its line above
