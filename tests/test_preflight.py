@@ -296,3 +296,32 @@ def test_calibration_refuses_a_file_that_is_not_a_preflight(tmp_path):
     broken.write_text(json.dumps({"schema_version": 1, "links": [{"kind": "all_reduce"}], "compute": []}))
     with pytest.raises(UsageError, match="malformed 'links' or 'compute'"):
         calibration_from_preflight(broken)
+
+
+def test_the_meeting_names_late_and_miscounted_members():
+    """meet() in one process over torch's HashStore: node 0 closes the meeting at the deadline; a member started
+    with another member count is refused instead of waiting for a group that will never form; a late one is left
+    out."""
+    import threading
+
+    import torch.distributed as dist
+
+    from shardscope.preflight import meet
+
+    store, results = dist.HashStore(), {}
+
+    def join(me, count, deadline):
+        try:
+            results[me] = meet.meet(store, me, count, {"node": me}, time.monotonic() + deadline)
+        except meet.Unreachable as error:
+            results[me] = str(error)
+
+    threads = [threading.Thread(target=join, args=(0, 3, 1.0)), threading.Thread(target=join, args=(1, 2, 1.0))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results[0] == ([0, 1], {0: {"node": 0}, 1: {"node": 1}})  # member 2 never came
+    assert results[1] == "member 0 expects 3 members, this one was started with 2"
+    join(2, 3, 1.0)  # after the deadline: the verdict stands, without it (node_check says "joined after the deadline")
+    assert results[2][0] == [0, 1]
