@@ -28,6 +28,7 @@ examples:
   shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp zero3 -- --config my.yaml
   shardscope report runs/ddp runs/zero3                 # tables and plots from finished runs
   shardscope export output/checkpoint-100 model_out     # sharded checkpoint -> from_pretrained folder
+  shardscope preflight --nnodes 2 --node-rank 0 --master-addr node0  # before the first multi-node run
 
 `shardscope COMMAND --help` gives each command's options."""
 
