@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 from . import fingerprint, meet, output, session
 
@@ -43,7 +42,7 @@ def run(args) -> int:
     if world > 1 and not place["addr"]:
         return say(me, 1, f"WORLD_SIZE={world} but no MASTER_ADDR: start it with torchrun, accelerate launch or "
                           "deepspeed")
-    deadline = time.monotonic() + args.timeout
+    deadline = args.started + args.timeout
     try:
         store = open_store(place, deadline)
         device = session.device_for(place["local_rank"])

@@ -8,14 +8,13 @@ nodes and send/recv between every two nodes, and node 0 prints the table and wri
 from __future__ import annotations
 
 import socket
-import time
 
 from . import fingerprint, meet, output, session
 
 
 def run(args) -> int:
     me, count = args.node_rank, args.nnodes
-    deadline = time.monotonic() + args.timeout
+    deadline = args.started + args.timeout
     where = f"{args.master_addr}:{args.master_port}"
     try:
         store = meet.open_store(args.master_addr, args.master_port, me == 0, deadline)
