@@ -1,9 +1,11 @@
 """`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
 ZeRO-3 LoRA, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder
 must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
-wrapped model after training). These exports all take the safe (weights_only) path; --trust-pickle must give
-the same weights. Fault cases: truncated file, missing shard, existing output folder (hostile files:
-test_hostile_input.py)."""
+wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about a
+seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
+must equal DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`). These exports all take
+the safe (weights_only) path; --trust-pickle must give the same weights. Fault cases: truncated file, missing
+shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py."""
 from __future__ import annotations
 
 import shutil
@@ -16,9 +18,10 @@ import yaml
 from launch import ROOT, accelerate_launch
 from shardscope.cli import main
 from shardscope.errors import UsageError
-from shardscope.export import export
+from shardscope.checkpoint.export import export
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
+TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
 RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
     "zero3": ("zero3.yaml", {}, 0),
     "zero3_lora": ("zero3.yaml", {}, 4),
@@ -72,19 +75,43 @@ def assert_nothing_left(parent: Path, before: set):
     assert {p.name for p in parent.iterdir()} == before, "export left files behind"
 
 
+def assert_sharded(out: Path, limit: int) -> dict:
+    """The folder holds model-0000k-of-0000n.safetensors shards within `limit` (a lone tensor may exceed
+    it) and an index naming every tensor's shard; returns all tensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    assert files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    assert set(index["weight_map"].values()) == set(files)
+    tensors = {}
+    for name in files:
+        shard = load_file(out / name)
+        assert sum(t.nbytes for t in shard.values()) <= limit or len(shard) == 1, name
+        assert {k for k, f in index["weight_map"].items() if f == name} == set(shard)
+        tensors.update(shard)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    return tensors
+
+
 @pytest.mark.parametrize("name", ["zero3", "zero2"])
-def test_zero_full_fine_tune_and_trust_pickle(trained, strategy_model, tmp_path, name):
+def test_zero_full_fine_tune_in_shards_and_trust_pickle(trained, strategy_model, tmp_path, name):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     checkpoint, logits = trained(name)
-    out = export(checkpoint, tmp_path / "model")
-    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    assert not list(out.glob("*.bin")) and not list(tmp_path.glob(".*partial*"))
+    out = export(checkpoint, tmp_path / "model", max_shard_size=TIGHT)
+    assert (out / "config.json").is_file() and not list(out.glob("*.bin")) and not list(tmp_path.glob(".*partial*"))
+    sharded = assert_sharded(out, TIGHT)
     assert_reproduces(AutoModelForCausalLM.from_pretrained(out), logits, strategy_model("shard_llama"))
+    deepspeed_own = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))  # what zero_to_fp32 writes
+    assert all(torch.equal(sharded[k], deepspeed_own[k]) for k in sharded)
     trusted = load_file(export(checkpoint, tmp_path / "trusted", trust_pickle=True) / "model.safetensors")
-    safe = load_file(out / "model.safetensors")
-    assert trusted.keys() == safe.keys() and all(torch.equal(trusted[k], safe[k]) for k in safe)
+    assert trusted.keys() == sharded.keys() and all(torch.equal(trusted[k], sharded[k]) for k in sharded)
 
 
 def test_zero3_lora_adapter(trained, strategy_model, tmp_path):
@@ -107,7 +134,9 @@ def test_fsdp_sharded_state_dict_through_the_cli(trained, strategy_model, tmp_pa
     # an FSDP checkpoint has no config.json: without --model that is one clear error, exit 2
     assert main(["export", str(checkpoint), str(tmp_path / "none")]) == 2
     assert "pass --model" in capsys.readouterr().err and not (tmp_path / "none").exists()
-    assert main(["export", str(checkpoint.parent), str(tmp_path / "model"), "--model", str(base)]) == 0  # output dir
+    assert main(["export", str(checkpoint.parent), str(tmp_path / "model"), "--model", str(base),  # output dir
+                 "--max-shard-size", "500KB"]) == 0
+    assert_sharded(tmp_path / "model", TIGHT)
     assert_reproduces(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), logits, base)
     assert_nothing_left(tmp_path, {"model"})
 
@@ -151,3 +180,4 @@ def test_existing_output_folder_is_refused(trained, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert_nothing_left(tmp_path, {"out"})
+

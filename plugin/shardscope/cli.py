@@ -13,7 +13,7 @@ from .errors import UsageError
 # Each command -> the module that defines `register(subparsers)` for it; each registered parser sets
 # `func(args) -> int`. A run imports only its own command's module (`plan` does not import doctor's).
 COMMANDS = {"configs": "configs_cli", "plan": "plan_cli", "fit": "fit_cli", "compare": "compare",
-            "report": "compare", "doctor": "doctor", "export": "export"}
+            "report": "compare", "doctor": "doctor", "export": "checkpoint.export"}
 
 DESCRIPTION = """\
 Pick, check and measure a distributed-training strategy (DDP, FSDP, DeepSpeed ZeRO, tensor parallel)
