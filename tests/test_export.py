@@ -181,3 +181,83 @@ def test_existing_output_folder_is_refused(trained, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert_nothing_left(tmp_path, {"out"})
 
+
+# ----------------------------------------------------------------------------- reshard (same launched runs)
+
+
+def _universal(path: Path):
+    import torch as t
+
+    value = t.load(path, weights_only=True)
+    return value["param"] if isinstance(value, dict) else value  # ZeRO-1/2 files add the cat dim
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero2"])
+def test_zero_reshard_writes_the_universal_checkpoint(trained, tmp_path, capsys, name):
+    """DeepSpeed's universal checkpoint holds each parameter's fp32 weight (= DeepSpeed's own consolidation) and
+    its Adam moments (= the saved per-rank partitions, gathered by `ZeroSource`), and no `latest`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from shardscope.checkpoint.reshard import UNIVERSAL_SWITCH
+    from shardscope.checkpoint.resume import resume_problem
+    from shardscope.checkpoint.sources import ZeroSource
+
+    checkpoint, _ = trained(name)
+    out = tmp_path / "any_world_size"
+    assert main(["reshard", str(checkpoint), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert UNIVERSAL_SWITCH in printed and f"--resume_from_checkpoint {out}" in printed
+    assert (out / "latest_universal").read_text() == "global_step3" and not (out / "latest").exists()
+    assert (out / "trainer_state.json").read_bytes() == (checkpoint / "trainer_state.json").read_bytes()
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    zero = out / "global_step3" / "zero"
+    assert {p.name for p in zero.iterdir() if p.is_dir()} == set(weights)
+    for state in ("exp_avg", "exp_avg_sq"):
+        saved = ZeroSource(checkpoint, None, state=state)
+        trained_names = [n for n, entry in saved.entries.items() if entry[0] in ("zero2", "zero3")]
+        gathered = saved.read(trained_names)
+        assert len(gathered) == len(weights)
+        for param, moment in gathered.items():
+            assert torch.equal(_universal(zero / param / f"{state}.pt").view(moment.shape), moment), (state, param)
+            assert moment.abs().sum() > 0  # trained: the moments are not the zeros of a fresh optimizer
+    for param, weight in weights.items():
+        assert torch.equal(_universal(zero / param / "fp32.pt").view(weight.shape), weight), param
+    problem = " ".join(resume_problem(checkpoint, 4))  # the plain checkpoint at another world size: reshard named
+    assert f"shardscope reshard {checkpoint} OUT" in problem and "saved by 2 ZeRO ranks" in problem
+    assert resume_problem(checkpoint, 2) is None and resume_problem(out, 4) is None
+
+
+def test_dcp_reshard_checks_and_copies(trained, tmp_path, capsys):
+    checkpoint, _ = trained("fsdp_sharded")
+    out = tmp_path / "any_world_size"
+    assert main(["reshard", str(checkpoint), str(out)]) == 0
+    assert "DCP reshards" in capsys.readouterr().out
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        for file in (checkpoint / folder).iterdir():
+            assert (out / folder / file.name).read_bytes() == file.read_bytes(), file
+    assert main(["reshard", str(checkpoint), str(out)]) == 2  # never overwrites
+    assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, shard", [("zero3", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         ("fsdp_sharded", "optimizer_0/__1_0.distcp")])
+def test_reshard_refuses_a_missing_shard_or_a_link(trained, tmp_path, capsys, name, shard):
+    checkpoint = _copy(trained(name)[0], tmp_path)
+    (checkpoint / shard).unlink()
+    assert main(["reshard", str(checkpoint), str(tmp_path / "out")]) == 2
+    assert "missing a shard" in capsys.readouterr().err
+    (checkpoint / shard).symlink_to(trained(name)[0] / shard)  # the real file, but outside this checkpoint
+    assert main(["reshard", str(checkpoint), str(tmp_path / "out")]) == 2
+    assert "is a link or special file" in capsys.readouterr().err
+    assert_nothing_left(tmp_path, {"ckpt"})
+
+
+def test_doctor_names_reshard_for_a_resume_at_another_world_size(trained, capsys):
+    checkpoint, _ = trained("zero3")
+    trainer_args = ["--", "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(checkpoint.parent)]
+    assert main(["doctor", "--accelerate-config", "zero3", "--gpus", "4", *trainer_args]) == 1
+    out = capsys.readouterr().out
+    assert "error [resume-world-size]" in out and f"shardscope reshard {checkpoint} OUT" in out
+    assert "saved by 2 ZeRO ranks and this run has 4" in out and "load_universal" in out
+    main(["doctor", "--accelerate-config", "zero3", "--gpus", "2", *trainer_args])  # the world size that saved it
+    assert "resume-world-size" not in capsys.readouterr().out
