@@ -261,3 +261,20 @@ def test_doctor_names_reshard_for_a_resume_at_another_world_size(trained, capsys
     assert "saved by 2 ZeRO ranks and this run has 4" in out and "load_universal" in out
     main(["doctor", "--accelerate-config", "zero3", "--gpus", "2", *trainer_args])  # the world size that saved it
     assert "resume-world-size" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where, protocol", [("model", 2), ("optim", 2), ("optim", 4)])
+def test_reshard_never_runs_planted_code(tmp_path, capsys, where, protocol):
+    """A ZeRO file whose pickle calls exec (protocol 4 hides it from torch's static scan, so the weights_only
+    loads forced inside DeepSpeed's converter must refuse it): one line, exit 2, nothing ran, nothing written."""
+    import pickle
+
+    from test_hostile_input import Planted, zero_checkpoint
+
+    marker = tmp_path / "marker"
+    checkpoint = zero_checkpoint(tmp_path, **{where: pickle.dumps(Planted(marker), protocol=protocol)})
+    assert main(["reshard", str(checkpoint), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert_nothing_left(tmp_path, {"ckpt"})

@@ -32,8 +32,8 @@ from pathlib import Path
 from ..errors import UsageError
 from ..safe_io import ordinary_permissions
 from .sources import (
-    TRUST_HINT, check_dcp_files, find_checkpoint, first_line, read_dcp_metadata, weights_only_loads, zero_files,
-    zero_step,
+    TRUST_HINT, check_dcp_files, find_checkpoint, first_line, read_dcp_metadata, refusal, weights_only_loads,
+    zero_files, zero_step,
 )
 
 UNIVERSAL_SWITCH = '"checkpoint": {"load_universal": true}'
@@ -76,7 +76,7 @@ def to_universal(folder: Path, tag: str | None, out: Path, trust_pickle: bool) -
             ds_to_universal(args)
     except pickle.UnpicklingError as error:
         raise UsageError(f"checkpoint '{step}' holds pickled data that is not a DeepSpeed checkpoint's "
-                         f"({first_line(error)}): loading it could run code on your machine; {TRUST_HINT}") from error
+                         f"({refusal(error)}): loading it could run code on your machine; {TRUST_HINT}") from error
     except Exception as error:  # DeepSpeed asserts and raises ValueError/FileNotFoundError on odd checkpoints
         raise UsageError(f"DeepSpeed's universal conversion of '{step}' failed: {type(error).__name__}: "
                          f"{first_line(error)}") from error

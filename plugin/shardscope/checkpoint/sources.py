@@ -106,6 +106,11 @@ def first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def refusal(error: Exception) -> str:
+    """What torch's weights_only unpickler refused, in one line."""
+    return str(error).partition("WeightsUnpickler error:")[2].strip().split("\n")[0] or first_line(error)
+
+
 def open_source(path: Path, trust_pickle: bool = False, verb: str = "exporting"):
     kind, folder, tag = find_checkpoint(path, verb)
     return ZeroSource(folder, tag, trust_pickle) if kind == "zero" else DcpSource(folder, trust_pickle)
@@ -197,9 +202,8 @@ def zero_load(file: Path, trust_pickle: bool, mmap: bool = True):
         with contextlib.nullcontext() if trust_pickle else weights_only_loads():
             return torch.load(file, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
     except pickle.UnpicklingError as error:  # weights_only refused something the scan did not see
-        reason = str(error).partition("WeightsUnpickler error:")[2].strip().split("\n")[0] or first_line(error)
         raise UsageError(f"checkpoint file '{file}' holds pickled data that is not a DeepSpeed checkpoint's "
-                         f"({reason}): loading it could run code on your machine; {TRUST_HINT}") from error
+                         f"({refusal(error)}): loading it could run code on your machine; {TRUST_HINT}") from error
     except Exception as error:
         raise UsageError(f"checkpoint file '{file}' is unreadable: {type(error).__name__}: "
                          f"{first_line(error)}") from error
