@@ -278,3 +278,54 @@ def test_reshard_never_runs_planted_code(tmp_path, capsys, where, protocol):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert not marker.exists() and not (tmp_path / "out").exists()
     assert_nothing_left(tmp_path, {"ckpt"})
+
+
+def test_tied_embeddings_are_written_once_and_reload_tied(tmp_path):
+    """In process: a tied Llama's weights saved as accelerate saves FSDP's SHARDED_STATE_DICT ({"model": ...},
+    both names present); the export drops the tied copy as save_pretrained does and the reload ties it back."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from shardscope.tiny import make_causal_lm
+
+    model = make_causal_lm(tmp_path / "base", "llama", tie_word_embeddings=True)
+    generator = torch.Generator().manual_seed(0)
+    state = {k: v + torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt" / "pytorch_model_fsdp_0"), no_dist=True)
+    out = export(tmp_path / "ckpt", tmp_path / "out", str(tmp_path / "base"), max_shard_size=TIGHT // 20)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in weight_map and "model.embed_tokens.weight" in weight_map
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_every_command_in_docs_checkpoints_parses():
+    """docs/checkpoints.md's commands: shardscope's through its own parser, the recipe's arguments through the
+    recipe's parser (flags as written; the YAML they name is the user's own)."""
+    import re
+    import shlex
+
+    from test_first_hour import recipe_parser
+
+    from shardscope.cli import build_parser
+
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [shlex.split(line, comments=True) for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    shardscope = [argv for argv in commands if argv[:1] == ["shardscope"]]
+    assert {argv[1] for argv in shardscope} == {"reshard", "export", "doctor"}
+    for argv in shardscope:
+        build_parser().parse_args(argv[1:])  # an unknown flag or a missing positional exits here
+    launches = [argv for argv in commands if argv[:2] == ["accelerate", "launch"]]
+    assert len(launches) == 2
+    for argv in launches:
+        assert (ROOT / argv[argv.index("--config_file") + 1]).is_file()
+        recipe = next(a for a in argv if a.endswith(".py"))
+        flags = argv[argv.index(recipe) + 1:]
+        flags = flags[2:] if flags[:1] == ["--config"] else flags  # my.yaml: the user's own
+        recipe_parser(ROOT / recipe).parse(flags)

@@ -142,7 +142,7 @@ def write_full_model(source, parents: list, out: Path, base: str | None, max_sha
     shards, largest = write_shards(source, meta, out, max_shard_size)
     count = sum(p.numel() for p in model.parameters())
     return (f"{type(model).__name__} ({count:,} parameters) in {shards} shard{'s' * (shards > 1)} "
-            f"(largest {gb(largest)})")
+            f"(largest {gb(largest)} GB)")
 
 
 def write_adapter(source, parents: list, out: Path, base: str | None) -> str:
