@@ -241,9 +241,10 @@ class ZeroSource:
             raise UsageError(f"checkpoint '{self.step}' is missing a shard: {len(optims)} optimizer state files "
                              f"for a world size of {self.world_size}")
         self.entries, self.shapes = {}, {}
-        for name in model["buffer_names"]:
-            value = model["module"][name]
-            self._add(name, ("buffer", name), value.shape, torch.float32 if value.is_floating_point() else value.dtype)
+        buffers = set(model["buffer_names"])  # as zero_to_fp32 reads them: the saved module's entries named buffers
+        for name, value in model["module"].items():
+            if name in buffers:
+                self._add(name, ("buffer", name), value.shape, torch.float32 if value.is_floating_point() else value.dtype)
         for name, shape in (model.get("frozen_param_shapes") or {}).items():
             self._add(name, ("frozen", name, shape), shape, torch.float32)
         groups = optims[0]["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"]
@@ -303,8 +304,8 @@ class ZeroSource:
 
         kind, *where = self.entries[name]
         if kind == "buffer":
-            value = models[0]["module"][where[0]]
-            return value.float() if value.is_floating_point() else value.clone()
+            value = models[0]["module"][where[0]]  # copied: a view would keep the mapping alive
+            return value.to(torch.float32, copy=True) if value.is_floating_point() else value.clone()
         if kind == "frozen" and self.stage <= 2:
             return models[0]["frozen_param_fragments"][where[0]].float().clone()
         if kind == "frozen":  # ZeRO-3: one padded piece per rank
