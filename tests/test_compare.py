@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageStat
 
 from launch import ROOT, SHIM
-from shardscope import compare
+from shardscope.report import compare
 
 # ZeRO-2 whose gradient clipping disagrees with the Trainer's max_grad_norm (1.0): the Trainer raises on
 # every rank after start-up, a realistic failure ("DeepSpeed config values that mismatch").
@@ -31,7 +31,7 @@ def shardscope(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
-    from shardscope.tiny import make_sft_assets
+    from shardscope.recipes.tiny import make_sft_assets
 
     root = tmp_path_factory.mktemp("compare")
     assets = make_sft_assets(root / "assets", "llama", n=32)
@@ -129,8 +129,8 @@ def test_plots_are_drawn(comparison, name, size, colours):
 def test_peak_planned_beside_measured(comparison):
     """The peak table: per run, the measured peak is the summary's (its largest rank), the planned one is what
     `plan_vs_run` (plan --compare) gives for that rank's own step; the error is computed from the two."""
-    from shardscope.peak_report import percent
-    from shardscope.planner import plan_vs_run
+    from shardscope.report.peak_section import percent
+    from shardscope import plan_vs_run
 
     _, out = comparison
     markdown = (out / "report.md").read_text()

@@ -13,17 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from shardscope import cli, compare
+from shardscope import cli
+from shardscope.report import compare
 from shardscope.configs import find_config
-from shardscope.mesh import Setup
-from shardscope.model_spec import model_spec
-from shardscope.planner import estimate
+from shardscope.plan.mesh import Setup
+from shardscope.model.spec import model_spec
+from shardscope.plan.planner import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 # "seed" for random seeds only: a yaml/keyword argument, torch/transformers calls, a `seed: int` parameter,
 # `random.Random(seed)`-style calls; the old --convention spelling where it is kept as an alias.
 RANDOM_SEED = re.compile(r"^seed: \d+$|seed=|manual_seed|set_seed|seed: int|\(seed\)|one seed and|seed-12")
-ALIAS_PLACES = {"plugin/shardscope/plan_cli.py"}  # hidden: no doc names it; its user is told on use
+ALIAS_PLACES = {"plugin/shardscope/cli/plan.py"}  # hidden: no doc names it; its user is told on use
 
 
 def shipped_text_files():
@@ -235,7 +236,7 @@ ALL_COMMANDS = [c for doc in DOCS for c in shell_commands(doc)]
 
 
 def recipe_parser(script: Path):
-    from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments
+    from shardscope.recipes.args import RecipeParser, RecipeTrainingArguments
 
     sys.path.insert(0, str(script.parent))
     try:
@@ -415,7 +416,7 @@ def test_output_cut_short_by_the_reader_is_no_traceback():
 
 
 def test_tiny_assets_print_only_their_paths(tmp_path, capfd):
-    from shardscope.tiny import _main
+    from shardscope.recipes.tiny import _main
 
     _main(["sft", str(tmp_path), "-n", "16"])
     _main(["image", str(tmp_path)])
@@ -427,7 +428,7 @@ def test_tiny_assets_print_only_their_paths(tmp_path, capfd):
 
 def test_recipe_preflight_names_the_launcher_not_the_file(monkeypatch):
     """`accelerate launch --mixed_precision no ... --bf16`: the value came from a flag, the yaml may say bf16."""
-    from shardscope.doctor import preflight
+    from shardscope.doctor.diagnose import preflight
     from shardscope.errors import UsageError
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
@@ -437,8 +438,8 @@ def test_recipe_preflight_names_the_launcher_not_the_file(monkeypatch):
 
 
 def test_plan_says_each_note_once(capsys):
-    from shardscope.plan_cli import FOOTNOTED
-    from shardscope.planner import estimate as plan_estimate
+    from shardscope.cli.plan import FOOTNOTED
+    from shardscope.plan.planner import estimate as plan_estimate
 
     assert cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu", "H100"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -495,7 +496,7 @@ def test_readme_gives_the_callbacks_whole_signature():
 def test_readme_strategy_table_is_the_convention_table():
     """README's 12 vs 16 B/param table (and docs/planner.md's) is `convention_table()` for 7e9 on 4 GPUs, the
     command they name; ZeRO-1 = ZeRO-2 in plan's own rows is the sentence under it, not the table."""
-    from shardscope.planner import convention_table
+    from shardscope.plan.planner import convention_table
 
     table = convention_table(7e9, 4)
     for doc in ("README.md", "docs/planner.md"):

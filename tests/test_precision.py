@@ -3,7 +3,7 @@ tests/test_precision_runs.py)."""
 import pytest
 import torch
 
-from shardscope.precision import ForwardProbe, classify, configured_precision, dtype_name, verdict
+from shardscope.measure.precision import ForwardProbe, classify, configured_precision, dtype_name, verdict
 
 
 def model_and_optimizer(dtype=torch.float32, master=False):

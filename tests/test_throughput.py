@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from shardscope.throughput import FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops, rates
+from shardscope.measure.throughput import FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops, rates
 
 
 class FakeClock:
