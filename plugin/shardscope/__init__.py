@@ -16,6 +16,7 @@ _PUBLIC = {
     "convention_table": "plan.planner",
     "strategy_row": "plan.formulas",
     "Setup": "plan.mesh",
+    "setup_for_mesh": "plan.mesh",
     "model_spec": "model.spec",
     "plan_vs_run": "report.plan_vs_run",
 }

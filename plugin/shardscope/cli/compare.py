@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..report.compare import (CPU_LAUNCHER_ARGS, LOG_FILE, no_summary_reason, outcome, cpu_launch_problem,
-                              launch, launch_command, resolve_config, write_report)
+                              launch, launch_command, launcher_config, write_report)
 from ..summary import SUMMARY_FILE
 
 
@@ -45,7 +45,7 @@ def compare_command(args) -> int:
     names = [Path(c).stem if Path(c).is_file() else c.replace("/", "_") for c in args.configs]
     if len(set(names)) != len(names):
         raise UsageError(f"--configs names a run twice: {' '.join(args.configs)}")
-    configs = [resolve_config(c, args.launcher) for c in args.configs]  # all resolved before the first launch
+    configs = [launcher_config(c, args.launcher) for c in args.configs]  # all resolved before the first launch
     extra = shlex.split(args.launcher_args)
     import torch
 

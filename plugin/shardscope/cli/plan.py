@@ -55,9 +55,6 @@ def format_models(models: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# estimate()'s notes that the table's footnotes (*, **, ~) already say
-FOOTNOTED = ("model states (params", "peak_bytes:", "optimizer_bytes includes", "comm_bytes_per_step",
-             "tp/fsdp_tp/hsdp_tp rows from --params")
 
 
 def format_table(result: dict) -> str:
@@ -112,7 +109,7 @@ def format_table(result: dict) -> str:
         lines.append(fit_rule(Setup(headroom=s["headroom"])))
     if any(r.get("approximate") for r in result["rows"]):
         lines.append("~ approximate: no per-tensor shapes (--params), totals divided by tp x dp_shard")
-    lines += [n for n in result.get("notes", []) if not n.startswith(FOOTNOTED)]
+    lines += [n for n in result.get("notes", []) if getattr(n, "kind", "note") != "footnoted"]  # (*, **, ~) say those
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..configs import ConfigProblems, find_config, validate_config
+from ..configs import ConfigProblems, resolve_config, validate_config
 from .cluster import cluster_checks
 from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
                                check_deepspeed_precision, planner_settings)
@@ -29,9 +29,10 @@ from .precision import precision_findings
 from .rules import Finding, failing, read_checked, read_raw
 from ..units import as_int
 from ..errors import UsageError
+from ..model.spec import attention_heads
 from ..plan.mesh import tp_heads_problem, valid_tp_degrees
 from ..recipes.source import recipe_dataclasses
-from ..strategy import fsdp_settings, strategy_of_config, tp_mesh_of_config
+from ..strategy import configured_precision, fsdp_settings, strategy_of_config, tp_mesh_of_config
 
 __all__ = ["Finding", "Inputs", "check_files", "diagnose", "parse_trainer_args", "preflight"]
 
@@ -105,8 +106,7 @@ def _validated(path: Path, kind: str, findings: list[Finding], world_size: int) 
 def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Finding]:
     """Tensor parallelism splits attention by heads along the model's TP plan: both must allow `tp`."""
     key = "parallelism_config.parallelism_config_tp_size"
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv = attention_heads(config)
     findings = []
     if not getattr(config, "base_model_tp_plan", None):
         findings.append(Finding("tp-degree", file, key, f"model type '{config.model_type}' has no tensor-parallel "
@@ -139,8 +139,8 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
         return estimate(spec, setup, traces), note
 
     trainer = inputs.trainer or {}
-    precision = "bf16-mixed" if trainer.get("bf16") else "fp16-mixed" if trainer.get("fp16") else (
-        "fp32" if inputs.trainer is not None else "bf16-mixed")
+    precision = configured_precision(trainer.get("bf16"), trainer.get("fp16")) if inputs.trainer is not None \
+        else "bf16-mixed"  # no Trainer arguments given: bf16, the recipes' default
     lora = int(trainer.get("lora_r") or 0) if trainer.get("use_lora") or trainer.get("lora_r") and "use_lora" not in trainer else 0
     setup = Setup(gpus_per_node=inputs.gpus, nodes=inputs.nodes, gpu_memory_bytes=inputs.gpu_memory_bytes,
                   precision=precision, micro_batch=int(trainer.get("per_device_train_batch_size") or 1),
@@ -187,25 +187,6 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
 # ----------------------------------------------------------------------------- the doctor
 
 
-def resolve_config(value, kind: str) -> Path | None:
-    """A path, or a shipped config name (`zero3`, `ds/zero3`, `fsdp/llama_full_shard`) of that kind."""
-    if value is None or os.path.lexists(value):  # any existing path: the reader says what is wrong with it
-        return None if value is None else Path(value)
-    wanted = str(value)
-    if kind == "deepspeed" and not wanted.startswith(("ds/", "deepspeed/", "ds_configs/")):
-        wanted = "ds/" + wanted
-    if kind == "fsdp" and not wanted.startswith(("fsdp/", "fsdp_configs/")):
-        wanted = "fsdp/" + wanted
-    try:
-        config = find_config(wanted)
-    except UsageError as error:
-        raise UsageError(f"config file '{value}' does not exist and is not a shipped {kind} config "
-                         f"({str(error).partition('; ')[2] or 'shardscope configs lists them'})") from None
-    if config.kind != kind:
-        raise UsageError(f"'{value}' is a shipped {config.kind} config, not a {kind} one")
-    return config.path
-
-
 def _trainer_file(value: str, kind: str) -> Path:
     """A file the Trainer arguments name: the Trainer reads a path, so a shipped name there is one line naming
     the path to give instead (anything else missing is for the reader to say)."""
@@ -226,6 +207,24 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
     launched process starts the process group); `environment=False` skips this machine's accelerate
     default config."""
     findings, notes, ran = [], [], ran if ran is not None else []
+    files = _files(inputs, ran)
+    _config_findings(inputs, files, validate, environment, findings, notes, ran)
+    _model_findings(inputs, files, findings, notes, ran)
+    return _dedupe(findings), notes
+
+
+@dataclass
+class _Files:
+    """The config files a diagnosis reads: the accelerate yaml's contents and TP mesh, the DeepSpeed and
+    fsdp_config files (given, or named in the Trainer arguments or the yaml), the world size."""
+    acc: dict | None
+    acc_mesh: dict | None
+    deepspeed: Path | None
+    fsdp: Path | None
+    world: int | None
+
+
+def _files(inputs: Inputs, ran: list) -> _Files:
     trainer, source = inputs.trainer, inputs.trainer_source
     deepspeed, fsdp = inputs.deepspeed, inputs.fsdp_config
     if trainer is not None:  # files named in the Trainer arguments
@@ -250,7 +249,13 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
                                                ("fsdp_config", fsdp)) if path is not None]
     if trainer is not None:
         ran.append(f"Trainer arguments ({source})")
+    return _Files(acc, acc_mesh, deepspeed, fsdp, world)
 
+
+def _config_findings(inputs: Inputs, files: _Files, validate: bool, environment: bool, findings: list,
+                     notes: list, ran: list) -> None:
+    trainer, source = inputs.trainer, inputs.trainer_source
+    acc, deepspeed, fsdp, world = files.acc, files.deepspeed, files.fsdp, files.world
     if inputs.accelerate_config is None and environment:
         findings += check_default_config()
     if acc is not None:
@@ -285,6 +290,10 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
         findings += check_fsdp_keys(fsdp, "fsdp")
         findings += check_fsdp_offload(str(fsdp), fsdp_settings("fsdp", read_raw(fsdp)), "")
 
+
+
+def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, ran: list) -> None:
+    trainer, acc_mesh, deepspeed, fsdp = inputs.trainer, files.acc_mesh, files.deepspeed, files.fsdp
     model = _model(inputs, notes)
     fit_inputs = inputs.gpus and inputs.gpu_memory_bytes
     if model is not None:
@@ -313,7 +322,6 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
         if inputs.model is None:
             notes.append("model checks skipped: no --model (and no model_name_or_path in the arguments)")
         notes.append("fit check skipped: needs --model, --gpus and --gpu or --gpu-memory")
-    return _dedupe(findings), notes
 
 
 def check_files(path: Path, kind: str) -> list[Finding]:

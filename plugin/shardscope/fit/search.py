@@ -102,7 +102,7 @@ def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, 
 # ----------------------------------------------------------------------------- step time
 def flops_per_token(spec: ModelSpec, model: dict, tokens: int, checkpointing: bool) -> float:
     """Model FLOPs per token (formula in the module docstring); `model` is `estimate`'s "model" entry."""
-    embedding = spec.vocab_size * spec.hidden_size if spec.kind == "text" and not spec.tied_embeddings else 0
+    embedding = spec.untied_embedding_params
     base = max(spec.params_total - embedding, 0)
     trained = model["trainable_params"] if model["trainable_params"] != model["params_total"] else base
     frozen = base if trained != base else 0
@@ -189,8 +189,7 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
     if plain:
         groups.append((None, plain, world))
     if spec.tp_plan and any(s in TP_STRATEGIES for s in allowed):
-        heads = spec.num_heads or 1
-        for t in [setup.tp_size] if setup.tp_size else valid_tp_degrees(heads, spec.num_kv_heads or heads):
+        for t in [setup.tp_size] if setup.tp_size else valid_tp_degrees(*spec.heads):
             if t == 1 or setup.gpus_per_node % t:
                 continue
             names = tuple(s for s in TP_STRATEGIES if s in allowed and (

@@ -21,7 +21,7 @@ from ..errors import UsageError
 from .search import below_model_states, hardware, nothing_fits, search
 from ..plan.mesh import HEADROOM, Setup
 from ..plan.planner import usable_bytes
-from ..strategy import STRATEGIES, num_nodes, strategy_of_config, tp_strategy
+from ..strategy import STRATEGIES, configured_precision, num_nodes, strategy_of_config, tp_strategy
 from ..units import as_int, gb, parse_size
 
 logger = logging.getLogger("shardscope")
@@ -129,7 +129,7 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
     if strategy not in STRATEGIES:
         raise UsageError(f"fit_training_args: strategy {strategy!r} is not one the planner knows")
     world, nodes = args.world_size, num_nodes()
-    precision = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
+    precision = configured_precision(args.bf16, args.fp16)
     if precision == "bf16-mixed" and not strategy.startswith("zero") and _param_dtype(base) == "torch.bfloat16":
         precision = "bf16-pure"  # bf16 weights under autocast: no fp32 master anywhere
     if spec.kind == "text":

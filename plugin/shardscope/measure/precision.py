@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .rank_gather import gather_objects
+from ..strategy import configured_precision
 from ..state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
                           storage_entry, zero_optimizer)
 
@@ -141,11 +142,6 @@ class ForwardProbe:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-
-
-def configured_precision(bf16: bool, fp16: bool) -> str:
-    """The planner's name for the Trainer's flags."""
-    return "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
 
 
 def effective_precision(facts: dict) -> str:

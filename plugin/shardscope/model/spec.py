@@ -58,6 +58,17 @@ class ModelSpec:
     zero3_leaf_module: str = ""            # the MoE block class, when each expert is its own module
 
     @property
+    def heads(self) -> tuple[int, int]:
+        """(attention heads, KV heads): KV heads are the attention heads without grouped-query attention."""
+        heads = self.num_heads or 1
+        return heads, self.num_kv_heads or heads
+
+    @property
+    def untied_embedding_params(self) -> int:
+        """The input embedding's parameters when it is its own tensor (not tied to the output head), else 0."""
+        return self.vocab_size * self.hidden_size if self.vocab_size and not self.tied_embeddings else 0
+
+    @property
     def num_tensors(self) -> int:
         return len(self.tensor_shapes) if self.tensor_shapes else 9 * self.num_layers + 3
 
@@ -190,6 +201,13 @@ def config_value(config, *names, default=0):
         if value is not None:
             return value
     return default
+
+
+def attention_heads(config) -> tuple[int | None, int | None]:
+    """A config's (attention heads, KV heads), KV heads defaulting to the attention heads; None where unset."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config_value(text, "num_attention_heads", "n_head", default=None)
+    return heads, config_value(text, "num_key_value_heads", default=None) or heads
 
 
 def spec_from_config(config, name: str | None = None) -> ModelSpec:

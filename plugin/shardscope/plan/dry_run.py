@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UsageError
 from .formulas import chunk, strategy_row
 from .mesh import check_tp_heads, setup_for_mesh, tp_degree
-from ..model.spec import config_value, load_model_config, meta_model, model_spec
+from ..model.spec import attention_heads, load_model_config, meta_model, model_spec
 from ..strategy import TP_STRATEGIES
 
 DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_STRATEGIES)
@@ -256,9 +256,9 @@ def _build_rank(config, strategy: str, rank: int, mesh_shape: tuple, dtype, mome
 def tp_mesh_shape(config, strategy: str, world_size: int, nodes: int, tp: int | None) -> tuple[int, int, int]:
     """(dp_replicate, dp_shard, tp) of a TP dry run, checked like the planner's rows (one-line errors)."""
     gpus = world_size // nodes
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config_value(text, "num_attention_heads", "n_head") or 1
-    kv = config_value(text, "num_key_value_heads") or heads
+    heads, kv = attention_heads(config)
+    heads = heads or 1
+    kv = kv or heads
     if strategy == "tp":
         t = world_size if tp is None else tp
         if t != world_size or nodes != 1:

@@ -248,94 +248,9 @@ class Row:
 
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
                  activations: int | None = None, trace=None) -> Row:
-    """Per-rank bytes of one strategy. P = all params, T = trainable, N = ranks sharding, s(X) = the
-    rank's padded shard of X, U = largest FSDP unit (accelerate gives
-    FSDP2 an untied input embedding its own unit), LL = largest layer (DeepSpeed's definition),
-    B = bucket elements, steps = 4 B per AdamW `step` tensor (one per trainable tensor for torch
-    optimizers, one per param group for ZeRO's flat partitions); p, g, m, o, e from `element_bytes`.
-
-    ddp:              params P*p, grads T*g, optim T*(m+o) + steps, buffers T*g (DDP's reducer
-                      buckets are a second copy of the grads unless gradient_as_bucket_view)
-    zero1, zero2:     params P*p, grads s(T)*g (zero2: whole tensors straddling a partition edge too,
-                      `zero2_grad_partition`), optim s(T)*(m+o), buffers B*g, 2*B*g with overlap_comm (DeepSpeed's
-                      reduce bucket, doubled to overlap) + copy32; zero2 + s(T)*g at the end of
-                      backward (the flat partition its epilogue builds); zero1 holds the full T*g
-                      until backward ends (stage 1 reduces then)
-    zero2_offload:    GPU params P*p, buffers as zero2; CPU s(T)*(4 + p) + optim
-                      (fp32 grad partition, 16-bit staging copy, master, moments)
-    zero3:            params s(P)*p + persistent*p (each tensor's `ds_tensor` partition; tensors
-                      <= stage3_param_persistence_threshold also stay whole on every rank), grads
-                      s(T)*g, optim s(T)*(m+o), buffers LL*(p+g) + B*g (one reduce bucket) + copy32 +
-                      ((1-r)*G - LL)*p (kept gathered into backward, r and G as in comm below) + the
-                      bucket's reduce-scatter output s(min(B, T))*g at the end of backward
-    zero3_offload:    Setup.zero3_offload "all": GPU params persistent*p, buffers as zero3 without
-                      copy32; CPU s(P)*p + s(T)*(g + 4) + optim. "params" (offload_param only):
-                      as zero3 with params persistent*p on GPU and s(P)*p on CPU. "optimizer"
-                      (offload_optimizer only): as "all" with params s(P)*p + persistent*p on GPU
-    fsdp_full_shard:  params s(P)*p, grads s(T)*g, optim s(T)*o + steps, buffers 4*U*e (current and
-                      prefetched unit gathered, the unit's unsharded grad and FSDP2's reduce-scatter copy);
-                      s() per tensor by rows for FSDP2, per unit (flat parameter) for FSDP1
-    fsdp_shard_grad_op: as full shard but buffers P*e + 2*U*e (all units stay gathered from forward
-                      to backward; steady state holds only the shards)
-    fsdp_hybrid_shard: as full shard with N = GPUs per node (replicated across nodes)
-    fsdp_offload:     GPU buffers 4*U*e only; CPU s(P)*p + s(T)*g + optim
-    Grads are what a rank holds as the optimizer step begins (what the callback measures). Inside
-    the step DeepSpeed makes an fp32 copy of the grads, copy32: ZeRO-1/2 of the whole partition
-    s(T)*4, only when grads are 16-bit (they cast a pre-flattened partition) - with bf16, model
-    states + copy32 are DeepSpeed's own 18 B/param estimate; ZeRO-3 one sub-group at a time,
-    min(s(T), sub_group_size)*4 (stage3 `_prepare_fp32_grad_for_sub_group` / `_release_sub_group`),
-    where DeepSpeed's estimator charges 4 B/param for the whole partition and no 16-bit grads.
-    ZeRO-1/2 flatten all trainable params and pad to a multiple of 2*N elements. With grad_accum_steps
-    A > 1 a later micro-batch carries gradients from the earlier ones (`peak_plan`): DDP and ZeRO-1 the full
-    T*g, FSDP the full unsharded T*e (no_sync: reduce-scattered in the last micro-batch only), ZeRO-2 and
-    ZeRO-3 their partition s(T)*g (reduced every micro-batch).
-
-    Tensor parallel rows (transformers `DistributedConfig`; t = `tp_degree`, S = dp_shard, R =
-    dp_replicate from `tp_mesh`), torch AdamW on DTensors, bytes per element as fsdp:
-    tp:               params s_t(P)*p, grads s_t(T)*g, optim s_t(T)*o + steps, no buffers; s_t() =
-                      each tensor split as the model's TP plan says (colwise and embedding_rowwise:
-                      dim 0 / t, rowwise: last dim / t, norms and other unplanned tensors whole);
-                      except that the embedding_rowwise weight's gradient is whole (V*h*g) on every
-                      TP rank: DTensor's embedding backward returns it Replicate (measured)
-    fsdp_tp, hsdp_tp: as tp, then FSDP2 splits each local TP shard's dim 0 over S (padded
-                      ceil(rows / S) rows, as fsdp); buffers 3*ceil(U/t)*p (current + prefetched unit
-                      gathered, + its unsharded grad; transformers' FSDP2 has no MixedPrecisionPolicy
-                      unless DistributedConfig(fsdp_mixed_precision=True), so they are in the param dtype)
-    From `--params` (no tensor list): ceil(P / (t*S)) and the row is `approximate`.
-    Activations and the peak: with a `trace` (step_trace.StepTrace of this strategy's compute regime; not
-    for TP rows, whose split activations only the formula knows), its moments at L layers, else the
-    formula `activation_bytes(spec, setup, t)` as one approximate moment; `peak_plan.step_peak` adds
-    them to the states above. activations_bytes is the activations at the peak.
-
-    Communication, `comm_bytes_per_step`: a computed figure (not measured), bytes each rank sends
-    per optimizer step of A = grad_accum_steps micro-batches, with ring collectives: all-reduce of X
-    bytes over n ranks sends 2(n-1)/n*X, all-gather and reduce-scatter (n-1)/n*X. P, T in elements:
-    ddp:              grad all-reduce 2(N-1)/N*T*g (once per step: the Trainer's no_sync)
-    zero1:            grad all-reduce 2(N-1)/N*T*g once per step (stage 1 reduces whole gradients, each
-                      rank then keeps its partition; counted) + all-gather of the updated params (N-1)/N*P*p
-    zero2(_offload):  grad all-reduce 2(N-1)/N*T*g every micro-batch (x A): DeepSpeed's default
-                      use_multi_rank_bucket_allreduce all-reduces each bucket and keeps its partition (counted)
-                      + the params' all-gather
-    zero3(_offload):  (N-1)/N * ((A*(1+r)*G + Q)*p + A*T*g), Q = persistent elements (<= the persistence
-                      threshold: never gathered for compute, all-gathered once after the step), G = P - Q gathered
-                      in every forward; backward re-gathers only what was released since: kept when its reuse
-                      distance is within stage3_max_reuse_distance D (1e9), modelled r = max(0, 1 - D/(2G)) (counted
-                      r = 0 on small models; the large-model end is not measured); grads reduce-scattered each backward
-    fsdp_full_shard, fsdp_offload: (N-1)/N * (A*(2*P - O)*e + T*e), O = parameters gathered once per
-                      micro-batch: the root unit (outside the wrapped blocks) is not resharded after forward; with
-                      FSDP2 accelerate gives an untied input embedding its own resharded unit, so O = root - V*h
-                      (final norm, output head). Grads reduce-scattered once (no_sync in earlier micro-batches).
-                      fsdp_shard_grad_op gathers once: A*P*e; fsdp_hybrid_shard: N = GPUs per node,
-                      + 2(R-1)/R*s(T)*e across nodes
-    tp:               A * [2(t-1)/t * ((2 + C + 2*ckpt)*L + 2) * b*s*h*e + (t-1)/t * b*s*V*e]: per layer 2
-                      all-reduces of b*s*h*e in forward (after o_proj, down_proj) and, in backward, one per
-                      column-parallel Linear, C (q, k, v, gate, up: 5 for Llama; each module all-reduces its
-                      input's gradient on its own, counted), 2 more with activation checkpointing (the
-                      recomputed forward); the embedding's forward all-reduce and lm_head's backward
-                      input-grad all-reduce; lm_head's all-gather of the logits
-    fsdp_tp, hsdp_tp: tp + (S-1)/S * (2*A*s_t(P)*p + s_t(T)*g) (FSDP2 over the TP shards, param
-                      dtype) + hsdp_tp's 2(R-1)/R * s(s_t(T))*g across nodes
-    """
+    """Per-rank bytes of one strategy: its model states, buffers, CPU bytes, communication and the peak of its
+    step (with `trace`, plan/trace.py's `StepTrace` of its compute regime; else the activation formula). The
+    formula of each family, its terms and its sources: docs/planner.md, "The formulas as the code computes them"."""
     c = c or counts(spec, setup)
     fam = family(strategy)
     t = tp_degree(spec, setup) if fam == "tp" else 1
@@ -394,7 +309,7 @@ def _held(strategy, spec, setup, c, eb, row, detail) -> dict:
 
 def _fsdp_units(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, ...]:
     """FSDP's wrap units; accelerate gives FSDP2 an untied input embedding a unit of its own (out of the root)."""
-    embedding = spec.vocab_size * spec.hidden_size if spec.vocab_size and not spec.tied_embeddings else 0
+    embedding = spec.untied_embedding_params
     if setup.fsdp_version != 2 or not embedding or len(c.units) < 2 or c.units[-1] <= embedding:
         return c.units
     return c.units[:-1] + (embedding, c.units[-1] - embedding)
@@ -539,8 +454,7 @@ def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
                 "grad_reduce_scatter": A * _ring(N) * c.trainable * g}
     if fam == "fsdp":
         root = c.units[-1] if len(c.units) > 1 else 0
-        untied_embedding = spec.vocab_size * spec.hidden_size if spec.vocab_size and not spec.tied_embeddings else 0
-        once = root - (untied_embedding if setup.fsdp_version == 2 else 0)
+        once = root - (spec.untied_embedding_params if setup.fsdp_version == 2 else 0)
         gathered = c.total if strategy == "fsdp_shard_grad_op" else 2 * c.total - once
         comm = {"param_all_gather": A * _ring(n) * gathered * e,
                 "grad_reduce_scatter": _ring(n) * c.trainable * e}

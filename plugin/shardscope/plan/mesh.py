@@ -94,8 +94,7 @@ def tp_degree(spec: ModelSpec, setup: Setup) -> int:
     holds for head counts assumed from `--params` (hidden / 128); an explicit `--tp` is not checked
     against assumed heads.
     """
-    heads = spec.num_heads or 1
-    kv = spec.num_kv_heads or heads
+    heads, kv = spec.heads
     assumed = any(a.startswith("heads=") for a in spec.assumed)  # --params without --heads
     if setup.tp_size is None:
         return math.gcd(setup.gpus_per_node, heads, kv)

@@ -100,44 +100,31 @@ def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
     return out
 
 
+class Note(str):
+    """A note of `estimate`: its text (what --json writes) and its kind: "footnoted" when the printed table's
+    footnotes already say it, else "note"."""
+
+    def __new__(cls, text: str, kind: str = "note"):
+        note = super().__new__(cls, text)
+        note.kind = kind
+        return note
+
+
 def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
     """Rows for every strategy, the recommendation, and what they were computed from. `traces`: compute
-    regime -> step_trace.StepTrace (see `step_trace.regime_for`); without one a row's activations come
+    regime -> plan.trace.StepTrace (see `plan.trace.regime_for`); without one a row's activations come
     from the formula and are approximate."""
     setup.validate()
     c = counts(spec, setup)
     act = activation_bytes(spec, setup)
     notes = []
-    if spec.tp_plan:
-        t = tp_degree(spec, setup)
-        act_tp = activation_bytes(spec, setup, t)
-        # fsdp_tp is tp when tp spans every GPU, hsdp_tp is fsdp_tp on one node: show each mesh once
-        same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
-        strategies = tuple(s for s in STRATEGIES if not same.get(s))
-        if any(same.values()):
-            notes.append("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
-                         "their mesh is the one of the row above them")
-        kv = spec.num_kv_heads or spec.num_heads
-        assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
-        tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
-                   f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
-                   f"KV heads {kv}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
-                   "activations": act_tp, "approximate": not c.tensors}
-        if not c.tensors:
-            notes.append("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)")
-        if spec.tp_note:
-            notes.append(spec.tp_note)
-    else:
-        if setup.tp_size is not None:
-            tp_degree(spec, setup)  # raises: no plan
-        strategies = tuple(s for s in STRATEGIES if s not in TP_STRATEGIES)
-        tp_info, act_tp = None, None
-        notes.append(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}")
+    strategies, tp_info = _tp_rows(spec, setup, c, notes)
+    act_tp = tp_info["activations"] if tp_info else None
     if setup.precision == "bf16-pure":
-        notes.append("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
-                     "zero* rows are planned as bf16-mixed")
+        notes.append(Note("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
+                          "zero* rows are planned as bf16-mixed"))
     if spec.num_experts:
-        notes.append(moe_note(spec))
+        notes.append(Note(moe_note(spec)))
     traces = traces or {}
     rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
                          traces.get(regime_for(s, setup.precision))) for s in strategies]
@@ -146,24 +133,60 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
     return {
         "rows": [asdict(r) for r in rows],
         "recommendation": recommend(rows, setup),
-        "model": {"name": spec.name, "params_total": c.total, "trainable_params": c.trainable,
-                  "exact": spec.exact, "assumed": list(spec.assumed), "largest_layer_params": spec.largest_layer_params,
-                  "largest_unit_params": max(c.units), "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
-                  "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings,
-                  **({"params_active": spec.params_active, "num_experts": spec.num_experts,
-                      "experts_per_token": spec.experts_per_token} if spec.num_experts else {})},
+        "model": _model_facts(spec, c),
         "setup": {**asdict(setup), "world_size": setup.world_size},
         "activations": act,
         "tp": tp_info,
-        "notes": ["model states (params, grads, optimizer) are exact counts; " + (
-                      "activations and temporaries traced from the model's code on fake tensors (step_trace)"
-                      if traces else "activations from a written-out formula: approximate"),
-                  "peak_bytes: the worst moment of a step (forward, backward or optimizer step), not the sum of "
-                  "everything; see docs/planner.md",
-                  "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
-                  "comm_bytes_per_step is computed from ring-collective formulas (held within 5% of the collectives the "
-                  "profiler counts on 2-rank runs; see docs/planner.md)", *notes],
+        "notes": [*_standing_notes(bool(traces)), *notes],
     }
+
+
+def _tp_rows(spec: ModelSpec, setup: Setup, c, notes: list) -> tuple[tuple, dict | None]:
+    """The strategies with a row on this setup, and the TP degree's facts (None: the model has no TP plan)."""
+    if not spec.tp_plan:
+        if setup.tp_size is not None:
+            tp_degree(spec, setup)  # raises: no plan
+        notes.append(Note(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}"))
+        return tuple(s for s in STRATEGIES if s not in TP_STRATEGIES), None
+    t = tp_degree(spec, setup)
+    # fsdp_tp is tp when tp spans every GPU, hsdp_tp is fsdp_tp on one node: show each mesh once
+    same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
+    if any(same.values()):
+        notes.append(Note("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
+                          "their mesh is the one of the row above them"))
+    assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
+    tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
+               f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
+               f"KV heads {spec.heads[1]}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
+               "activations": activation_bytes(spec, setup, t), "approximate": not c.tensors}
+    if not c.tensors:
+        notes.append(Note("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)",
+                          "footnoted"))
+    if spec.tp_note:
+        notes.append(Note(spec.tp_note))
+    return tuple(s for s in STRATEGIES if not same.get(s)), tp_info
+
+
+def _model_facts(spec: ModelSpec, c) -> dict:
+    return {"name": spec.name, "params_total": c.total, "trainable_params": c.trainable,
+            "exact": spec.exact, "assumed": list(spec.assumed), "largest_layer_params": spec.largest_layer_params,
+            "largest_unit_params": max(c.units), "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
+            "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings,
+            **({"params_active": spec.params_active, "num_experts": spec.num_experts,
+                "experts_per_token": spec.experts_per_token} if spec.num_experts else {})}
+
+
+def _standing_notes(traced: bool) -> list[Note]:
+    """The notes every plan carries (the printed table's footnotes say them)."""
+    return [Note(text, "footnoted") for text in (
+        "model states (params, grads, optimizer) are exact counts; " + (
+            "activations and temporaries traced from the model's code on fake tensors (step_trace)"
+            if traced else "activations from a written-out formula: approximate"),
+        "peak_bytes: the worst moment of a step (forward, backward or optimizer step), not the sum of "
+        "everything; see docs/planner.md",
+        "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
+        "comm_bytes_per_step is computed from ring-collective formulas (held within 5% of the collectives the "
+        "profiler counts on 2-rank runs; see docs/planner.md)")]
 
 
 def moe_note(spec: ModelSpec) -> str:

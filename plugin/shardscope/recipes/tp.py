@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UsageError
+from ..model.spec import attention_heads
 from ..plan.mesh import tp_heads_problem
 
 MESH_ENV = {"tp": "PARALLELISM_CONFIG_TP_SIZE", "dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
@@ -42,8 +43,7 @@ def tensor_parallel_mesh(config, name_or_path: str, tp_size: int | None = None) 
     if replicate * shard * tp != world:
         raise UsageError(f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} x tp_size {tp} "
                          f"= {replicate * shard * tp}, but the launcher started {world} processes")
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads = attention_heads(config)
     if heads is None or tp_heads_problem(tp, heads, kv_heads):
         raise UsageError(f"tp_size {tp} must divide the attention heads of '{name_or_path}' "
                          f"(num_attention_heads {heads}, num_key_value_heads {kv_heads})")

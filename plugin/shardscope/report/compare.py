@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..configs import find_config
+from ..configs import resolve_config
 from ..errors import UsageError
 from ..safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from ..summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
@@ -61,14 +61,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_config(name: str, launcher: str) -> Path:
-    """A shipped config name (`zero3`; `ds/zero3` or `zero3` for the deepspeed launcher) or a file path."""
-    if Path(name).is_file():
-        return Path(name)
+def launcher_config(name: str, launcher: str) -> Path:
+    """The config file `launcher` reads: a path, or a shipped name of its kind (`zero3`: the accelerate yaml for
+    `accelerate launch`, ds/zero3 for `deepspeed`)."""
     if launcher == "accelerate":
-        return find_config(name).path
+        return resolve_config(name, "accelerate")
     try:
-        return find_config(name if name.startswith(("ds/", "deepspeed/")) else f"ds/{name}").path
+        return resolve_config(name, "deepspeed")
     except UsageError:
         raise UsageError(f"--launcher deepspeed needs a DeepSpeed JSON config: '{name}' is not one of the shipped "
                          "ds/ configs (zero1, zero2, zero2_offload, zero3, zero3_offload) nor a file") from None

@@ -34,6 +34,28 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
         raise UsageError(f"summary '{summary_path}': key 'precision' ({summary.get('precision')!r}) is not one of "
                          f"{', '.join(PRECISIONS)}")
     info = summary.get("model") or {}
+    spec, model = _spec_of_run(summary_path, info, spec, model)
+    setup = _setup_of_run(summary_path, summary, strategy, setup, world, nodes, precision)
+    row = strategy_row(strategy, spec, setup)
+    planned = {k: getattr(row, k) for k in COMPONENTS}
+    planned["model_states_bytes"] = row.model_states_bytes
+    if setup.reference_model:
+        planned["frozen_models_bytes"] = row.frozen_bytes
+    peaks = _PlannedPeaks(strategy, spec, setup, model)
+    ranks = _ranks(summary_path, summary, planned, peaks)
+    trainable = info.get("trainable_params")
+    planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.total_bytes)
+    return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
+            "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": planned_peak,
+            "bucket_elements": setup.bucket_elements, "trace_note": peaks.note,
+            "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
+            "planned_comm_bytes_per_step": row.comm_bytes_per_step,
+            "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
+            "trainable_params_measured": trainable, "ranks": ranks}
+
+
+def _spec_of_run(summary_path, info: dict, spec: ModelSpec | None, model: str | None) -> tuple[ModelSpec, str | None]:
+    """The run's model: `spec` if given, else its config (a local folder or shipped name) or its parameter count."""
     if spec is None:
         source = info.get("name_or_path")
         if source and (os.path.isdir(source) or resolve_model(source) != source):
@@ -43,6 +65,13 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
         else:
             raise UsageError(f"summary '{summary_path}': key 'model.name_or_path' is not a local folder; "
                              f"pass --model")
+    return spec, model
+
+
+def _setup_of_run(summary_path, summary: dict, strategy: str, setup: Setup | None, world: int, nodes: int,
+                  precision: str) -> Setup:
+    """The Setup the run was: its GPUs, precision, accumulation, TP mesh, the ZeRO/FSDP settings its profiler read
+    and whether it held a frozen reference model."""
     setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision)
     accum = summary.get("gradient_accumulation_steps", setup.grad_accum_steps)
     if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
@@ -74,18 +103,22 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
         if isinstance(detail.get("overlap_comm"), bool):
             setup = replace(setup, zero_overlap_comm=detail["overlap_comm"])
     # A run that held a frozen copy of the model (DPO's reference) is planned with one: compared as its own part.
-    reference = [_count_or_none((r.get("frozen_models") or {}).get("reference")) for r in summary["ranks"]]
-    setup = replace(setup, reference_model=all(v is not None for v in reference))
-    row = strategy_row(strategy, spec, setup)
-    planned = {k: getattr(row, k) for k in COMPONENTS}
-    planned["model_states_bytes"] = row.model_states_bytes
-    if setup.reference_model:
-        planned["frozen_models_bytes"] = row.frozen_bytes
-    ranks, peaks = [], _PlannedPeaks(strategy, spec, setup, model)
-    for i, (rank, frozen) in enumerate(zip(summary["ranks"], reference)):
+    setup = replace(setup, reference_model=all(v is not None for v in _references(summary)))
+    return setup
+
+
+def _references(summary: dict) -> list:
+    """Per rank, the bytes of the frozen reference model it held (DPO's), or None."""
+    return [_count_or_none((r.get("frozen_models") or {}).get("reference")) for r in summary["ranks"]]
+
+
+def _ranks(summary_path, summary: dict, planned: dict, peaks: "_PlannedPeaks") -> list[dict]:
+    """Per rank: each planned component beside the measured one, and the planned peak of its measured step."""
+    ranks = []
+    for i, (rank, frozen) in enumerate(zip(summary["ranks"], _references(summary))):
         measured = {k: rank[k] for k in COMPONENTS}
         measured["model_states_bytes"] = sum(measured.values())
-        if setup.reference_model:
+        if "frozen_models_bytes" in planned:
             measured["frozen_models_bytes"] = frozen
         ranks.append({"rank": rank.get("rank"), "components": [
             {"component": k, "planned": planned[k], "measured": measured[k],
@@ -93,15 +126,7 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
             "peak_memory_bytes": rank.get("peak_memory_bytes"), "memory_kind": rank.get("memory_kind"),
             "comm_sent_bytes_per_step": rank.get("comm_sent_bytes_per_step"), "comm": rank.get("comm"),
             "peak": peaks.beside(rank, f"summary '{summary_path}': key 'ranks[{i}].peak_step'")})
-    trainable = info.get("trainable_params")
-    planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.total_bytes)
-    return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
-            "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": planned_peak,
-            "bucket_elements": setup.bucket_elements, "trace_note": peaks.note,
-            "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
-            "planned_comm_bytes_per_step": row.comm_bytes_per_step,
-            "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
-            "trainable_params_measured": trainable, "ranks": ranks}
+    return ranks
 
 
 class _PlannedPeaks:
