@@ -15,9 +15,9 @@ import transformers
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-import shardscope.profiler as sp
+import shardscope.measure.profiler as sp
 from shardscope import ShardingProfilerCallback
-from shardscope.tiny import make_causal_lm
+from shardscope.recipes.tiny import make_causal_lm
 
 OUT = Path(__file__).parent / "results" / "callback_overhead.md"
 

@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from shardscope import dry_run as dr
-from shardscope.model_spec import load_model_config
+from shardscope.plan import dry_run as dr
+from shardscope.model.spec import load_model_config
 
 CASES = [("llama-2-70b", "fsdp_tp", 64, 8, 8), ("llama-2-70b", "hsdp_tp", 64, 8, 8)] + [
     (model, "fsdp_full_shard", world, 1, None) for model in ("llama-2-7b", "mistral-7b", "llama-2-70b")

@@ -2,7 +2,7 @@
 
 The script is what a user writes: torch DDP on a tiny Llama for a few steps, optionally a `ShardingProfiler` with
 its default instrumented steps, and at the end `dist.destroy_process_group()` and a plain interpreter exit (not
-`shardscope.recipe_training.end_of_run()`). After a complete run gloo's threads can outlive the group and race
+`shardscope.recipes.training.end_of_run()`). After a complete run gloo's threads can outlive the group and race
 Python's finalization ("terminate called without an active exception"); the question is whether the profiler makes
 that more likely (it should leave nothing behind at `close()`). Runs alternate between the two arms under
 `torchrun`; an abort is a non-zero exit or that message after the script printed that it finished.
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=20, help="runs per arm")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

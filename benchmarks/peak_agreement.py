@@ -41,8 +41,8 @@ def run_name(config: str, precision: str, ckpt: bool) -> str:
 
 
 def launch_all(out: Path, only: list[str]) -> list[Path]:
-    from shardscope.compare import launch, launch_command, resolve_config
-    from shardscope.tiny import make_causal_lm
+    from shardscope.report.compare import launch, launch_command, resolve_config
+    from shardscope.recipes.tiny import make_causal_lm
 
     os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                       PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "cpu_shim"), str(ROOT / "plugin")]))
@@ -71,8 +71,8 @@ def launch_all(out: Path, only: list[str]) -> list[Path]:
 def table(run_dirs: list[Path], command: str) -> tuple[str, list[dict]]:
     import torch
 
-    from shardscope.compare import collect
-    from shardscope.peak_report import markdown_lines
+    from shardscope.report.compare import collect
+    from shardscope.report.peak_section import markdown_lines
 
     order = [run_name(*run) for run in RUNS]
     rows = sorted(collect(run_dirs), key=lambda r: order.index(r["run"]) if r["run"] in order else len(order))
@@ -114,7 +114,7 @@ def main():
 
     import matplotlib
 
-    from shardscope.peak_report import plot_peak
+    from shardscope.report.peak_section import plot_peak
     from shardscope.safe_io import atomic_write_bytes, atomic_write_text
 
     matplotlib.use("Agg")

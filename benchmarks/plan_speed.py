@@ -12,9 +12,9 @@ import os
 import time
 from pathlib import Path
 
-from shardscope.mesh import Setup
-from shardscope.model_spec import model_spec
-from shardscope.planner import estimate
+from shardscope.plan.mesh import Setup
+from shardscope.model.spec import model_spec
+from shardscope.plan.planner import estimate
 
 MODELS = ("llama-2-7b", "llama-2-70b", "mixtral-8x7b", "qwen2.5-72b", "llama-3.1-405b")
 

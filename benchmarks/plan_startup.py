@@ -57,7 +57,7 @@ def main() -> None:
     warm_cache = tempfile.mkdtemp(prefix="plan-startup-warm-")
     subprocess.run(plan, env={**base, "SHARDSCOPE_CACHE": warm_cache}, check=True, stdout=subprocess.DEVNULL)
     sys.path.insert(0, str(ROOT / "plugin"))
-    from shardscope.model_spec import resolve_model
+    from shardscope.model.spec import resolve_model
 
     config = str(Path(resolve_model(args.model)) / "config.json")
     arms = {"import torch, transformers": ([sys.executable, "-c", "import torch, transformers"], lambda: base),

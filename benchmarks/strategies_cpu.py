@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shardscope.compare import human_bytes, human_range
+from shardscope.report.compare import human_bytes, human_range
 
 
 def per_step(run_dir: Path, skip: int) -> dict:

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-${TMPDIR:-/tmp}/shardscope_strategies_cpu}
 
-python -c "from shardscope.tiny import make_sft_assets; make_sft_assets('$OUT/assets', 'llama', n=1024, \
+python -c "from shardscope.recipes.tiny import make_sft_assets; make_sft_assets('$OUT/assets', 'llama', n=1024, \
 hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6)" > /dev/null
 
 cmd=(shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp fsdp_full_shard zero1 zero2 zero3

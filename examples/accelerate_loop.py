@@ -8,7 +8,7 @@ Two lines added to an ordinary loop: a `ShardingProfiler` built after `accelerat
     shardscope report out/ddp out/zero3
 
 Metrics go through `accelerator.log` (to the trackers you started with `init_trackers`); each run folder gets
-`shardscope_summary.json`. With no --model a tiny random Llama is built locally (shardscope.tiny: no download).
+`shardscope_summary.json`. With no --model a tiny random Llama is built locally (shardscope.recipes.tiny: no download).
 On a machine without a GPU add --use_cpu (and --num_processes 2 --mixed_precision no to the launcher).
 """
 import argparse
@@ -22,7 +22,7 @@ from accelerate import Accelerator, PartialState
 from transformers import AutoModelForCausalLM
 
 from shardscope import ShardingProfiler
-from shardscope.recipe_training import end_of_run
+from shardscope.recipes.training import end_of_run
 
 
 def padded_batches(vocab: int, batch_size: int, max_len: int = 48, n: int = 64, seed: int = 0):
@@ -40,7 +40,7 @@ def padded_batches(vocab: int, batch_size: int, max_len: int = 48, n: int = 64, 
 
 def tiny_model(root: Path) -> Path:
     """A tiny random Llama, MLP wide enough for ZeRO-3 to shard; one folder per rank (no half-written reads)."""
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     path = Path(root) / f"rank{os.environ.get('LOCAL_RANK', 0)}"
     make_causal_lm(path, "llama", intermediate_size=1600)

@@ -9,7 +9,7 @@ the wrapper (FSDP2, FULL_SHARD), counts each rank's shards of the trained and th
     torchrun --nproc_per_node 2 examples/fsdp2_loop.py --output_dir out/fsdp2
     shardscope report out/fsdp2
 
-With no --model a tiny random Llama is built locally (shardscope.tiny: no download); gloo on CPU, nccl on GPUs.
+With no --model a tiny random Llama is built locally (shardscope.recipes.tiny: no download); gloo on CPU, nccl on GPUs.
 """
 import argparse
 import itertools
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from shardscope import ShardingProfiler
-from shardscope.recipe_training import end_of_run
+from shardscope.recipes.training import end_of_run
 
 from accelerate_loop import padded_batches, tiny_model  # same folder: the data and model of the Accelerate example
 

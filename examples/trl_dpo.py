@@ -10,7 +10,7 @@ its own in `shardscope report`. Samples are what the Trainer counts (pairs), tok
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/trl_dpo.py --output_dir out/dpo_zero3
     shardscope report out/dpo_ddp out/dpo_zero3
 
-With no --model it builds a tiny random Llama and a preference set locally (shardscope.tiny: no download).
+With no --model it builds a tiny random Llama and a preference set locally (shardscope.recipes.tiny: no download).
 On a machine without a GPU add --use_cpu (and --num_processes 2 --mixed_precision no to the launcher).
 """
 import argparse
@@ -40,7 +40,7 @@ def preference_pairs(n: int, seed: int = 0):
 def tiny_model(root: Path) -> Path:
     """A tiny random Llama with its tokenizer; its MLP is wide enough for ZeRO-3 to shard (> 1e5 elements).
     Each rank builds the same one (same random initialisation) in its own folder: no rank reads a half-written file."""
-    from shardscope.tiny import make_sft_assets
+    from shardscope.recipes.tiny import make_sft_assets
 
     return make_sft_assets(Path(root) / f"rank{os.environ.get('LOCAL_RANK', 0)}", "llama", n=64,
                            intermediate_size=1600)["model"]
@@ -84,7 +84,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from shardscope.recipe_training import end_of_run
+    from shardscope.recipes.training import end_of_run
 
     main()
     end_of_run()

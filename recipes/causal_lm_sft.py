@@ -23,15 +23,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
 from shardscope.checkpoint.resume import prepare_resume
-from shardscope.doctor import preflight
+from shardscope.doctor.diagnose import preflight
 from shardscope.errors import UsageError
-from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
-from shardscope.model_spec import load_model_config
-from shardscope.recipe_data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
-from shardscope.recipe_tp import (
+from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
+from shardscope.model.spec import load_model_config
+from shardscope.recipes.data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
+from shardscope.recipes.tp import (
     compact_tp_shards, distributed_config, tensor_parallel_mesh, tensor_parallel_training_args,
 )
-from shardscope.recipe_training import RecipeTrainer, auto_fit, describe_run, save_outputs
+from shardscope.recipes.training import RecipeTrainer, auto_fit, describe_run, save_outputs
 
 
 @dataclass

@@ -19,11 +19,11 @@ import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
 from shardscope.checkpoint.resume import prepare_resume
-from shardscope.doctor import preflight
-from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments, check_dinov2, run
-from shardscope.model_spec import load_model_config
-from shardscope.recipe_data import accuracy, collate_images, image_transform, load_image_dataset
-from shardscope.recipe_training import RecipeTrainer, auto_fit, describe_run, save_outputs
+from shardscope.doctor.diagnose import preflight
+from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments, check_dinov2, run
+from shardscope.model.spec import load_model_config
+from shardscope.recipes.data import accuracy, collate_images, image_transform, load_image_dataset
+from shardscope.recipes.training import RecipeTrainer, auto_fit, describe_run, save_outputs
 
 
 @dataclass

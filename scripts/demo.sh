@@ -13,7 +13,7 @@ echo "== 1/3 building a tiny Llama, its tokenizer and an Alpaca-format JSON unde
 # Width 320: every weight matrix is above ZeRO-3's stage3_param_persistence_threshold (1e5 elements in
 # accelerate_configs/zero3.yaml), so ZeRO-3 really partitions the parameters (a 64-wide model would keep
 # them all whole on every rank). Only the norms stay replicated.
-python -m shardscope.tiny sft "$OUT" --hidden_size 320 --intermediate_size 640
+python -m shardscope.recipes.tiny sft "$OUT" --hidden_size 320 --intermediate_size 640
 
 rm -rf "$OUT/sft"  # a fresh run: nothing below may come from an earlier one
 echo "== 2/3 accelerate launch (ZeRO-3, 2 processes, CPU): recipes/causal_lm_sft.py, log in $OUT/sft.log"

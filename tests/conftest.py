@@ -6,7 +6,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# Model specs are cached per config (shardscope.spec_cache): a fresh folder per session, never the user's.
+# Model specs are cached per config (shardscope.model.cache): a fresh folder per session, never the user's.
 os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-spec-cache-"))
 
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
@@ -48,7 +48,7 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny random Llama saved with save_pretrained; runs load it back with from_pretrained."""
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     path = tmp_path_factory.mktemp("tiny_llama")
     make_causal_lm(path, "llama")
@@ -57,13 +57,13 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sft_assets(tmp_path_factory):
-    """Alpaca JSON + a tiny Llama with its byte-level tokenizer (shardscope.tiny), for recipe runs."""
-    from shardscope.tiny import make_sft_assets
+    """Alpaca JSON + a tiny Llama with its byte-level tokenizer (shardscope.recipes.tiny), for recipe runs."""
+    from shardscope.recipes.tiny import make_sft_assets
 
     return make_sft_assets(tmp_path_factory.mktemp("sft_assets"), "llama", n=256)
 
 
-# Models the strategy runs use, by name: (family, config sizes on top of shardscope.tiny's defaults).
+# Models the strategy runs use, by name: (family, config sizes on top of shardscope.recipes.tiny's defaults).
 STRATEGY_MODELS = {
     # bytes mostly in tensors above ZeRO-3's persistence threshold, so ZeRO-3 really shards them
     "shard_llama": ("llama", dict(vocab_size=1600, intermediate_size=1600)),
@@ -78,7 +78,7 @@ STRATEGY_MODELS = {
 @pytest.fixture(scope="session")
 def strategy_model(tmp_path_factory):
     """Build a STRATEGY_MODELS entry once, lazily; returns its folder."""
-    from shardscope.tiny import make_causal_lm, make_dinov2
+    from shardscope.recipes.tiny import make_causal_lm, make_dinov2
 
     built = {}
 
@@ -135,7 +135,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
 def strategy_plans(strategy_runs, tmp_path_factory):
     """`strategy_plans(config, model, grad_accum)`: (summary, `planner.plan_vs_run` of it, what `plan --compare`
     prints) of a `strategy_runs` run, planned once however many tests read it."""
-    from shardscope.planner import plan_vs_run
+    from shardscope import plan_vs_run
 
     cache = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardscope.planner import plan_vs_run
+from shardscope import plan_vs_run
 
 # Counted bytes against the planner: Adam's step counters and ZeRO-3's persistent tensors are the only
 # bytes the planner's rows approximate, well under 1% on these models.

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-import shardscope.profiler as profiler_module
+import shardscope.measure.profiler as profiler_module
 from shardscope import ShardingProfiler, ShardingProfilerCallback
-from shardscope.memory import read_memory
+from shardscope.measure.memory import read_memory
 
 
 class Rows(torch.utils.data.Dataset):
@@ -160,9 +160,9 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from shardscope.mesh import Setup, setup_for_mesh
-    from shardscope.model_spec import spec_from_config
-    from shardscope.planner import estimate
+    from shardscope.plan.mesh import Setup, setup_for_mesh
+    from shardscope.model.spec import spec_from_config
+    from shardscope.plan.planner import estimate
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
@@ -183,10 +183,10 @@ def test_preflight_plans_the_traced_peak_at_the_first_training_batch(llama, monk
     as `plan --model` traces it (the same row), once, and its seconds are left out of the step's time."""
     from types import SimpleNamespace
 
-    from shardscope.mesh import Setup
-    from shardscope.model_spec import spec_from_config
-    from shardscope.planner import estimate
-    from shardscope.step_trace import traces_for
+    from shardscope.plan.mesh import Setup
+    from shardscope.model.spec import spec_from_config
+    from shardscope.plan.planner import estimate
+    from shardscope.plan.trace import traces_for
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None, comm_step=None, time_step=None)
@@ -261,7 +261,7 @@ FAULTS = {
 @pytest.mark.parametrize("target", sorted(FAULTS))
 def test_each_piece_failing_warns_once_and_training_finishes(llama, tmp_path, monkeypatch, caplog, target):
     module, _, target_name = target.rpartition(":")
-    module = importlib.import_module(f"shardscope.{module or 'profiler'}")
+    module = importlib.import_module(f"shardscope.measure.{module or 'profiler'}")
     owner, _, name = target_name.rpartition(".")
     monkeypatch.setattr(getattr(module, owner) if owner else module, name, _broken)
     with caplog.at_level(logging.WARNING, logger="shardscope"):
@@ -297,7 +297,7 @@ def test_an_event_that_fails_outside_every_guard_still_never_raises(llama, tmp_p
 def test_frozen_models_are_the_modules_a_trainer_holds_besides_the_trained_one():
     from types import SimpleNamespace
 
-    from shardscope.callback import frozen_models_of
+    from shardscope.measure.callback import frozen_models_of
 
     def tiny():
         return torch.nn.Linear(4, 4)

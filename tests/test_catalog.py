@@ -1,4 +1,4 @@
-"""The shipped model catalog (plugin/shardscope/model_configs) and the spec cache (shardscope.spec_cache).
+"""The shipped model catalog (plugin/shardscope/model_configs) and the spec cache (shardscope.model.cache).
 
 Counts are the planner's own (built on the meta device from the shipped config.json) held against the figure
 each model's publisher states: its model card, or the hub page's safetensors count where the card gives only
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from shardscope.cli import main
-from shardscope.mesh import Setup
-from shardscope.model_spec import (MODEL_CONFIGS_DIR, ModelSpec, load_model_config, model_spec, routed_experts,
+from shardscope.plan.mesh import Setup
+from shardscope.model.spec import (MODEL_CONFIGS_DIR, ModelSpec, load_model_config, model_spec, routed_experts,
                                    shipped_models, spec_from_config)
-from shardscope.planner import estimate, moe_note
+from shardscope.plan.planner import estimate, moe_note
 
 ROOT = Path(__file__).resolve().parents[1]
 

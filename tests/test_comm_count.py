@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardscope import comm_count, step_time
-from shardscope.comm_count import CollectiveCounter, sent_share
+from shardscope.measure import comm_count, step_time
+from shardscope.measure.comm_count import CollectiveCounter, sent_share
 
 # Parts are built to partition the step exactly; float rounding is all that may differ.
 SUM_REL = 1e-9

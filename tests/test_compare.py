@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageStat
 
 from launch import ROOT, SHIM
-from shardscope import compare
+from shardscope.report import compare
 
 # ZeRO-2 whose gradient clipping disagrees with the Trainer's max_grad_norm (1.0): the Trainer raises on
 # every rank after start-up, a realistic failure ("DeepSpeed config values that mismatch").
@@ -31,7 +31,7 @@ def shardscope(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
-    from shardscope.tiny import make_sft_assets
+    from shardscope.recipes.tiny import make_sft_assets
 
     root = tmp_path_factory.mktemp("compare")
     assets = make_sft_assets(root / "assets", "llama", n=32)
@@ -129,8 +129,8 @@ def test_plots_are_drawn(comparison, name, size, colours):
 def test_peak_planned_beside_measured(comparison):
     """The peak table: per run, the measured peak is the summary's (its largest rank), the planned one is what
     `plan_vs_run` (plan --compare) gives for that rank's own step; the error is computed from the two."""
-    from shardscope.peak_report import percent
-    from shardscope.planner import plan_vs_run
+    from shardscope.report.peak_section import percent
+    from shardscope import plan_vs_run
 
     _, out = comparison
     markdown = (out / "report.md").read_text()
@@ -192,18 +192,18 @@ def test_report_errors_name_the_file(tmp_path):
 
 
 def test_launch_commands(tmp_path):
-    acc = compare.launch_command("accelerate", "train.py", compare.resolve_config("zero3", "accelerate"),
+    acc = compare.launch_command("accelerate", "train.py", compare.launcher_config("zero3", "accelerate"),
                                  ["--max_steps", "3"], tmp_path / "zero3", 2, ["--mixed_precision", "no"])
     assert acc[1:3] == ["launch", "--config_file"] and acc[3].endswith("accelerate_configs/zero3.yaml")
     assert acc[4:6] == ["--num_processes", "2"] and acc[6] == "--main_process_port"
     assert acc[8:] == ["--mixed_precision", "no", "train.py", "--max_steps", "3", "--output_dir", str(tmp_path / "zero3")]
-    ds = compare.launch_command("deepspeed", "train.py", compare.resolve_config("zero3", "deepspeed"), [],
+    ds = compare.launch_command("deepspeed", "train.py", compare.launcher_config("zero3", "deepspeed"), [],
                                 tmp_path / "zero3", 2, ["--master_port", "1234"])
     assert ds[0].endswith("deepspeed") and ds[1:5] == ["--num_gpus", "2", "--master_port", "1234"]
     assert ds[5:9] == ["train.py", "--output_dir", str(tmp_path / "zero3"), "--deepspeed"]
     assert ds[9].endswith("ds_configs/zero3.json")
     with pytest.raises(compare.UsageError, match="'ddp' is not one of the shipped"):
-        compare.resolve_config("ddp", "deepspeed")
+        compare.launcher_config("ddp", "deepspeed")
 
 
 def test_failure_reason_picks_the_error_line():

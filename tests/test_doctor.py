@@ -9,7 +9,7 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.configs import shipped_configs
-from shardscope.doctor import Inputs, diagnose, parse_trainer_args, preflight
+from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args, preflight
 from shardscope.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,10 +265,10 @@ def test_doctor_and_plan_agree_on_fits_near_the_edge(tiny_llama, capsys):
     and `plan --model` both decide with the traced step, so they agree where the formula would not."""
     import json
 
-    from shardscope.mesh import HEADROOM, Setup
-    from shardscope.model_spec import model_spec
-    from shardscope.planner import estimate
-    from shardscope.trace_cache import cached_traces_for
+    from shardscope.plan.mesh import HEADROOM, Setup
+    from shardscope.model.spec import model_spec
+    from shardscope.plan.planner import estimate
+    from shardscope.plan.trace_cache import cached_traces_for
 
     model = str(tiny_llama)
     setup = Setup(precision="bf16-mixed", micro_batch=1, seq_len=2048)  # doctor's defaults without Trainer arguments

@@ -1,4 +1,4 @@
-"""doctor's multi-node rules (shardscope.doctor_cluster): the DeepSpeed hostfile read by DeepSpeed's own parser,
+"""doctor's multi-node rules (shardscope.doctor.cluster): the DeepSpeed hostfile read by DeepSpeed's own parser,
 its hosts and slots against the nodes and GPUs, what `deepspeed --hostfile` needs to reach them, MASTER_ADDR/
 MASTER_PORT beside a yaml's rendezvous, NCCL/gloo interface variables, and the fingerprint compared across nodes."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardscope import doctor_cluster
+from shardscope.doctor import cluster as doctor_cluster
 from shardscope.cli import main
 from shardscope.configs import shipped_configs
-from shardscope.doctor import Inputs, diagnose
-from shardscope.doctor_cluster import check_interfaces, check_master_env, fingerprint
-from shardscope.doctor_rules import failing
+from shardscope.doctor.diagnose import Inputs, diagnose
+from shardscope.doctor.cluster import check_interfaces, check_master_env, fingerprint
+from shardscope.doctor.rules import failing
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {c.path.name: c.path for c in shipped_configs()}

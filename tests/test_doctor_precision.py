@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardscope.doctor import Inputs, diagnose, parse_trainer_args
+from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ import yaml
 
 from shardscope.cli import main
 from shardscope.configs import shipped_configs
-from shardscope.doctor import Inputs, diagnose, parse_trainer_args
-from shardscope.doctor_rules import failing
+from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args
+from shardscope.doctor.rules import failing
 
 SHIPPED = {c.path.name: c.path for c in shipped_configs()}
 
@@ -192,7 +192,7 @@ def test_shipped_names_are_accepted(flag, name, capsys):
                                               ("--fsdp_config", "llama_full_shard", "fsdp")])
 def test_a_shipped_name_in_the_trainer_arguments_names_the_path_to_give(flag, name, kind, capsys):
     """The Trainer reads a path where doctor's own flags take a name too: one line with the path to pass."""
-    from shardscope.doctor import resolve_config
+    from shardscope.configs import resolve_config
 
     assert main(["doctor", "--", flag, name]) == 2
     err = capsys.readouterr().err
@@ -240,7 +240,7 @@ def test_precision_wording_when_the_arguments_set_no_precision():
 def test_docs_list_every_rule_with_its_level():
     from pathlib import Path
 
-    from shardscope.doctor_rules import RULES
+    from shardscope.doctor.rules import RULES
 
     rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip()
             for line in (Path(__file__).resolve().parents[1] / "docs" / "doctor.md").read_text().splitlines()

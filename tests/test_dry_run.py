@@ -11,11 +11,11 @@ import sys
 import psutil
 import pytest
 
-from shardscope import dry_run as dr
+from shardscope.plan import dry_run as dr
 from shardscope.cli import main
-from shardscope.formulas import strategy_row
-from shardscope.mesh import Setup, setup_for_mesh
-from shardscope.model_spec import load_model_config as load_config, model_spec
+from shardscope.plan.formulas import strategy_row
+from shardscope.plan.mesh import Setup, setup_for_mesh
+from shardscope.model.spec import load_model_config as load_config, model_spec
 
 MODELS = ("llama-2-7b", "mistral-7b", "llama-2-70b")
 WORLD_SIZES = (8, 64, 512)

@@ -288,7 +288,7 @@ def test_tied_embeddings_are_written_once_and_reload_tied(tmp_path):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     model = make_causal_lm(tmp_path / "base", "llama", tie_word_embeddings=True)
     generator = torch.Generator().manual_seed(0)

@@ -10,10 +10,10 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.errors import UsageError
-from shardscope.fit import divisors, flops_per_token, hardware, search
-from shardscope.mesh import Setup
-from shardscope.model_spec import spec_from_count
-from shardscope.planner import estimate, usable_bytes
+from shardscope.fit.search import divisors, flops_per_token, hardware, search
+from shardscope.plan.mesh import Setup
+from shardscope.model.spec import spec_from_count
+from shardscope.plan.planner import estimate, usable_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = spec_from_count(7e9, hidden=4096, heads=32)  # Llama-shaped, 32 heads: TP degrees 2, 4, 8 apply
@@ -144,7 +144,7 @@ def test_kept_global_batch_says_when_a_larger_micro_batch_would_fit(capsys):
 # ----------------------------------------------------------------------------- files
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     path = tmp_path_factory.mktemp("fit_tiny")
     make_causal_lm(path, "llama", num_key_value_heads=4)
@@ -152,7 +152,7 @@ def tiny(tmp_path_factory):
 
 
 def recipe_parser():
-    from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments
+    from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments
 
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
@@ -205,12 +205,12 @@ def cpu_args(tmp_path_factory):
 
 def test_fit_training_args_applies_the_search_winner(cpu_args, tiny_model):
     from shardscope import fit_training_args
-    from shardscope.model_spec import spec_from_config
+    from shardscope.model.spec import spec_from_config
 
     spec = spec_from_config(tiny_model.config)
     budget = 4 * spec.params_total * 16  # states (16 B/param) and room for some activations
     fitted = fit_training_args(cpu_args, tiny_model, global_batch_size=16, memory_budget=budget, seq_len=128)
-    from shardscope.step_trace import tracer
+    from shardscope.plan.trace import tracer
 
     found = search(spec, Setup(gpu_memory_bytes=budget, precision="fp32", seq_len=128), 16, H100, ("ddp",),
                    tracer(tiny_model.config, 16))  # the same traced activations fit_training_args plans with
@@ -251,7 +251,7 @@ def test_fit_training_args_bad_input_is_one_usage_error(cpu_args, tiny_model, kw
     ({}, "ddp"),
 ])
 def test_run_strategy_reads_the_launchers_environment(monkeypatch, cpu_args, tiny_model, env, strategy):
-    from shardscope.fit_training import run_strategy
+    from shardscope.fit.training_args import run_strategy
 
     for key in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_VERSION",
                 "PARALLELISM_CONFIG_TP_SIZE"):
@@ -273,7 +273,7 @@ def test_step_peak_survives_gradient_accumulation(tiny_model):
     between micro-batches (also under a wrapper, and with checkpointing), keeping the peak."""
     import torch
 
-    from shardscope.peak import StepPeak
+    from shardscope.measure.peak import StepPeak
 
     class Wrapper(torch.nn.Module):  # stands in for DDP's module wrapper
         def __init__(self, module):

@@ -30,8 +30,8 @@ MIN_USED = 0.5
 
 
 def plan(spec, micro, checkpointing=False):
-    from shardscope.mesh import Setup
-    from shardscope.planner import estimate
+    from shardscope.plan.mesh import Setup
+    from shardscope.plan.planner import estimate
 
     setup = Setup(gpus_per_node=RANKS, precision="fp32", seq_len=SEQ, micro_batch=micro,
                   grad_accum_steps=GLOBAL // (RANKS * micro), activation_checkpointing=checkpointing)
@@ -44,7 +44,7 @@ def fit_case(sft_assets):
     naive setting (micro-batch 8, no accumulation) is ruled out and micro-batch 1 would waste most of it."""
     from transformers import AutoConfig
 
-    from shardscope.model_spec import spec_from_config
+    from shardscope.model.spec import spec_from_config
 
     spec = spec_from_config(AutoConfig.from_pretrained(sft_assets["model"]))
     half = plan(spec, NAIVE_MICRO // 2)

@@ -348,12 +348,12 @@ def test_hostile_input(case, tmp_path, capsys, monkeypatch):
 
 def test_a_crash_is_exit_2_not_a_finding(monkeypatch, capsys):
     """doctor's 1 means findings; a bug inside it must not look like one."""
-    import shardscope.doctor
+    import shardscope.cli.doctor
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(shardscope.doctor, "diagnose", broken)
+    monkeypatch.setattr(shardscope.cli.doctor, "diagnose", broken)
     assert main(["doctor"]) == 2
     assert "internal error in 'doctor'" in capsys.readouterr().err
 
@@ -375,7 +375,7 @@ def test_planted_pickles_are_live(tmp_path):
 def genuine_dcp(tmp_path_factory):
     """A tiny Llama's changed weights saved the way accelerate saves FSDP's SHARDED_STATE_DICT
     ({"model": state_dict}) plus a planted non-tensor entry; returns (checkpoint, base model, weights, marker)."""
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     root = tmp_path_factory.mktemp("dcp")
     base = root / "base"
@@ -467,7 +467,7 @@ def test_report_turns_bad_summaries_into_failed_rows(tmp_path, capsys):
 def test_a_report_that_fails_half_way_leaves_the_old_markdown(tmp_path, monkeypatch):
     """Every report file is replaced atomically and the Markdown last: a crash while plotting leaves the
     previous report.md whole and no temporary files."""
-    import shardscope.compare
+    import shardscope.report.compare
 
     run = _run(tmp_path, "good", json.dumps(GOOD_SUMMARY))
     report = tmp_path / "report"
@@ -477,7 +477,7 @@ def test_a_report_that_fails_half_way_leaves_the_old_markdown(tmp_path, monkeypa
     def broken(runs, path):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(shardscope.compare, "plot_throughput", broken)
+    monkeypatch.setattr(shardscope.report.compare, "plot_throughput", broken)
     assert main(["report", str(run), "--output", str(report)]) == 2
     assert (report / "report.md").read_text() == "the previous report"
     assert sorted(p.name for p in report.iterdir()) == ["memory.png", "report.md"]
@@ -642,7 +642,7 @@ def test_a_missing_model_asks_the_hub_once_without_hf_hub_offline(tmp_path):
 
 
 def test_remote_code_never_runs_unless_asked(tmp_path):
-    from shardscope.model_spec import load_model_config
+    from shardscope.model.spec import load_model_config
 
     marker = tmp_path / "marker"
     folder = _remote_code_model(tmp_path, marker)

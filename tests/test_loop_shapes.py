@@ -8,7 +8,7 @@ import json
 import pytest
 from launch import ROOT, accelerate_launch
 
-from shardscope.peak import BREAKDOWN
+from shardscope.measure.peak import BREAKDOWN
 
 WORKER = ROOT / "tests" / "workers" / "loop_shapes.py"
 STEPS = 4  # loop_shapes.STEPS

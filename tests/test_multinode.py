@@ -14,9 +14,9 @@ import pytest
 from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch, free_port
 
 from shardscope.configs import find_config
-from shardscope.doctor import Inputs, diagnose
-from shardscope.doctor_rules import failing
-from shardscope.planner import plan_vs_run as compare
+from shardscope.doctor.diagnose import Inputs, diagnose
+from shardscope.doctor.rules import failing
+from shardscope import plan_vs_run as compare
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 HELLO = WORKER  # the bad-input launches fail before any rank starts

@@ -8,12 +8,12 @@ described only by that file. The 2-rank comparison per strategy is tests/test_pe
 import pytest
 import torch
 
-from shardscope.mesh import Setup
-from shardscope.model_spec import load_model_config, spec_from_config
-from shardscope.peak import StepPeak
-from shardscope.planner import estimate
-from shardscope.step_trace import trace_step, tracer, traces_for
-from shardscope.tiny import DINO_SIZES
+from shardscope.plan.mesh import Setup
+from shardscope.model.spec import load_model_config, spec_from_config
+from shardscope.measure.peak import StepPeak
+from shardscope.plan.planner import estimate
+from shardscope.plan.trace import trace_step, tracer, traces_for
+from shardscope.recipes.tiny import DINO_SIZES
 
 # The bound for a planned peak against a measured one. Held exactly for the model-state part;
 # the rest is the traced step, which reproduces the real step's tensors on one process.
@@ -29,7 +29,7 @@ BELOW = 0.01
 def build(kind, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    from shardscope.tiny import make_dinov2
+    from shardscope.recipes.tiny import make_dinov2
 
     path = tmp_path / kind
     sizes = dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=3,

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from shardscope.planner import plan_vs_run
+from shardscope import plan_vs_run
 
 pytestmark = pytest.mark.launch
 
@@ -26,7 +26,7 @@ RUNS = [  # (config, checkpointing, precision): each strategy with checkpointing
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from shardscope.tiny import make_causal_lm
+    from shardscope.recipes.tiny import make_causal_lm
 
     path = tmp_path_factory.mktemp("peak_llama")
     make_causal_lm(path, vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

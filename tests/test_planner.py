@@ -10,13 +10,14 @@ import psutil
 import pytest
 from transformers import LlamaConfig
 
-from shardscope import cli, formulas, mesh, planner, units
-from shardscope import model_spec as specs
+from shardscope import cli, plan_vs_run, units
+from shardscope.plan import formulas, mesh, planner
+from shardscope.model import spec as specs
 from shardscope.errors import UsageError
-from shardscope.formulas import strategy_row
-from shardscope.mesh import Setup, setup_for_mesh
-from shardscope.model_spec import ModelSpec, model_spec
-from shardscope.planner import estimate
+from shardscope.plan.formulas import strategy_row
+from shardscope.plan.mesh import Setup, setup_for_mesh
+from shardscope.model.spec import ModelSpec, model_spec
+from shardscope.plan.planner import estimate
 from shardscope.strategy import STRATEGIES, TP_STRATEGIES
 from dataclasses import replace
 
@@ -323,7 +324,7 @@ def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
     measured = {"params_bytes": planned.params_bytes, "grads_bytes": planned.grads_bytes,
                 "optimizer_bytes": int(planned.optimizer_bytes * 1.1)}
     path = _summary(tmp_path, tiny_llama, "fsdp_full_shard", measured)
-    result = planner.plan_vs_run(path)
+    result = plan_vs_run(path)
     comps = {c["component"]: c for c in result["ranks"][1]["components"]}
     assert comps["params_bytes"]["rel_diff"] == 0 and comps["optimizer_bytes"]["rel_diff"] == pytest.approx(0.1, abs=1e-5)
     assert cli.main(["plan", "--compare", str(path)]) == 0
@@ -333,7 +334,7 @@ def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
 def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, tmp_path, capsys):
     """plan_vs_run plans each rank's instrumented step (`peak_step`) with the reduce bucket the run's ZeRO
     optimizer had (`strategy_detail`), exactly as `plan` would for that setup, and puts it beside the measured peak."""
-    from shardscope.trace_cache import cached_traces_for
+    from shardscope.plan.trace_cache import cached_traces_for
 
     spec = model_spec(str(tiny_llama))
     step = {"micro_batch": 2, "seq_len": 32, "image_size": None, "gradient_checkpointing": True}
@@ -349,7 +350,7 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
                 "peak_breakdown": {"parameters": peak, "gradients": 0, "optimizer": 0, "activations": 0, "temporaries": 0}}
     detail = {"zero_stage": 2, "reduce_bucket_size": 12345, "overlap_comm": True}
     path = _summary(tmp_path, tiny_llama, "zero2", measured, strategy_detail=detail)
-    result = planner.plan_vs_run(path)
+    result = plan_vs_run(path)
     assert result["bucket_elements"] == 12345 and result["planned_total_bytes"] == row.peak_bytes
     for rank in result["ranks"]:
         assert rank["peak"]["step"] == step and rank["peak"]["measured"]["peak_tensor_bytes"] == peak
@@ -361,7 +362,7 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
     assert f"{row.peak_bytes:>14,}{peak:>14,}" in out and "2 x 32 tokens, checkpointing on" in out
     # A summary that does not record the bucket (written before it did) plans the Trainer's "auto", hidden^2.
     path = _summary(tmp_path, tiny_llama, "zero2", measured, strategy_detail={"zero_stage": 2})
-    older = planner.plan_vs_run(path)
+    older = plan_vs_run(path)
     assert older["bucket_elements"] is None
     auto = strategy_row("zero2", spec, replace(setup, bucket_elements=None, zero_overlap_comm=None), trace=traces["fp32"])
     assert older["ranks"][0]["peak"]["planned"]["peak_bytes"] == auto.peak_bytes != row.peak_bytes
@@ -593,7 +594,7 @@ def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys
     measured = {"params_bytes": planned.params_bytes, "grads_bytes": planned.grads_bytes,
                 "optimizer_bytes": planned.optimizer_bytes}
     path = _summary(tmp_path, tiny_llama, "fsdp_tp", measured, world_size=4, mesh=mesh)
-    result = planner.plan_vs_run(path)
+    result = plan_vs_run(path)
     assert result["strategy"] == "fsdp_tp" and result["mesh"] == mesh
     assert all(c["rel_diff"] == 0 for rank in result["ranks"] for c in rank["components"])
     assert cli.main(["plan", "--compare", str(path)]) == 0
@@ -622,7 +623,7 @@ def test_tensor_parallel_rows_show_each_mesh_once():
 def test_zero3_parameter_only_offload_is_not_full_offload():
     """offload_param without offload_optimizer (Setup.zero3_offload="params"): only the parameter shard
     moves to CPU; gradients, optimizer state and the per-sub-group fp32 grads stay on the GPU."""
-    from shardscope.doctor_deepspeed import planner_settings
+    from shardscope.doctor.deepspeed import planner_settings
 
     spec, setup = model_spec("llama-2-7b"), Setup(gpus_per_node=8)
     zero3 = strategy_row("zero3", spec, setup)

@@ -3,7 +3,8 @@ tests/test_precision_runs.py)."""
 import pytest
 import torch
 
-from shardscope.precision import ForwardProbe, classify, configured_precision, dtype_name, verdict
+from shardscope.measure.precision import ForwardProbe, classify, dtype_name, verdict
+from shardscope.strategy import configured_precision
 
 
 def model_and_optimizer(dtype=torch.float32, master=False):

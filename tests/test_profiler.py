@@ -126,7 +126,7 @@ def test_a_collators_batch_encoding_is_counted_like_its_dict(llama, tmp_path, ca
 def test_step_wraps_of_one_optimizer_come_off_in_any_order():
     """The profiler's gradient snapshot and a sampled step's timer both wrap a ZeRO optimizer's `step`: removing
     the later one first must leave the earlier one working, and every removal must succeed."""
-    from shardscope.guard import Instrument, MethodWrap, WarnOnce
+    from shardscope.measure.guard import Instrument, MethodWrap, WarnOnce
 
     class Zero:  # DeepSpeed's ZeRO optimizers: a plain `step` method, no step hooks
         def step(self):
@@ -315,7 +315,7 @@ def test_a_reference_forward_inside_the_instrumented_step(llama, tiny_llama, tmp
 def test_default_sampled_steps_in_a_custom_loop(llama, tmp_path):
     """With the defaults, step 3 carries the tensor tracker and the collective counter together and step 4 the
     timer; both leave the loop as they found it (a later counter counts alone) and out of throughput."""
-    from shardscope.comm_count import CollectiveCounter
+    from shardscope.measure.comm_count import CollectiveCounter
 
     optimizer = torch.optim.SGD(llama.parameters(), lr=1e-3)
     with ShardingProfiler(llama, optimizer, output_dir=tmp_path) as profiler:

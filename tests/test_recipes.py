@@ -31,7 +31,7 @@ STEPS, SAVE_AT = 12, 6
 
 @pytest.fixture(scope="session")
 def image_assets(tmp_path_factory):
-    from shardscope.tiny import COLOURS, make_dinov2, make_image_folder
+    from shardscope.recipes.tiny import COLOURS, make_dinov2, make_image_folder
 
     root = tmp_path_factory.mktemp("image_assets")
     make_dinov2(root / "tiny-dinov2", num_labels=len(COLOURS))
@@ -246,7 +246,7 @@ def test_bf16_recipe_runs_hold_what_the_planner_says(runs, kind, name, zero):
 def test_prompt_tokens_are_masked_and_do_not_affect_loss(sft_assets):
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-    from shardscope.recipe_data import IGNORE_INDEX, format_prompt, pack, tokenize_sft
+    from shardscope.recipes.data import IGNORE_INDEX, format_prompt, pack, tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(sft_assets["model"])
     record = {"instruction": "Repeat the words.", "input": "red cat sun", "output": "red cat sun"}
@@ -279,7 +279,7 @@ def test_prompt_tokens_are_masked_and_do_not_affect_loss(sft_assets):
 
 def test_yaml_config_with_cli_overrides(tmp_path):
     from shardscope.errors import UsageError
-    from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments
+    from shardscope.recipes.args import RecipeParser, RecipeTrainingArguments
 
     sys.path.insert(0, str(SFT.parent))
     try:
@@ -305,7 +305,7 @@ def test_yaml_config_with_cli_overrides(tmp_path):
 ])
 def test_bad_yaml_config_is_one_line_naming_the_file(tmp_path, text, message):
     from shardscope.errors import UsageError
-    from shardscope.recipe_args import load_yaml_config
+    from shardscope.recipes.args import load_yaml_config
 
     path = tmp_path / "recipe.yaml"
     if text is not None:
@@ -318,7 +318,7 @@ def test_bad_yaml_config_is_one_line_naming_the_file(tmp_path, text, message):
 @pytest.mark.parametrize("name", ["sft", "image"])
 def test_every_shipped_recipe_yaml_parses(name):
     """Every per-model YAML names only real arguments of its recipe (a typo fails here, not on 8 GPUs)."""
-    from shardscope.recipe_args import RecipeParser, RecipeTrainingArguments
+    from shardscope.recipes.args import RecipeParser, RecipeTrainingArguments
 
     script = SFT if name == "sft" else IMAGE
     sys.path.insert(0, str(script.parent))
@@ -370,8 +370,8 @@ def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets):
 def test_model_checks_in_process(sft_assets, image_assets):
     """The same checks the recipes call first, without paying a subprocess: wrong family, missing config."""
     from shardscope.errors import UsageError
-    from shardscope.model_spec import load_model_config
-    from shardscope.recipe_args import check_causal_lm, check_dinov2
+    from shardscope.model.spec import load_model_config
+    from shardscope.recipes.args import check_causal_lm, check_dinov2
 
     check_causal_lm(load_model_config(str(sft_assets["model"])), "x")
     check_dinov2(load_model_config(str(image_assets["model"])), "x")

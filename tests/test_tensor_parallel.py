@@ -33,7 +33,7 @@ TP_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise":
 
 @pytest.fixture(scope="module")
 def assets(sft_assets, tmp_path_factory):
-    from shardscope.tiny import make_sft_assets
+    from shardscope.recipes.tiny import make_sft_assets
 
     return {"llama": sft_assets, "mistral": make_sft_assets(tmp_path_factory.mktemp("sft_mistral"), "mistral", n=256)}
 
@@ -125,7 +125,7 @@ def test_per_rank_bytes_follow_the_mesh(runs, assets, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_planner_rows_equal_the_measured_bytes(runs, name):
     """`shardscope plan --compare`: the tp / fsdp_tp row for the summary's mesh, against every rank."""
-    from shardscope.planner import plan_vs_run as compare
+    from shardscope import plan_vs_run as compare
 
     result = compare(runs(name) / "shardscope_summary.json")
     assert result["strategy"] == name and len(result["ranks"]) == RUNS[name][2]
@@ -141,8 +141,8 @@ def test_planned_tp_communication_matches_counted_collectives(runs):
     batch to its longest example) against the all-reduces and the logits all-gather each rank issued."""
     from dataclasses import replace
 
-    from shardscope.planner import plan_vs_run as compare
-    from shardscope.mesh import Setup
+    from shardscope import plan_vs_run as compare
+    from shardscope.plan.mesh import Setup
 
     summary = json.loads((runs("tp") / "shardscope_summary.json").read_text())
     tokens = summary["ranks"][0]["comm_padded_tokens"]
@@ -166,7 +166,7 @@ def test_saved_model_reloads_with_from_pretrained(runs, name):
 def test_throughput_counts_each_replica_once(runs):
     """The ranks of a TP group share one batch: global tokens/s = sum over ranks / tp, in the logs and
     in `shardscope report`."""
-    from shardscope.compare import load_run
+    from shardscope.report.compare import load_run
 
     for name, (_, _, processes, mesh, _) in RUNS.items():
         summary = json.loads((runs(name) / "shardscope_summary.json").read_text())
@@ -200,7 +200,7 @@ def test_bad_mesh_is_one_clear_error(monkeypatch, env, tp_size, message):
     from transformers import MistralConfig
 
     from shardscope.errors import UsageError
-    from shardscope.recipe_tp import MESH_ENV, tensor_parallel_mesh
+    from shardscope.recipes.tp import MESH_ENV, tensor_parallel_mesh
 
     for var in [*MESH_ENV.values(), "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"]:
         monkeypatch.delenv(var, raising=False)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from shardscope.throughput import FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops, rates
+from shardscope.measure.throughput import FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops, rates
 
 
 class FakeClock:
@@ -125,7 +125,7 @@ def test_step_time_is_the_median_and_deciles_of_the_counted_steps(durations):
     count (instrumented) or after a pause's gap is not among them."""
     import numpy
 
-    from shardscope.throughput import step_time_summary
+    from shardscope.measure.throughput import step_time_summary
 
     clock = FakeClock()
     window = ThroughputWindow(clock)
@@ -142,6 +142,6 @@ def test_step_time_is_the_median_and_deciles_of_the_counted_steps(durations):
 
 
 def test_step_time_of_no_counted_step_is_none():
-    from shardscope.throughput import step_time_summary
+    from shardscope.measure.throughput import step_time_summary
 
     assert step_time_summary([]) == {"median": None, "p10": None, "p90": None, "steps": 0}

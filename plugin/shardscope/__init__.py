@@ -1,22 +1,36 @@
-"""shardscope: choose, run and measure distributed-training strategies with the Hugging Face Trainer."""
+"""shardscope: choose, run and measure distributed-training strategies with the Hugging Face Trainer.
+
+The public Python surface is the names below, imported from `shardscope` itself; module paths below the top
+level (`shardscope.plan.planner`, ...) are internal and may move. docs/architecture.md draws the layers."""
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardingProfiler", "ShardingProfilerCallback", "fit_training_args", "__version__"]
+# name -> module (below shardscope) that defines it; imported on first use, so `import shardscope` (and the CLI)
+# stays light: the profiler pulls in torch, the callback transformers.
+_PUBLIC = {
+    "ShardingProfiler": "profiling",
+    "ShardingProfilerCallback": "profiling",
+    "fit_training_args": "fit.training_args",
+    "estimate": "plan.planner",
+    "recommend": "plan.planner",
+    "convention_table": "plan.planner",
+    "strategy_row": "plan.formulas",
+    "Setup": "plan.mesh",
+    "setup_for_mesh": "plan.mesh",
+    "model_spec": "model.spec",
+    "plan_vs_run": "report.plan_vs_run",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name):
-    # The profiler pulls in torch, the callback transformers; keep `import shardscope` (and the CLI) light.
-    if name == "ShardingProfilerCallback":
-        from .callback import ShardingProfilerCallback
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'shardscope' has no attribute {name!r}")
+    import importlib
 
-        return ShardingProfilerCallback
-    if name == "fit_training_args":
-        from .fit_training import fit_training_args
+    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
 
-        return fit_training_args
-    if name == "ShardingProfiler":
-        from .profiler import ShardingProfiler
 
-        return ShardingProfiler
-    raise AttributeError(f"module 'shardscope' has no attribute {name!r}")
+def __dir__():
+    return sorted(__all__)

@@ -103,6 +103,26 @@ def find_config(name: str) -> ShippedConfig:
     raise UsageError(f"unknown config '{name}'{hint} (`shardscope configs` lists them all)")
 
 
+def resolve_config(value, kind: str) -> Path | None:
+    """A path, or a shipped config name (`zero3`, `ds/zero3`, `fsdp/llama_full_shard`) of that kind."""
+    if value is None or os.path.lexists(value):  # any existing path: the reader says what is wrong with it
+        return None if value is None else Path(value)
+    wanted = str(value)
+    if kind == "deepspeed" and not wanted.startswith(("ds/", "deepspeed/", "ds_configs/")):
+        wanted = "ds/" + wanted
+    if kind == "fsdp" and not wanted.startswith(("fsdp/", "fsdp_configs/")):
+        wanted = "fsdp/" + wanted
+    try:
+        config = find_config(wanted)
+    except UsageError as error:
+        raise UsageError(f"config file '{value}' does not exist and is not a shipped {kind} config "
+                         f"({str(error).partition('; ')[2] or 'shardscope configs lists them'})") from None
+    if config.kind != kind:
+        raise UsageError(f"'{value}' is a shipped {config.kind} config, not a {kind} one")
+    return config.path
+
+
+
 # ----------------------------------------------------------------------------- validation
 
 

@@ -20,6 +20,11 @@ PRECISION_ALIASES = {"no": "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "b
                      "bf16-pure": "bf16-pure", "bf16-true": "bf16-pure"}
 
 
+def configured_precision(bf16: bool, fp16: bool) -> str:
+    """The planner's name for the Trainer's flags (--bf16 / --fp16)."""
+    return "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
+
+
 def family(strategy: str) -> str:
     """Who owns the optimizer and the sharding: "torch" (DDP), "deepspeed", "fsdp" or "tp"."""
     if strategy in TP_STRATEGIES:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardscope.recipe_training import end_of_run
+from shardscope.recipes.training import end_of_run
 
 out = Path(sys.argv[sys.argv.index("--output_dir") + 1])
 out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from trl_dpo import WORDS, preference_pairs, tiny_model  # noqa: E402
 
 from shardscope import ShardingProfiler, ShardingProfilerCallback  # noqa: E402
-from shardscope.recipe_training import end_of_run  # noqa: E402
+from shardscope.recipes.training import end_of_run  # noqa: E402
 
 STEPS = 4
 # The timer first: a compiled model whose first forward runs under a dispatch mode (the memory tracker, the
@@ -256,7 +256,7 @@ def main():
     # inductor's C++ code generation (minutes on 2 loaded cores)
     parser.add_argument("--compile_backend", default="aot_eager")
     args = parser.parse_args()
-    from shardscope.tiny import make_dinov2
+    from shardscope.recipes.tiny import make_dinov2
 
     args.model = tiny_model(args.output_dir / "assets")
     args.dinov2 = args.output_dir / "assets" / f"dinov2-rank{os.environ.get('LOCAL_RANK', 0)}"

@@ -13,7 +13,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-from shardscope import recipe_training
+from shardscope.recipes import training as recipe_training
 from shardscope.state_bytes import base_optimizer
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from shardscope.recipe_training import end_of_run
+from shardscope.recipes.training import end_of_run
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

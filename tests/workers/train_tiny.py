@@ -17,7 +17,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
                           TrainerCallback, TrainingArguments)
 
 from shardscope import ShardingProfilerCallback
-from shardscope.recipe_training import end_of_run
+from shardscope.recipes.training import end_of_run
 
 
 @dataclass
@@ -128,7 +128,7 @@ def main():
     if trainer.is_world_process_zero():  # the losses the Trainer logged, for loss-equality checks
         Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
     if worker.logits_out:  # every rank runs the forward (ZeRO-3 and FSDP gather parameters inside it)
-        from shardscope.recipe_training import save_final_logits
+        from shardscope.recipes.training import save_final_logits
 
         batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask")}
         save_final_logits(trainer, batch, worker.logits_out)

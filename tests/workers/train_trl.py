@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import accelerate_loop  # noqa: E402
 from run_example import write_facts  # noqa: E402  (same folder)
-from shardscope.recipe_training import end_of_run  # noqa: E402
+from shardscope.recipes.training import end_of_run  # noqa: E402
 from train_tiny import local_param_bytes, optimizer_state_bytes  # noqa: E402
 from trl_dpo import WORDS, build_trainer, tiny_model  # noqa: E402
 

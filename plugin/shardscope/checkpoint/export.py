@@ -52,14 +52,14 @@ def model_from_config(source: str):
     import torch
     import transformers
 
-    from ..model_spec import load_model_config
+    from ..model.spec import load_model_config
 
     config = load_model_config(source)
     cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
     with torch.device("meta"):
         if cls is not None:
             return cls(config)
-    from ..model_spec import meta_model
+    from ..model.spec import meta_model
 
     return meta_model(config)
 

@@ -12,7 +12,7 @@ from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
-from ..doctor_cluster import fingerprint_values
+from ..doctor.cluster import fingerprint_values
 
 UNSET = "(unset)"
 NOT_COMPARED = ("host",)  # differs on every node by design

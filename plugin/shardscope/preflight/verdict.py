@@ -19,7 +19,7 @@ def expected_links(gpu: str | None) -> dict | None:
     """{"intra", "inter", "source"} bytes/s per GPU, one direction, from the fit model's table; None on CPU."""
     if not gpu:
         return None
-    from ..fit import hardware
+    from ..fit.search import hardware
 
     hw = hardware(gpu, "bf16", peak_tflops=0.0)  # only the link figures are read here
     return {"intra": hw.nvlink_bytes_per_s, "inter": hw.network_bytes_per_s, "pair": hw.network_bytes_per_s,

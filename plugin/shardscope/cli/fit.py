@@ -1,0 +1,281 @@
+"""`shardscope fit`: arguments, printing, and the ready-to-launch files (the search is in `fit`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UsageError
+from ..fit.search import Hardware, alternatives, below_model_states, hardware, larger_micro_batch, nothing_fits, search
+from ..plan.mesh import Setup
+from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, resolve_model, shipped_models, spec_from_config
+from .plan import add_hardware_arguments, memory_from_args
+from ..plan.planner import usable_bytes
+from ..plan.trace import tracer
+from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
+from ..units import gb, gpu_size, parse_count
+
+ACCELERATE_FILE, TRAINING_FILE, RESULT_FILE = "accelerate_config.yaml", "training_args.yaml", "fit.json"
+MULTINODE_CONFIGS = {"ddp": "ddp_multinode", "zero3": "zero3_multinode"}
+MIXED = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "fit", help="the fastest strategy, micro-batch, checkpointing and accumulation that fit, global batch kept",
+        description="Search strategy x micro-batch x activation checkpointing x gradient accumulation for a fixed "
+                    "global batch; keep what the planner says fits, rank by a predicted step time (assumptions "
+                    "printed). docs/fit.md explains the model.",
+        epilog="Exit status: 0 a fit found, 1 nothing fits (one line says what would), 2 bad input.")
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--model", help=f"shipped name ({', '.join(shipped_models())}), local folder or hub id")
+    src.add_argument("--params", help="parameter count, e.g. 7e9 or 7B (shapes assumed)")
+    add_hardware_arguments(p)
+    tr = p.add_argument_group("training")
+    tr.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
+    tr.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    tr.add_argument("--image-size", type=int, help="vision models: overrides the config's image size")
+    tr.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
+    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    tr.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
+    tr.add_argument("--lora-rank", type=int, default=0)
+    tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
+    tr.add_argument("--strategy", action="append", choices=STRATEGIES, help="repeatable; default: all")
+    sm = p.add_argument_group("step-time model (defaults from --gpu; docs/fit.md)")
+    sm.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per GPU (needed for GPUs not in the table)")
+    sm.add_argument("--mfu", type=float, default=0.40, help="fraction of the peak the matmuls reach (default 0.40)")
+    sm.add_argument("--nvlink-bandwidth", type=float, help="GB/s per GPU, one direction, inside a node")
+    sm.add_argument("--network-bandwidth", type=float, default=25.0, help="GB/s per GPU across nodes (default 25)")
+    sm.add_argument("--pcie-bandwidth", type=float, help="GB/s per GPU to the host, for offload")
+    sm.add_argument("--micro-step-overhead-ms", type=float, default=5.0, help="fixed cost per micro-batch (default 5)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="machine-readable")
+    out.add_argument("--output-dir", help=f"write {ACCELERATE_FILE}, {TRAINING_FILE} (a recipe --config) and "
+                                          f"{RESULT_FILE} there")
+    out.add_argument("--top", type=int, default=4, help="alternatives shown (default 4)")
+    p.set_defaults(func=fit_command)
+
+
+def setup_and_hardware(args) -> tuple[Setup, Hardware]:
+    """Validate the cheap inputs (before any model is read)."""
+    memory, cpu_memory = memory_from_args(args)
+    if memory is None:
+        raise UsageError("give --gpu NAME or --gpu-memory SIZE: fit needs the memory per GPU")
+    if args.global_batch < 1:
+        raise UsageError(f"--global-batch must be at least 1, got {args.global_batch}")
+    if args.seq_len < 1:
+        raise UsageError(f"--seq-len must be at least 1, got {args.seq_len}")
+    if args.top < 0:
+        raise UsageError(f"--top must not be negative, got {args.top}")
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
+    for flag in ("peak_tflops", "nvlink_bandwidth", "network_bandwidth", "pcie_bandwidth", "micro_step_overhead_ms"):
+        value = getattr(args, flag)
+        low_ok = value is None or value > 0 or (value == 0 and flag == "micro_step_overhead_ms")
+        if not low_ok or (value is not None and not value < float("inf")):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    setup = Setup(gpus_per_node=args.gpus, nodes=args.nodes, gpu_memory_bytes=memory, precision=args.precision,
+                  optimizer=args.optimizer, seq_len=args.seq_len, image_size=args.image_size,
+                  attention=args.attention, lora_rank=args.lora_rank, headroom=args.headroom,
+                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+                  cpu_memory_bytes=cpu_memory).validate()
+    gbs = {k: getattr(args, k) * 1e9 if getattr(args, k) is not None else None
+           for k in ("nvlink_bandwidth", "network_bandwidth", "pcie_bandwidth")}
+    hw = hardware(args.gpu, args.precision, args.peak_tflops, mfu=args.mfu,
+                  nvlink_bytes_per_s=gbs["nvlink_bandwidth"], network_bytes_per_s=gbs["network_bandwidth"],
+                  pcie_bytes_per_s=gbs["pcie_bandwidth"], micro_step_overhead_s=args.micro_step_overhead_ms / 1e3)
+    return setup, hw
+
+
+def fit_command(args) -> int:
+    setup, hw = setup_and_hardware(args)
+    params = parse_count(args.params) if args.params is not None else None
+    if args.model and params is not None:
+        raise UsageError("give --model or --params, not both")
+    if args.model:  # the model's own code, traced on fake tensors, gives its activations (else the formula)
+        config = load_model_config(args.model)
+        spec, traces = spec_from_config(config, name=args.model), tracer(config, args.global_batch)
+    else:
+        spec, traces = model_spec(None, params=params), None
+    allowed = tuple(args.strategy or STRATEGIES)
+    found = search(spec, setup, args.global_batch, hw, allowed, traces)
+    below = below_model_states(found, setup)
+    if below:
+        raise UsageError(below)
+    if not found["fitting"]:
+        line = nothing_fits(spec, setup, found, allowed, traces)
+        print(json.dumps({"strategy": None, "reason": line}) if args.json else line)
+        return 1
+    result = fit_result(spec, setup, hw, found, args, traces)
+    if args.output_dir:
+        result["files"] = write_files(result, args, spec, setup)
+    print(json.dumps(result, indent=1) if args.json else format_fit(result))
+    return 0
+
+
+def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args, traces=None) -> dict:
+    winner = found["fitting"][0]
+    usable = usable_bytes(setup)
+    out = {key: getattr(winner, key) for key in ("strategy", "per_device_train_batch_size",
+                                                 "gradient_accumulation_steps", "gradient_checkpointing", "tp",
+                                                 "peak_bytes", "step_time_s")}
+    out["alternatives"] = alternatives(found["fitting"], args.top)
+    fitting = {c.strategy for c in found["fitting"]}
+    out.update({
+        "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
+        "global_batch": args.global_batch, "step": winner.step,
+        "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
+        "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
+                               f", checkpointing {'on' if c.gradient_checkpointing else 'off'}"}
+                        for name, c in sorted(found["smallest"].items()) if name not in fitting},
+        "larger_micro_batch": larger_micro_batch(spec, setup, winner, args.global_batch, traces=traces),
+        "model": {**found["model"], "source": args.model or f"--params {args.params}"},
+        "setup": {"gpus_per_node": setup.gpus_per_node, "nodes": setup.nodes, "world_size": setup.world_size,
+                  "precision": setup.precision, "optimizer": setup.optimizer, "lora_rank": setup.lora_rank,
+                  "tokens_per_sample": found["tokens_per_sample"], "seq_len": setup.seq_len,
+                  "image_size": setup.image_size},
+        "assumptions": {**{k: v for k, v in vars(hw).items()}, "headroom": setup.headroom,
+                        "memory": "planner peak_bytes per GPU (formulas.Row.peak_bytes) <= usable = GPU memory x "
+                                  "(1 - headroom) (planner.usable_bytes)",
+                        "text": hw.describe()},
+        "notes": found["notes"],
+    })
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+def model_source(args, spec) -> str | None:
+    """What `model_name_or_path` the recipe should load: a shipped name's hub id, else the folder or id given."""
+    if not args.model:
+        return None
+    resolved = resolve_model(args.model)
+    if resolved != args.model:  # a shipped name: its config records the hub id
+        from ..safe_io import load_json
+
+        return load_json(Path(resolved) / "config.json", "shipped config").get("_name_or_path") or args.model
+    return args.model
+
+
+def accelerate_config(result: dict) -> tuple[dict, str]:
+    """The shipped accelerate yaml of the winning strategy, with this run's process count, machines and mesh."""
+    import yaml
+
+    from ..configs import find_config
+
+    strategy, setup, mesh = result["strategy"], result["setup"], result["mesh"]
+    name = MULTINODE_CONFIGS.get(strategy, strategy) if setup["nodes"] > 1 else strategy
+    shipped = find_config(name)
+    config = yaml.safe_load(shipped.path.read_text())
+    config["num_processes"] = setup["world_size"]
+    if setup["nodes"] > 1:
+        config.update(num_machines=setup["nodes"], machine_rank=config.get("machine_rank", 0),
+                      main_process_ip=config.get("main_process_ip", "127.0.0.1"),
+                      main_process_port=config.get("main_process_port", 29500), rdzv_backend="static")
+        if config.get("distributed_type") == "DEEPSPEED":
+            config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+    else:
+        for key in ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend"):
+            config.pop(key, None)
+    if "parallelism_config" in config or strategy in TP_STRATEGIES:
+        config["parallelism_config"] = {f"parallelism_config_{k}_size": mesh[k] for k in ("dp_replicate", "dp_shard",
+                                                                                         "tp")}
+    if config.get("distributed_type") != "DEEPSPEED":  # DeepSpeed takes its precision from the Trainer
+        config["mixed_precision"] = MIXED[setup["precision"]]
+    return config, str(shipped.path.name)
+
+
+def training_config(result: dict, args, spec) -> dict:
+    """The Trainer arguments as a recipe `--config` YAML (recipes/causal_lm_sft.py keys)."""
+    setup = result["setup"]
+    out = {}
+    source = model_source(args, spec)
+    if source:
+        out["model_name_or_path"] = source
+    if spec.kind == "text":
+        out["max_seq_length"] = setup["seq_len"]
+    out.update(per_device_train_batch_size=result["per_device_train_batch_size"],
+               gradient_accumulation_steps=result["gradient_accumulation_steps"],
+               gradient_checkpointing=result["gradient_checkpointing"])
+    if setup["precision"] != "fp32":
+        out["fp16" if setup["precision"] == "fp16-mixed" else "bf16"] = True
+    if setup["precision"] == "bf16-pure" and family(result["strategy"]) != "deepspeed":
+        out["dtype"] = "bfloat16"
+    if setup["lora_rank"]:
+        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        out.update(use_lora=True, lora_r=setup["lora_rank"], lora_target_modules=targets)
+    out["output_dir"] = f"runs/fit-{result['strategy']}"
+    return out
+
+
+def write_files(result: dict, args, spec, setup: Setup) -> dict:
+    """accelerate config + recipe YAML + the JSON result, each written atomically into --output-dir."""
+    import yaml
+
+    from ..safe_io import atomic_write_text
+
+    folder = Path(args.output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--output-dir {folder}: not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--output-dir {folder}: cannot be created ({error.strerror or error})") from None
+    config, source = accelerate_config(result)
+    summary = (f"# shardscope fit: {result['strategy']}, micro-batch {result['per_device_train_batch_size']} x "
+               f"accumulation {result['gradient_accumulation_steps']} x data-parallel {result['data_parallel_size']} "
+               f"= global batch {result['global_batch']}, checkpointing "
+               f"{'on' if result['gradient_checkpointing'] else 'off'}; planned peak {gb(result['peak_bytes'])} GB "
+               f"of {gb(result['usable_bytes'])} GB usable per GPU\n")
+    header = summary + f"# from accelerate_configs/{source}" + (
+        "; on every node pass --machine_rank, --main_process_ip and --main_process_port" if setup.nodes > 1 else "")
+    files = {"accelerate_config": str(folder / ACCELERATE_FILE), "training_args": str(folder / TRAINING_FILE),
+             "result": str(folder / RESULT_FILE)}
+    atomic_write_text(files["accelerate_config"], header + "\n" + yaml.safe_dump(config, sort_keys=False), "--output-dir")
+    training = training_config(result, args, spec)
+    note = "" if "model_name_or_path" in training else "# add model_name_or_path (a folder or hub id): --params has none\n"
+    atomic_write_text(files["training_args"], summary + note + yaml.safe_dump(training, sort_keys=False), "--output-dir")
+    files["launch"] = (f"accelerate launch --config_file {files['accelerate_config']} "
+                       f"{'recipes/causal_lm_sft.py' if spec.kind == 'text' else 'recipes/image_classification.py'} "
+                       f"--config {files['training_args']}")
+    atomic_write_text(files["result"], json.dumps({**result, "files": files}, indent=1), "--output-dir")
+    return files
+
+
+# ----------------------------------------------------------------------------- printing
+def format_fit(r: dict) -> str:
+    s, m, step = r["setup"], r["model"], r["step"]
+    lines = [
+        f"fit: {m['name']} ({m['params_total']:,} params, {m['trainable_params']:,} trained) on {s['world_size']} x "
+        f"{r['assumptions']['gpu']} ({s['gpus_per_node']} per node x {s['nodes']}), {s['precision']}, "
+        f"{s['tokens_per_sample']} tokens/sample, global batch {r['global_batch']}",
+        f"usable per GPU: {gb(r['usable_bytes'])} GB = {gpu_size(r['gpu_memory_bytes'])} less {r['headroom']:.0%} "
+        "headroom (planner.usable_bytes); a candidate fits when the planner's peak_bytes is at most that",
+        "",
+        f"winner: {describe(r)}",
+        f"  step {r['step_time_s']:.3g} s = max(compute {step['compute_s']:.3g}, sharding comm "
+        f"{step['sharding_comm_s']:.3g}) + tp comm {step['tp_comm_s']:.3g} + offload {step['offload_s']:.3g} + "
+        f"overhead {step['overhead_s']:.3g}",
+    ]
+    if r["alternatives"]:
+        lines += ["", "next best (the best of each other strategy):"]
+        lines += [f"  {describe(a)}\n      lost: {a['why']}" for a in r["alternatives"]]
+    if r["not_fitting"]:
+        lines += ["", "does not fit (smallest planned peak per GPU):  " + ", ".join(
+            f"{name} {gb(v['smallest_peak_bytes'])} GB" for name, v in r["not_fitting"].items())]
+    if r["larger_micro_batch"]:
+        lines += ["", "global batch: " + r["larger_micro_batch"]["note"]]
+    lines += ["", *(f"note: {n}" for n in r["notes"])] if r["notes"] else []
+    lines += ["", "assumptions (docs/fit.md):", *(f"  {t}" for t in r["assumptions"]["text"]),
+              "  memory: " + r["assumptions"]["memory"]]
+    if r.get("files"):
+        lines += ["", f"written: {r['files']['accelerate_config']}, {r['files']['training_args']}, "
+                      f"{r['files']['result']}", f"run: {r['files']['launch']}"]
+    return "\n".join(lines)
+
+
+def describe(c: dict) -> str:
+    tp = f", tp {c['tp']}" if c["tp"] > 1 else ""
+    dp = c["mesh"]["dp_replicate"] * c["mesh"]["dp_shard"]
+    return (f"{c['strategy']}{tp}: micro-batch {c['per_device_train_batch_size']} x accumulation "
+            f"{c['gradient_accumulation_steps']} x data-parallel {dp}, checkpointing "
+            f"{'on' if c['gradient_checkpointing'] else 'off'}; peak {gb(c['peak_bytes'])} GB per GPU, "
+            f"step {c['step_time_s']:.3g} s")

@@ -1,0 +1,4 @@
+"""Choosing a configuration: `search` (strategy x micro-batch x checkpointing x accumulation at a fixed global
+batch, kept where plan/'s peak fits, ranked by its step-time model) and `training_args` (`fit_training_args`: the
+decision for a live Trainer run, made on rank 0 and applied on every rank). May import plan/, model/, measure/'s
+tables and the foundation modules; never doctor/, report/ or cli/."""

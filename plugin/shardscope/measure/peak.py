@@ -1,0 +1,180 @@
+"""Peak tensor memory of one training step, by category, on any device (CPU included).
+
+torch's `MemTracker` (torch.distributed._tools.mem_tracker) follows every tensor allocated while it is
+active and categorises it: parameters and buffers, gradients, activations (saved in forward and in
+recomputation), temporaries (what backward and the loss allocate and free), optimizer state. The
+model and optimizer are registered before the step, so what they already hold counts too; a
+strategy's own long-lived buffers allocated at set-up and not reachable from the model or optimizer
+(DDP's reducer buckets, DeepSpeed's reduce buckets) are not seen.
+
+`StepPeak` reports:
+- `peak_tensor_bytes`: the largest total of live tensors during the step;
+- `peak_breakdown`: {parameters (buffers included), gradients, optimizer, activations, temporaries} at that moment
+  (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
+- `peak_phase`: forward, backward or optimizer step: where the peak was first reached;
+- `peak_step`: the shape of the step's first training forward (`STEP_SHAPE`: rows, sequence length of the
+  token ids or image size of the pixels, activation checkpointing on), what a plan of the same step needs.
+Instrumenting costs several times a plain step: use it for one warm step. MemTracker hooks the gradient of
+every parameter it meets and torch refuses a hook on a frozen one, so `tracker()` hooks only parameters that
+train: frozen base weights under LoRA and a frozen reference model run in the step are tracked without one.
+FSDP1's flat parameters are refused: torch refuses the same hook on the non-leaf views FSDP1 puts in place
+during forward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..mem_tracker import tracker
+from ..state_bytes import master_weights, optimizer_layers, zero_grad_buffers
+from .guard import Instrument, WarnOnce
+
+BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer step")
+STEP_SHAPE = ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")
+SUMMARY_KEYS = ("peak_tensor_bytes", "peak_breakdown", "peak_phase", "peak_step")  # per rank, from `reported`
+# What one rank sends in the profiler's gather (NaN: not measured there): `figures` -> gather -> `reported`.
+RANK_FIELDS = ("peak_tensor_bytes", *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase",
+               *(f"peak_step_{k}" for k in STEP_SHAPE))
+# MemTracker's categories -> ours. "Other" holds what `track_external` registered beside the model and
+# the optimizer's state dict: master copies and ZeRO's flat partitions, all owned by the optimizer.
+CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Activation": "activations",
+            "Temp": "temporaries", "Optstate": "optimizer", "Other": "optimizer"}
+
+
+# MemTracker's (and its ModTracker's) methods that run inside the user's step: hooks, dispatch-time tracking,
+# weakref and resize callbacks. Each is replaced on the instance by its instrument-guarded version.
+TRACKER_CALLBACKS = ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook", "_track", "_update_snap",
+                     "_update_peak_stats", "_delete_callback", "_track_optimizer_states")
+MOD_TRACKER_CALLBACKS = ("_fw_pre_hook", "_fw_post_hook")
+MOD_TRACKER_FACTORIES = ("_get_append_fn", "_get_pop_fn")  # make the backward hooks ModTracker registers
+
+
+def guarded_tracker(instrument: Instrument):
+    """`mem_tracker.tracker()` with every callback it runs inside the user's step guarded by `instrument`."""
+    step_tracker = tracker()
+    _guard_methods(step_tracker, TRACKER_CALLBACKS, instrument)
+    step_tracker._update_and_maybe_create_winfos = instrument.wrap(step_tracker._update_and_maybe_create_winfos,
+                                                                  fallback=lambda *_: [])
+    mod_tracker = step_tracker._mod_tracker
+    _guard_methods(mod_tracker, MOD_TRACKER_CALLBACKS, instrument)
+    for name in MOD_TRACKER_FACTORIES:
+        make = getattr(mod_tracker, name)
+        setattr(mod_tracker, name, lambda *args, make=make: instrument.wrap(make(*args)))
+    return step_tracker
+
+
+def _guard_methods(owner, names: tuple, instrument: Instrument) -> None:
+    for name in names:
+        setattr(owner, name, instrument.wrap(getattr(owner, name)))
+
+
+class StepPeak:
+    """Context manager around one optimizer step: `with StepPeak(model, optimizer, instrument) as peak: <step>`,
+    then `peak.result()`. Phase boundaries come from hooks on the model's forward and the optimizer's step; every
+    hook and tracker callback runs under `instrument` (a failure disables it, the step goes on)."""
+
+    def __init__(self, model, optimizer=None, instrument: Instrument | None = None):
+        if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):  # FSDP1 marks its parameters
+            # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses a gradient hook there
+            raise ValueError("FSDP1 flat parameters cannot be tracked by MemTracker")
+        self.instrument = instrument or Instrument("memory", WarnOnce())
+        self.tracker = guarded_tracker(self.instrument)
+        self.model, self.optimizer = model, optimizer
+        self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
+        self.shape: dict | None = None  # the first training forward's (`step_shape`)
+
+    def __enter__(self) -> "StepPeak":
+        optimizers = [o for o in optimizer_layers(self.optimizer) if isinstance(o, torch.optim.Optimizer)]
+        extra = [t for t in (*master_weights(self.optimizer), *zero_grad_buffers(self.optimizer))
+                 if isinstance(t, torch.Tensor)]
+        self.tracker.track_external(self.model, *optimizers, *extra)
+        hook = self.instrument.hook
+        hook(self.model.register_forward_pre_hook, self._forward, with_kwargs=True)
+        hook(self.model.register_forward_hook, lambda *_: self._mark("backward"))
+        for opt in optimizers[-1:]:  # the innermost torch optimizer steps last: its hooks bracket the update
+            hook(opt.register_step_pre_hook, lambda *_: self._mark("optimizer step"))
+            hook(opt.register_step_post_hook, lambda *_: self._mark("after step"))
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.tracker.__exit__(*exc)
+        finally:
+            self.instrument.remove()
+
+    def _peak_total(self) -> int:
+        return sum(snap.get("Total", 0) for snap in self.tracker.get_tracker_snapshot("peak").values())
+
+    def _mark(self, starting: str) -> None:
+        self.marks.append((starting, self._peak_total()))
+
+    def _forward(self, module, args, kwargs) -> None:
+        self._mark("forward")
+        if self.shape is None and torch.is_grad_enabled():
+            self.shape = step_shape(module, args, kwargs)
+
+    def result(self) -> dict:
+        snapshot = self.tracker.get_tracker_snapshot("peak")
+        breakdown = dict.fromkeys(BREAKDOWN, 0)
+        for per_device in snapshot.values():
+            for category, nbytes in per_device.items():
+                if category in CATEGORY:
+                    breakdown[CATEGORY[category]] += nbytes
+        return {"peak_tensor_bytes": sum(breakdown.values()), "peak_breakdown": breakdown,
+                "peak_phase": self._phase(self._peak_total()), "peak_step": self.shape or {}}
+
+    def _phase(self, total: int) -> str:
+        """The phase in which the peak total was first reached: each mark holds the phase starting then
+        and the peak so far, so the peak fell in the phase before the first mark that has seen it."""
+        current = "forward"
+        for starting, peak in self.marks:
+            if peak >= total:
+                break
+            current = starting
+        return "optimizer step" if current == "after step" else current
+
+
+def step_shape(module, args: tuple, kwargs: dict) -> dict:
+    """`STEP_SHAPE` of one forward: rows, the token ids' length or the pixels' size (None where absent), and
+    whether the module recomputes activations in backward (`checkpointing`)."""
+    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    pixels = kwargs.get("pixel_values") if ids is None else None
+    first = ids if ids is not None else pixels
+    return {"micro_batch": None if first is None else int(first.shape[0]),
+            "seq_len": None if ids is None else int(ids.shape[-1]),
+            "image_size": None if pixels is None else int(pixels.shape[-1]),
+            "gradient_checkpointing": checkpointing(module)}
+
+
+def checkpointing(module) -> bool:
+    """transformers' `is_activation_checkpointing` (5.x; earlier releases name it `is_gradient_checkpointing`, which
+    5.x keeps as an alias that warns on every read)."""
+    on = getattr(module, "is_activation_checkpointing", None)
+    return bool(getattr(module, "is_gradient_checkpointing", False) if on is None else on)
+
+
+def figures(result: dict) -> dict:
+    """`StepPeak.result()` as the numbers one rank sends in the profiler's gather (`RANK_FIELDS`)."""
+    out = {"peak_tensor_bytes": result["peak_tensor_bytes"], "peak_phase": PHASES.index(result["peak_phase"])}
+    out.update({f"peak_{k}_bytes": v for k, v in result["peak_breakdown"].items()})
+    out.update({f"peak_step_{k}": math.nan if v is None else float(v) for k, v in result["peak_step"].items()})
+    return out
+
+
+def reported(rank: dict) -> dict:
+    """One rank's gathered figures (NaN: not measured there) -> its summary keys `peak_tensor_bytes`,
+    `peak_breakdown`, `peak_phase` and `peak_step` (None when not measured)."""
+    def count(key):
+        value = rank.get(key)
+        return None if value is None or math.isnan(value) else int(value)
+
+    total, phase = count("peak_tensor_bytes"), count("peak_phase")
+    step = {k: count(f"peak_step_{k}") for k in STEP_SHAPE}
+    return {"peak_tensor_bytes": total,
+            "peak_breakdown": None if total is None else {k: count(f"peak_{k}_bytes") for k in BREAKDOWN},
+            "peak_phase": None if phase is None else PHASES[phase],
+            "peak_step": None if step["micro_batch"] is None else
+            {**step, "gradient_checkpointing": bool(step["gradient_checkpointing"])}}

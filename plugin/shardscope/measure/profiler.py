@@ -1,0 +1,595 @@
+"""`ShardingProfiler`: what a distributed strategy really does, measured on every rank of any training loop.
+
+One owner for when and what to measure: model-state bytes (`state_bytes`), frozen models held beside the
+trained one, throughput (`throughput`), memory (`memory`, `peak`), precision (`precision`), the cross-rank
+gather and the summary file (`summary`). The Trainer callback (`callback.py`) only maps Trainer events onto it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from .. import __version__
+from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises
+from .memory import read_memory, reset_peak
+from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
+from .peak import figures as peak_figures, reported as peak_reported
+from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
+from .rank_gather import all_gather_figures, gather_objects, log_metrics
+from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
+from ..state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
+from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
+from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
+from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
+from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
+                         peak_flops, rates, step_time_summary)
+
+logger = logging.getLogger("shardscope")
+
+# Per-rank figures exchanged with one all_gather per measurement (NaN = not measured on that rank); one
+# `frozen:<name>` field per frozen model follows them.
+RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
+               "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
+               "samples", "tokens", "flops", "seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
+               "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
+# ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
+COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
+
+
+def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
+    """A wrong type fails when the profiler (or callback) is made, not at step 0 inside the user's loop.
+    `steps`: memory_step, comm_step, time_step, time_every_n_steps (positive integers or None)."""
+    for name, value in (("every_n_steps", every_n_steps), *steps.items()):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or isinstance(peak_tflops, bool)
+                                    or not 0 < peak_tflops < math.inf):
+        raise ValueError(f"peak_tflops must be a positive number of TFLOP/s or None, got {peak_tflops!r}")
+    if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
+        raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")
+
+
+class ShardingProfiler:
+    """Per-rank model-state bytes, peak memory and throughput of any training loop, reduced across ranks.
+
+    Usage, after `accelerator.prepare(...)` (or torch DDP / `fully_shard` / FSDP1, or `deepspeed.initialize`):
+
+        with ShardingProfiler(model, optimizer, accelerator, output_dir="out") as profiler:
+            for batch in loader:
+                loss = model(**batch).loss; accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+                profiler.step(batch)  # once per optimizer step: the batch, a list of its micro-batches, or counts
+
+    Every `every_n_steps` steps each rank measures and one `all_gather` collects all ranks' figures (every
+    rank must call `step()` equally often); `step()` returns them as metrics (also sent through
+    `accelerator.log` when an accelerator is given). `close()` (or leaving the `with`) measures the run and
+    rank 0 writes `output_dir/shardscope_summary.json` (`summary.FIELDS`; per rank the keys below).
+
+    Logged keys (bytes per rank; README's "The profiling callback" says what each means): across ranks
+    `shardscope/{params,grads,optimizer,frozen_models,peak_memory,peak_tensor}_bytes_{min,max,mean}`,
+    `shardscope/{tokens_per_s_per_device,tflops_per_device,mfu}_{min,max,mean}`; over all data-parallel
+    replicas `shardscope/samples_per_s` and `shardscope/tokens_per_s` (absent without tokens). TFLOP/s follow
+    `throughput.FLOPS_CONVENTION`; MFU is absent where the device's peak is unknown (CPU).
+
+    Summary only, per rank: `frozen_models` {name: parameter bytes this rank holds (ZeRO-3 partitions, FSDP shards,
+    the dtype really held)} and `frozen_models_bytes`; `peak_tensor_bytes`, `peak_breakdown` {parameters, gradients,
+    optimizer, activations, temporaries}, `peak_phase`, `peak_step` {micro_batch, seq_len, image_size,
+    gradient_checkpointing} from one instrumented warm step (`memory_step`, left out of throughput; see `peak.py`);
+    `cpu_peak_rss_bytes` (the process's peak RSS, libraries included, never called peak memory); `throughput`
+    {rates above, samples, tokens, seconds, flops_convention}; from `precision.py`: `dtypes`, `master_params_bytes`,
+    `compute_dtype`; top level `precision_verdict`. Each instrument's `result()` under its `name`. Sampled steps
+    (`sampled_steps.py`, issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`,
+    `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th);
+    `step_time_s` {median, p10, p90, steps} over the throughput window's optimizer steps; top
+    level `straggler`. Instrumented steps are left out of throughput.
+
+    Counting: a sample is a row of the batch (`samples=` overrides it: the callback passes the Trainer's count);
+    tokens are the non-padding tokens of the step's training inputs, once; forwards that do not train (frozen
+    models, no_grad or adapter-disabled passes) add FLOPs only. Without a batch, the training forwards seen count.
+    A TP group is one data-parallel replica (global rates count it once).
+
+    `instruments=[...]`: objects with `name`, `start(step)` (before step `step` runs), `stop(step)` (in `step()`)
+    and `result()` (JSON, gathered from every rank at `close()` into each rank's summary); each call guarded.
+    """
+
+    # The planner's check of this run at its first training batch (on a GPU): a function injected from above
+    # (shardscope.profiling sets shardscope.profiling.preflight_plan; measure/ does not import plan/). None: none.
+    plan_preflight = None
+
+    def __init__(self, model, optimizer, accelerator=None, output_dir=".", every_n_steps: int | None = 10,
+                 frozen_models: dict | None = None, *, peak_tflops: float | None = None,
+                 summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3, comm_step: int | None = 3,
+                 time_step: int | None = 4, time_every_n_steps: int | None = None, precision: str | None = None,
+                 instruments=(), flops_model: FlopsModel | None = None, start_step: int = 0,
+                 last_step: int | None = None, summary_extra: dict | None = None):
+        validate_arguments(every_n_steps, peak_tflops, summary_file, memory_step=memory_step, comm_step=comm_step,
+                           time_step=time_step, time_every_n_steps=time_every_n_steps)
+        self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
+        self.output_dir, self.summary_file = Path(output_dir), summary_file
+        self.every_n_steps, self.peak_tflops, self.memory_step = every_n_steps, peak_tflops, memory_step
+        self.instruments, self.last_step = list(instruments), last_step  # last_step: when known (max_steps)
+        self.summary_extra = dict(summary_extra or {})  # top-level summary keys the caller owns (the callback's fit)
+        self.global_step = start_step  # optimizer steps taken (a resumed Trainer run starts past 0)
+        self.warn_once = WarnOnce()
+        # What the profiler installs into the loop, by instrument (guard.py): "ok" or why not, in the summary
+        self._throughput, self._state, self._memory, self._precision_probe = (
+            Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
+        self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
+        self._closed = False
+        clock = time.perf_counter
+        self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
+        self._counts = StepCounts()
+        self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
+        self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
+        self._precision, self._precision_ranks = None, []
+        self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
+        self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
+        self.frozen_models, self.precision, self._module = {}, precision, model
+        with self.guard("strategy"):
+            self._module = self._visible_module(model)
+            self.preflight.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
+        with self.guard("frozen models"):
+            self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
+        self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
+        with self.guard("device"):
+            self._device = _device_of(accelerator, self._module)
+        self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
+        self._sampled_due = True  # the next step's counter and timer are still to start
+        forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
+        with self.guard("parameter counts"):
+            self._flops_model = self._flops_model or describe_flops(self._module)
+            self._frozen_flops = {name: describe_flops(m) for name, m in self.frozen_models.items()}
+            self._patch_size = patch_size(self._module)
+            self._frozen_patch_sizes = {name: patch_size(m) for name, m in self.frozen_models.items()}
+            self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
+                                "params_total": self._flops_model.total_params,
+                                "trainable_params": self._flops_model.trainable_total}
+        with self._throughput:
+            self._install_hooks()
+        with self._precision_probe:
+            self._watch_precision()
+        with self.guard("device peak FLOP/s"):
+            self._peak = self._peak_flops()
+        self._preflight_due = self._device.type == "cuda" and self.plan_preflight is not None  # at the first batch
+        if _rank() == 0:
+            with self.guard("preflight log"):
+                logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
+        if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
+            self._windows("step_begin")
+        self._begin()
+
+    # --- The loop's calls --------------------------------------------------------------------------------------
+    @never_raises()
+    def begin_step(self) -> None:
+        """Optional: where a step's time starts (by default at its first training forward, or where the previous
+        `step()` returned); the Trainer callback calls it at each step begin."""
+        with self.guard("throughput"):
+            self._windows("step_begin")
+        self._begin_sampled()
+
+    @never_raises()
+    def add_batch(self, batch, samples: int | None = None) -> None:
+        """Count one micro-batch as it is fed (loops that accumulate gradients may call this per micro-batch and
+        `step()` without a batch); `samples` overrides the rows counted from the batch."""
+        with self.guard("batch counting"):
+            try:
+                counted, tokens, flops = self._batch_totals(batch)
+            except TypeError as error:  # rows not yet collated (GRPO hands its prompts over): count the forwards
+                self.warn_once("uncountable batch", f"{error}: samples, tokens and FLOPs are counted from the "
+                               "training forwards instead", note=True)
+                return
+            self._counts.add_batch(counted if samples is None else samples, tokens, flops)
+
+    @never_raises(default=dict)
+    def step(self, batch=None, tokens: int | None = None, samples: int | None = None, *, pause: bool = False) -> dict:
+        """Close one optimizer step (call it after `optimizer.step()`). `batch`: the dict fed to the model or a
+        list of the step's micro-batches; `tokens=` / `samples=` override what is counted from it. `pause=True`
+        leaves the time until the next `begin_step()` or training forward out (evaluation, checkpointing).
+        Returns the metrics measured at this step ({} on steps that do not measure)."""
+        if self._closed:
+            self.warn_once("closed", "step() after close(): nothing more is measured")
+            return {}
+        for micro in (batch if isinstance(batch, list) else [] if batch is None else [batch]):
+            self.add_batch(micro)
+        instrumented = self._sampled.end() or self._step_peak is not None
+        self._end_step_peak(keep=True)
+        self._instruments("stop", self.global_step + 1)
+        for instrument in self._all_instruments():
+            if not instrument.ok:  # a failed instrument's hooks come out here, outside them
+                instrument.remove()
+        with self.guard("throughput"):
+            counted = self._counts.close(samples, tokens, self._flops_model, self._tp)
+            if not instrumented:
+                self._windows("add_batch", *counted)
+            self._windows("step_end", pause_after=pause, count=not instrumented)
+        self.global_step += 1
+        metrics = {}
+        if self._is_measure_step(self.global_step):
+            metrics = self._measure_and_log()
+        self._begin(sampled=not pause)  # after evaluation or a save: at the next begin_step (or training forward)
+        return metrics
+
+    @never_raises()
+    def close(self) -> Path | None:
+        """Measure the whole run on every rank (collectives: call it on every rank) and write the summary on
+        rank 0; returns its path there. A second call does nothing."""
+        if self._closed:
+            return None
+        self._closed = True
+        self._sampled.end(keep=False)  # a timer started for a step that never ran
+        self._end_step_peak(keep=False)  # a step begun and never closed is not measured
+        ranks = self._measure_all_ranks(self._run)
+        with self.guard("precision"):  # one collective, reached on every rank
+            self._precision_ranks = gather_reports(self._precision)
+        extra, statuses = [{}] * len(ranks), [self._statuses()] * len(ranks)
+        with self.guard("instruments"):  # one collective: every rank's instrument statuses and results
+            gathered = gather_objects({"status": self._statuses(), "results": self._instruments("result")})
+            extra, statuses = [g["results"] for g in gathered], [g["status"] for g in gathered]
+        self._release()
+        if _rank() != 0 or not self.summary_file:
+            return None
+        with self.guard("summary file"):
+            summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
+            path = write_summary(self.output_dir / self.summary_file, summary)
+            logger.warning("shardscope summary written to %s", path)
+            return path
+        return None
+
+    def __enter__(self) -> "ShardingProfiler":
+        return self
+
+    def __exit__(self, *exc) -> None:  # also on an exception in the loop: what was measured is written
+        self.close()
+
+    # --- Counting ----------------------------------------------------------------------------------------------
+    def _batch_totals(self, batch):
+        """(samples, tokens, training FLOPs) of one micro-batch; tokens None (noted once) when it has none."""
+        samples, tokens, seq_len = count_batch(batch, self._patch_size)
+        if tokens is None:
+            self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from its "
+                                        "first dimension, tokens and FLOP/s are left out", note=True)
+            return samples, None, None
+        flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) if self._flops_model else None
+        return samples, tokens, flops
+
+    def _install_hooks(self):
+        """Forward hooks tell training forwards from those that do not train; a step hook snapshots gradients."""
+        self._throughput.hook(self._module.register_forward_pre_hook, self._on_forward, with_kwargs=True)
+        for name, module in self.frozen_models.items():
+            self._throughput.hook(module.register_forward_pre_hook, functools.partial(self._on_frozen_forward, name),
+                                  with_kwargs=True)
+        self._adapter_layer = first_adapter_layer(self._module)
+
+        def snapshot_gradients(*_):  # on the first step, steps that measure and the last one (when known)
+            upcoming = self.global_step + 1
+            if self._grads is None or self._is_measure_step(upcoming) or upcoming == self.last_step:
+                self._grads = held_gradients(self._module, self.optimizer)
+
+        with self._state:
+            zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
+            if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
+                MethodWrap(self._state, zero, "step", snapshot_gradients)
+            elif base is not None:
+                self._state.hook(base.register_step_pre_hook, snapshot_gradients)
+
+    def _on_forward(self, module, args, kwargs):
+        if not module.training:  # evaluation
+            return
+        if self._step_peak is not None or self._sampled.active:  # an instrumented step is not throughput
+            if self._sampled.active and torch.is_grad_enabled():  # the counted step's padded tokens
+                with self.guard("batch counting"):
+                    samples, _, seq_len = batch_counts(args, kwargs)
+                    self._sampled.add_batch(samples, seq_len)
+            return
+        if self._preflight_due and torch.is_grad_enabled():
+            self._preflight_due = False
+            with self.guard("planner preflight"):
+                self._plan_preflight({"input_ids": args[0], **kwargs} if args else kwargs)
+            self._windows("restart")  # the preflight's seconds are not the step's
+        self._begin_sampled()  # deferred by a pause: starts before the first training forward at the latest
+        with self.guard("batch counting"):
+            adapters_off = self._adapter_layer is not None and self._adapter_layer.disable_adapters
+            training = torch.is_grad_enabled() and not adapters_off
+            if training:
+                self._windows("step_begin")  # the first training forward anchors the step's time
+                if self._counts.given:  # the loop hands its batches over (the callback does): nothing to count
+                    return
+            samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
+            if training:
+                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
+                    if tokens is not None and self._flops_model else None
+                self._counts.saw_training(samples, tokens, flops)
+            elif tokens is not None and self._flops_model:  # a reference / generation pass of the trained model
+                self._counts.inference_flops += tokens * (self._flops_model.forward_per_token(seq_len) / self._tp)
+
+    def _on_frozen_forward(self, name, module, args, kwargs):
+        if not self._module.training or self._step_peak is not None or self._sampled.active:
+            return
+        with self.guard("batch counting"):
+            _, tokens, seq_len = batch_counts(args, kwargs, self._frozen_patch_sizes.get(name))
+            flops_model = self._frozen_flops.get(name)
+            if tokens is not None and flops_model is not None:
+                self._counts.inference_flops += tokens * (flops_model.forward_per_token(seq_len) / self._tp)
+
+    def _release(self):
+        """Leave nothing behind that a run without the profiler would not have: every hook, wrapped method and
+        dispatch mode out, no reference to the model, the optimizer, their tensors or the process group."""
+        for instrument in self._all_instruments():
+            instrument.remove()
+        self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
+        self.frozen_models, self._grads, self._precision = {}, None, None
+
+    def _all_instruments(self) -> tuple[Instrument, ...]:
+        return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
+                *self._loop_instruments)
+
+    def instrument(self, name: str) -> Instrument:
+        """A new instrument for what the loop's adapter installs (warned, reported and removed as the profiler's)."""
+        self._loop_instruments.append(Instrument(name, self.warn_once))
+        return self._loop_instruments[-1]
+
+    def _statuses(self) -> dict:
+        """{instrument: "ok" or why it stopped} on this rank (memory: why the memory step was not measured)."""
+        out = {i.name: i.status for i in self._all_instruments()}
+        if self.memory_step is None:
+            out["memory"] = "off (memory_step=None)"
+        return out
+
+    # --- Measuring ---------------------------------------------------------------------------------------------
+    def _measure_and_log(self) -> dict:
+        ranks = self._measure_all_ranks(self._interval)  # guarded inside, collective
+        metrics = {}
+        with self.guard("metric logging"):
+            metrics = log_metrics(ranks, self._tp)
+            if self.accelerator is not None and metrics:
+                self.accelerator.log(metrics, step=self.global_step)
+        with self.guard("throughput"):
+            self._interval.reset()
+        with self.guard("peak memory"):
+            reset_peak(self._device)
+        return metrics
+
+    def _measure_all_ranks(self, window: ThroughputWindow) -> list[dict]:
+        """Measure this rank, then exchange with every rank (one collective, called on all ranks)."""
+        fields = self._fields
+        mine = dict.fromkeys(fields, math.nan)
+        with self.guard("model-state bytes"):
+            counted = count_state(self._module, self.optimizer, grad_entries=self._grads)
+            for category in ("params", "grads", "optimizer"):
+                mine[f"{category}_bytes"] = counted.total(category)
+                mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
+            mine["trainable_params_bytes"] = counted.trainable_params
+            self.locations = {c: sorted(counted.by_device[c]) for c in ("params", "grads", "optimizer")}
+        with self.guard("frozen model bytes"):
+            for name, module in self.frozen_models.items():
+                mine[f"frozen:{name}"] = count_state(module).total("params")
+        with self.guard("peak memory"):
+            if window is self._run or self._device.type == "cuda":  # RSS is for the summary only
+                self.memory = read_memory(self._device)
+            mine["cpu_peak_rss_bytes"] = self.memory.get("cpu_peak_rss_bytes", math.nan)
+            if self._device.type == "cuda":
+                mine["peak_memory_bytes"] = self.memory["peak_memory_bytes"]
+        if self.step_peak and self._memory.ok:
+            with self._memory:
+                mine.update(peak_figures(self.step_peak))
+                if self._device.type != "cuda":
+                    mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
+        with self.guard("throughput"):
+            totals = window.totals()
+            mine.update(samples=totals.samples, seconds=totals.seconds,
+                        tokens=_float(totals.tokens), flops=_float(totals.flops))
+            mine.update({f"step_time_{k}": _float(v) for k, v in step_time_summary(window.durations).items()})
+        mine.update(self._sampled.fields())
+        gathered = [mine]
+        with self.guard("cross-rank gather"):
+            gathered = all_gather_figures(mine, self._device, fields)
+        return [self._complete_or_empty(rank) for rank in gathered]
+
+    def _complete_or_empty(self, rank: dict) -> dict:
+        with self.guard("reported figures"):
+            return self._complete(rank)
+        return {key: None for key in (*COMPONENTS, "peak_memory_bytes")} | {"throughput": {}}
+
+    def _complete(self, rank: dict) -> dict:
+        """Turn one rank's raw counts into reported figures."""
+        out = {k: _int_or_none(rank[k]) for k in COUNTED_BYTES}
+        out["frozen_models"] = {name: _int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
+        frozen = [v for v in out["frozen_models"].values() if v is not None]
+        out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
+        out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
+        out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
+        with self._memory:
+            out.update(peak_reported(rank))
+        totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
+                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
+        out["throughput"] = {**rates(totals, self._peak), "samples": _int_or_none(totals.samples),
+                             "tokens": _int_or_none(totals.tokens), "seconds": totals.seconds,
+                             "flops_convention": FLOPS_CONVENTION}
+        step_time = {k: _none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
+        out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
+        out.update(self._sampled.complete(rank))
+        return out
+
+    # --- Set-up ------------------------------------------------------------------------------------------------
+    def _visible_module(self, model):
+        """The module whose parameters and forwards are counted: the model inside a known wrapper; for an object
+        the profiler does not know, the module it holds (`module` / `model`), warned about once."""
+        held = [model] + [getattr(model, a, None) for a in ("module", "model")]
+        inner = next((m for m in held if isinstance(m, torch.nn.Module)), None)
+        if inner is None:
+            raise TypeError(f"the model is a {type(model).__name__}, not a torch module, and holds none")
+        return unwrap(inner)
+
+    def _strategy(self, model) -> dict:
+        """The wrapper the loop built, else accelerate's state; "unknown" (warned once) when neither says."""
+        from accelerate.state import PartialState
+
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if isinstance(model, torch.nn.Module):
+            wrapped = wrapper_strategy(model)
+            if PartialState._shared_state:
+                configured = detect_strategy(self._module)  # TP meshes (FSDP2 over TP shards too) are read there
+                if wrapped is None or family(configured["strategy"]) in ("tp", family(wrapped["strategy"])):
+                    return configured
+            if wrapped is not None:
+                return wrapped
+            if world == 1:
+                return {"strategy": "single", "world_size": 1, "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1}}
+        self.warn_once("unknown wrapper", f"the model ({type(model).__name__}) is wrapped in nothing shardscope "
+                       "knows (DDP, FSDP, fully_shard, DeepSpeed, accelerate): strategy 'unknown', bytes counted "
+                       "from the parameters it exposes")
+        return {"strategy": "unknown", "world_size": world, "wrapper": type(model).__name__}
+
+    def _watch_precision(self):
+        """The configured precision: given, else the accelerator's, else what the tensors are at the start."""
+        if self.precision is None and self.accelerator is not None:
+            self.precision = {"no": "fp32"}.get(str(self.accelerator.mixed_precision), self.accelerator.mixed_precision)
+        if self.precision is None:
+            self.precision = effective_precision(classify(self._module, self.optimizer)).split("-")[0]
+        flags = SimpleNamespace(bf16=self.precision == "bf16", fp16=self.precision == "fp16")
+        self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.preflight.get("strategy"),
+                                         self._precision_probe)
+        if _rank() == 0:
+            logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
+
+    def _peak_flops(self):
+        if self.peak_tflops:
+            return self.peak_tflops * 1e12
+        if self._device.type != "cuda":
+            return None
+        dtype = self.precision if self.precision in ("bf16", "fp16") else \
+            "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        return peak_flops(torch.cuda.get_device_name(self._device), dtype)
+
+    def _plan_preflight(self, inputs: dict):
+        """Warn (rank 0) when the planner's peak for this run at the first training batch's shape does not fit this
+        GPU (`plan_preflight`, traced as `fit` traces). Saved in the summary as `preflight_plan`."""
+        plan = self.plan_preflight(self._module, self.preflight.get("strategy"), self.preflight.get("mesh"),
+                                   self.preflight.get("world_size", 1), num_nodes(), self.precision,
+                                   torch.cuda.get_device_properties(self._device).total_memory, inputs)
+        if plan is not None:
+            self.preflight["plan"] = plan
+        if plan and plan["fits"] is False and _rank() == 0:
+            logger.warning("shardscope preflight: %s", plan["warning"])
+
+    # --- Helpers -----------------------------------------------------------------------------------------------
+    def _begin(self, sampled: bool = True):
+        """Start the next step's instruments (and, on the memory step, the tensor tracker; on the sampled steps,
+        the collective counter and the timer, unless `sampled` is False: then at the next begin_step)."""
+        upcoming = self.global_step + 1
+        self._sampled_due = True
+        self._instruments("start", upcoming)
+        if self.memory_step is not None and upcoming == self.memory_step and self._memory.ok:
+            with self._memory:
+                self._step_peak = StepPeak(self._module, self.optimizer, self._memory).__enter__()
+        if sampled:  # after the tracker: dispatch modes leave in reverse order (the counter first, in step())
+            self._begin_sampled()
+
+    def _end_step_peak(self, keep: bool) -> None:
+        """Stop the memory step's tracker (also after its instrument failed: its dispatch mode must leave)."""
+        peak, self._step_peak = self._step_peak, None
+        if peak is not None:
+            with self._memory:
+                peak.__exit__(None, None, None)
+                if keep and self._memory.ok:
+                    self.step_peak = peak.result()
+
+    def _begin_sampled(self):
+        if self._sampled_due and not self._closed:
+            self._sampled_due = False
+            self._sampled.begin(self.global_step + 1, self.last_step, self._module, self.optimizer)
+
+    def _instruments(self, method: str, *args) -> dict:
+        """Call `method` on every instrument, each guarded; {name: what it returned}."""
+        out = {}
+        for instrument in self.instruments:
+            name = getattr(instrument, "name", type(instrument).__name__)
+            with self.guard(f"instrument {name}"):
+                out[name] = getattr(instrument, method)(*args)
+        return out
+
+    def _windows(self, method, *args, **kwargs):  # both windows: this interval's and the whole run's
+        if method == "step_end" and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
+        for window in (self._interval, self._run):
+            getattr(window, method)(*args, **kwargs)
+
+    @property
+    def _tp(self) -> int:
+        """Tensor-parallel degree of the run (1 without TP)."""
+        return (self.preflight.get("mesh") or {}).get("tp", 1)
+
+    def _is_measure_step(self, step: int) -> bool:
+        return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
+
+    def _summary(self, ranks: list[dict], instruments: list[dict]) -> dict:
+        device = self._device.type
+        if device == "cuda":
+            device = torch.cuda.get_device_name(self._device)
+        precision = self._precision_ranks or [{}] * len(ranks)
+        return {
+            "shardscope_version": __version__,
+            "strategy": self.preflight.get("strategy"),
+            "strategy_detail": {k: v for k, v in self.preflight.items()
+                                if k not in ("strategy", "world_size", "plan", "mesh")},
+            "mesh": self.preflight.get("mesh"),
+            "preflight_plan": self.preflight.get("plan"),
+            **self.summary_extra,
+            "world_size": self.preflight.get("world_size", len(ranks)),
+            "num_nodes": num_nodes(),
+            "model": self.model_facts,
+            "frozen_models": {name: {"params_total": fm.total_params} for name, fm in self._frozen_flops.items()},
+            "device": device,
+            "precision": self.precision,
+            "precision_verdict": run_verdict(self._precision_ranks),
+            "global_step": self.global_step,
+            "state_locations": self.locations,
+            "straggler": straggler(ranks),
+            "memory_details_rank0": self.memory,
+            "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r), **(extra or {}),
+                       **{k: v for k, v in p.items() if k != "precision_verdict"}}
+                      for i, (r, p, extra) in enumerate(zip(ranks, precision, instruments))],
+        }
+
+    def _memory_kind(self, rank: dict) -> str | None:
+        """What `peak_memory_bytes` is: CUDA's allocator peak, or on CPU the instrumented step's tensor peak."""
+        if self._device.type == "cuda":
+            return self.memory.get("memory_kind")
+        return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None
+
+    def guard(self, what: str) -> Guard:
+        """Measuring never stops training: a failure inside is warned about once and left out."""
+        return Guard(self.warn_once, what)
+
+
+def _device_of(accelerator, module) -> torch.device:
+    if accelerator is not None:
+        return torch.device(accelerator.device)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _float(value) -> float:
+    if value is None:
+        return math.nan
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _none_if_nan(value):
+    return None if value is None or math.isnan(value) else value
+
+
+def _int_or_none(value):
+    return None if value is None or math.isnan(value) else int(value)

@@ -1,0 +1,201 @@
+"""Where one optimizer step's time goes on this rank, from the torch profiler over a sampled step.
+
+The step runs from the end of the previous optimizer step to the end of this one (the throughput
+window's definition, so data loading counts). Hooks mark phases as profiler ranges on the training thread:
+- forward: the model's forward (pre-hook to post-hook), each micro-batch;
+- backward: from a forward's end to the next forward or the optimizer step: the backward pass, the
+  gradient synchronisation a library waits for at its end, gradient clipping;
+- optimizer: the innermost torch optimizer's step, or DeepSpeed ZeRO's whole step (partition update and
+  the parameter all-gather after it);
+- data_wait: from the step's start to its first forward: the data loader and what the Trainer does
+  between steps (logging);
+- other: the rest (zero_grad, the scheduler, callbacks).
+Communication: `comm_s` is the time a collective is in flight (the union of the backend's collective
+events: gloo's work on its own threads, NCCL kernels on the GPU); `exposed_comm_s` is the part of it
+when no compute operator runs (CPU operators outside the communication threads on CPU, GPU kernels on
+CUDA): the wait that overlap did not hide. Exposed time is taken out of the phase it fell in, so
+
+    forward_s + backward_s + optimizer_s + exposed_comm_s + data_wait_s + other_s = step_s
+
+(up to float rounding); `comm_s`, overlapped or not, stands beside the sum.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.profiler import record_function
+
+from ..state_bytes import base_optimizer, zero_optimizer
+from .guard import Instrument, MethodWrap
+
+PREFIX = "shardscope::"
+PARTS = ("forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_wait_s", "other_s")  # sum to step_s
+BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "comm_s", "exposed_comm_s", "data_wait_s", "other_s",
+             "step_s")
+RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
+
+
+class StepTimer:
+    """`timer.start()` where the step begins, `timer.stop()` -> breakdown dict where it ends (same thread). Its
+    hooks and phase marks run under `instrument`: after a failure `stop()` returns None and the step goes on."""
+
+    def __init__(self, model, optimizer, device: torch.device | None, instrument: Instrument):
+        self.model, self.optimizer, self.instrument = model, optimizer, instrument
+        self.cuda = device is not None and device.type == "cuda"
+        self._open = self._step = self._profiler = None
+
+    def start(self) -> "StepTimer":
+        from torch.profiler import ProfilerActivity, profile
+
+        if torch._C._autograd._profiler_enabled():  # a second profiler would end the user's session
+            raise RuntimeError("a torch profiler is already running; the step is not broken down")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        self._step = record_function(PREFIX + "step").__enter__()
+        self._install()
+        return self
+
+    def stop(self) -> dict | None:
+        """The step's breakdown (None when the instrument failed during the step)."""
+        try:
+            self._mark(None)
+            if self.cuda and self.instrument.ok:
+                torch.cuda.synchronize()
+            self._step.__exit__(None, None, None)
+        finally:
+            self.instrument.remove()
+            self._profiler.__exit__(None, None, None)
+        return breakdown(_intervals(self._profiler.events(), self.cuda)) if self.instrument.ok else None
+
+    def _mark(self, phase: str | None) -> None:
+        """Close the phase range that is open and open `phase` (None: none)."""
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+        if phase is not None:
+            self._open = record_function(PREFIX + phase).__enter__()
+
+    def _install(self) -> None:
+        model, hook = self.model, self.instrument.hook
+        hook(model.register_forward_pre_hook, lambda *_: self._mark("forward"), prepend=True)
+        hook(model.register_forward_hook, lambda *_: self._mark("backward"), always_call=True)
+        zero = zero_optimizer(self.optimizer)
+        if zero is not None:  # ZeRO's step holds the partition update and the all-gather: time it whole
+            MethodWrap(self.instrument, zero, "step", lambda *_: self._mark("optimizer"), lambda: self._mark(None))
+            return
+        base = base_optimizer(self.optimizer)
+        if base is not None:
+            hook(base.register_step_pre_hook, lambda *_: self._mark("optimizer"))
+            hook(base.register_step_post_hook, lambda *_: self._mark(None))
+
+
+def _intervals(events, cuda: bool) -> dict:
+    """Profiler events -> {phase name: [(start, end)], "comm": [...], "compute": [...]} in microseconds."""
+    out = {"comm": [], "compute": []}
+    cpu_ops = []
+    for event in events:
+        name, span = event.name, (event.time_range.start, event.time_range.end)
+        on_device = event.device_type != torch.autograd.DeviceType.CPU
+        if name.startswith(PREFIX):
+            out.setdefault(name[len(PREFIX):], []).append(span)
+        elif on_device:
+            out["comm" if "nccl" in name.lower() else "compute"].append(span)
+        elif name.startswith(("gloo:", "mpi:", "ucc:")):
+            out["comm"].append(span)
+            out.setdefault("comm_threads", set()).add(event.thread)
+        elif name.startswith("aten::") and not cuda:
+            cpu_ops.append((event.thread, span))
+    threads = out.pop("comm_threads", set())
+    out["compute"] += [span for thread, span in cpu_ops if thread not in threads]
+    return out
+
+
+def breakdown(spans: dict) -> dict:
+    """Seconds per part (see the module docstring) from `_intervals`' spans of one step."""
+    if not spans.get("step"):
+        raise ValueError("the profiler recorded no step range")
+    step = [spans["step"][0]]
+    phases = {p: _clip(_union(spans.get(p, [])), step) for p in ("forward", "backward", "optimizer")}
+    forwards = phases["forward"]
+    phases["data_wait"] = [(step[0][0], forwards[0][0])] if forwards else []
+    phases["other"] = _minus(step, _union([s for spans_ in phases.values() for s in spans_]))
+    comm = _clip(_union(spans["comm"]), step)
+    exposed = _minus(comm, _union(spans["compute"]))
+    out = {f"{p}_s": (_length(x) - _length(_clip(exposed, x))) / 1e6 for p, x in phases.items()}
+    out.update(comm_s=_length(comm) / 1e6, exposed_comm_s=_length(exposed) / 1e6, step_s=_length(step) / 1e6)
+    return {key: out[key] for key in BREAKDOWN}
+
+
+def mean_breakdown(timed: list[dict]) -> dict | None:
+    """Mean per key over several timed steps (None when none was timed)."""
+    if not timed:
+        return None
+    return {key: sum(t[key] for t in timed) / len(timed) for key in BREAKDOWN} | {"timed_steps": len(timed)}
+
+
+def to_fields(timed: dict | None) -> dict:
+    return {f"time_{k}": (timed[k] if timed else math.nan) for k in BREAKDOWN}
+
+
+def from_fields(rank: dict) -> dict | None:
+    """A rank's `time_breakdown` from its gathered fields (None: not timed)."""
+    values = {k: rank.get(f"time_{k}", math.nan) for k in BREAKDOWN}
+    return None if any(v is None or math.isnan(v) for v in values.values()) else values
+
+
+def straggler(breakdowns: list) -> dict | None:
+    """Across ranks, from the timed step: each rank's step time and busy time (step minus exposed
+    communication), the slowest rank (most busy time: collectives make every rank's step last as long as
+    the slowest, so the others show the difference as exposed waiting) and the spread of step times,
+    (max - min) / mean."""
+    if not breakdowns or any(b is None for b in breakdowns):
+        return None
+    steps = [b["step_s"] for b in breakdowns]
+    busy = [b["step_s"] - b["exposed_comm_s"] for b in breakdowns]
+    mean = sum(steps) / len(steps)
+    return {"slowest_rank": max(range(len(busy)), key=busy.__getitem__), "step_s": steps, "busy_s": busy,
+            "spread": (max(steps) - min(steps)) / mean if mean > 0 else 0.0}
+
+
+# --- interval arithmetic on sorted, disjoint [(start, end)] lists ------------------------------------
+def _union(spans) -> list:
+    merged: list = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def _clip(spans: list, window: list) -> list:
+    """The parts of `spans` inside `window` (both unions)."""
+    out = []
+    for start, end in spans:
+        for w_start, w_end in window:
+            lo, hi = max(start, w_start), min(end, w_end)
+            if hi > lo:
+                out.append((lo, hi))
+    return _union(out)
+
+
+def _minus(spans: list, holes: list) -> list:
+    """The parts of `spans` outside `holes` (both unions)."""
+    out = []
+    for start, end in spans:
+        cursor = start
+        for h_start, h_end in holes:
+            if h_end <= cursor or h_start >= end:
+                continue
+            if h_start > cursor:
+                out.append((cursor, h_start))
+            cursor = max(cursor, h_end)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def _length(spans: list) -> float:
+    return sum(end - start for start, end in spans)

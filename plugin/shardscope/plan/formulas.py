@@ -1,0 +1,494 @@
+"""Bytes per rank of every strategy family, each formula written out once (docs/planner.md derives them).
+
+Model states (params, grads, optimizer) are exact counts of what a rank holds in steady state (after
+the optimizer step); activations are an estimate; buffers are temporaries (gathered layers,
+communication buckets, DeepSpeed's fp32 gradient partition during the step). `comm_bytes_per_step`
+is computed from ring-collective formulas, not measured.
+
+Mixed-precision AdamW is 16 B/param (2 B 16-bit weights + 2 B grads + 12 B optimizer = 4 B fp32
+master + 8 B moments), 18 B with fp32 gradients; `optimizer_bytes` includes the master weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from .mesh import Setup, tp_degree, tp_mesh
+from ..model.spec import LORA_DEFAULT_TARGETS, ModelSpec
+from .peak import formula_moments, step_peak
+from ..strategy import family
+from ..units import ceil_div
+
+# A row's `activations_source` where no trace applies (TP rows, untraceable models, --params)
+FORMULA = "formula (approximate)"
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    param: int    # model weights as held by the rank
+    grad: int     # gradients as held between backward and step
+    master: int   # separate fp32 master copy owned by the optimizer (0: the params are the master)
+    moments: float  # optimizer moments per trainable parameter (AdamW: 2 x state dtype)
+    compute: int  # dtype of gathered (unsharded) params and of activations
+
+
+def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads: bool = False,
+                  zero_stage: int = 0) -> ElementBytes:
+    """Bytes per element of each model state.
+
+    | precision | torch DDP / FSDP              | DeepSpeed ZeRO                       |
+    | fp32      | 4 param, 4 grad, 0 master     | 4, 4, +4 fp32 partition copy (ZeRO-1/2   |
+    |           |                               | `single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`: clones) |
+    | *-mixed   | 4, 4, 0 (autocast; accelerate | 2, 2 (4 with fp32_grads), +4 master  |
+    |           | upcasts FSDP flat params)     |                                      |
+    | bf16-pure | 2, 2, 0                       | no such mode: planned as bf16-mixed (ZeRO always |
+    |           |                               | keeps an fp32 master; `estimate` notes it) |
+    Moments: adamw 2 x state dtype (fp32 for DeepSpeed; param dtype for torch); adamw-8bit 2 x
+    (1 + 4/256) (bitsandbytes blockwise, fp32 absmax per 256); sgd 0 (Trainer's SGD has no
+    momentum); sgd-momentum 1 x state dtype. The 16-bit compute dtype is used for gathered layers
+    and activations under mixed/pure 16-bit, fp32 otherwise.
+    """
+    half = precision != "fp32"
+    if fam == "deepspeed":  # bf16-pure is planned as bf16-mixed: what DeepSpeed runs with bf16 on
+        param = 2 if half else 4
+        grad = 4 if (fp32_grads or not half) else 2
+        master = 4  # ZeRO keeps its own fp32 partition (a clone even when training in fp32)
+        state = 4
+    else:
+        param = grad = 2 if precision == "bf16-pure" else 4
+        master, state = 0, param
+    moments = {"adamw": 2 * state, "adamw-8bit": 2 * (1 + 4 / 256), "sgd": 0, "sgd-momentum": state}[optimizer]
+    return ElementBytes(param, grad, master, moments, 2 if half else 4)
+
+
+def per_param(eb: ElementBytes) -> dict:
+    """Bytes per trainable parameter by state: the B/param convention (16 for mixed-precision AdamW,
+    18 with DeepSpeed's fp32 gradient copy in the step, 8 for bf16-pure torch AdamW)."""
+    out = {"weights": eb.param, "grads": eb.grad, "master": eb.master, "moments": eb.moments}
+    return {**out, "total": sum(out.values())}
+
+
+def zero2_grad_partition(c: Counts, n: int) -> int:
+    """Gradient elements the heaviest ZeRO-2 rank keeps in its contiguous buffer (`grads_in_partition`).
+
+    DeepSpeed flattens each param group (the Trainer's two: weights with decay, then 1-D biases/norms)
+    padded to a multiple of 2N, cuts it into N equal partitions, and gives a rank every tensor that
+    starts inside its partition plus the one straddling its start, each *whole*
+    (stage_1_and_2.get_partition_info; copy_grads_in_partition sizes the buffer by their numel). Without
+    a tensor list: the plain partition.
+    """
+    if not c.tensors:
+        return ceil_div(c.trainable, 2 * n) * 2
+    groups = [[d * r for d, r, train in c.tensors if train and r > 1],
+              [d * r for d, r, train in c.tensors if train and r == 1]]
+    per_rank = [0] * n
+    for sizes in (g for g in groups if g):
+        size = ceil_div(sum(sizes), 2 * n) * 2
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for rank in range(n):
+            lo, hi = rank * size, (rank + 1) * size
+            per_rank[rank] += sum(k for k, at in zip(sizes, starts) if lo <= at < hi or at < lo < at + k)
+    return max(per_rank)
+
+
+# ----------------------------------------------------------------------------- activations
+def activation_bytes(spec: ModelSpec, setup: Setup, tp: int = 1) -> dict:
+    """Estimated activation memory per GPU for one micro-batch (an estimate, not a count).
+
+    s = tokens per sample (text: seq_len; vision: (image/patch)^2 + CLS/registers), b = micro-batch,
+    h = hidden, a = heads, L = layers, V = vocab, e = compute bytes (2 for 16-bit, 4 for fp32).
+    Per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation", no tensor parallelism):
+        layer = s*b*h*(34 + 5*a*s/h) * e/2 bytes   (the 5as/h attention-score term only for eager
+                                                  attention; SDPA/flash attention keeps no s x s)
+    No checkpointing: L * layer. Checkpointing: L * s*b*h*e (each layer's input) + one layer
+    (recomputed during backward). Text adds logits: b*s*V*4 (fp32 upcast for the loss) plus
+    b*s*V*e when e = 2 (the 16-bit logits). Vision adds b*num_labels*4.
+
+    Tensor parallelism of degree t (`tp`; Korthikanti et al. Table 2, tensor parallel without
+    sequence parallelism): layer = s*b*h*(10 + 24/t + 5*a*s/(h*t)) * e/2. Only the attention and MLP
+    internals are split; the 10*s*b*h part (layer norms, dropouts, the inputs of the attention and
+    MLP blocks) stays whole on every TP rank, because transformers does not wire sequence parallelism
+    yet (`DistributedConfig(enable_sequence_parallel=...)` is reserved). Checkpointed layer inputs
+    (s*b*h*e) are not split either, and the logits stay whole: lm_head's `colwise_gather_output`
+    all-gathers them before the loss. t = 1 gives the 34 above.
+    """
+    if spec.kind == "vision":
+        image = setup.image_size or spec.image_size
+        s = (image // spec.patch_size) ** 2 + spec.extra_tokens
+    else:
+        s = setup.seq_len
+    b, h, a, L = setup.micro_batch, spec.hidden_size, spec.num_heads, spec.num_layers
+    e = 2 if setup.precision != "fp32" else 4
+    scores = 5 * a * s / (h * tp) if setup.attention == "eager" else 0
+    layer = s * b * h * (10 + 24 / tp + scores) * e / 2
+    layers = L * s * b * h * e + layer if setup.activation_checkpointing else L * layer
+    if spec.kind == "vision":
+        head = b * spec.num_labels * 4
+    else:
+        head = b * s * spec.vocab_size * (4 + (e if e == 2 else 0))
+    return {"tokens_per_sample": s, "per_layer": int(layer), "layers": int(layers), "head": int(head),
+            "total": int(layers + head), "tp": tp}
+
+
+
+# ----------------------------------------------------------------------------- model states
+@dataclass(frozen=True)
+class Counts:
+    """Parameter counts after LoRA: every tensor (dim 0, rest, trainable) and the FSDP1 units."""
+
+    tensors: tuple[tuple[int, int, bool], ...]  # () when counted from --params
+    total: int
+    trainable: int
+    units: tuple[int, ...]
+    n_trainable_tensors: int
+    tp_layout: tuple[tuple[tuple[int, ...], int, bool], ...] = ()  # aligned with `tensors`; LoRA adapters whole
+
+
+def lora_params(spec: ModelSpec, rank: int, targets=LORA_DEFAULT_TARGETS) -> list[tuple[int, int]]:
+    """LoRA adds A (rank x in) and B (out x rank) per targeted Linear: their shapes, one per tensor.
+    `all-linear` targets every Linear except the output head (lm_head / classifier)."""
+    out = []
+    for leaf, fan_in, fan_out, count in spec.linear_shapes:
+        hit = leaf not in ("lm_head", "classifier") if "all-linear" in targets else leaf in targets
+        if hit:
+            out += [(rank, fan_in), (fan_out, rank)] * count
+    return out
+
+
+def counts(spec: ModelSpec, setup: Setup) -> Counts:
+    """Every tensor of the model with LoRA's adapters added; only the adapters train under LoRA."""
+    base = tuple((d, r, not setup.lora_rank) for d, r in spec.tensor_shapes)
+    layout = spec.tp_layout if len(spec.tp_layout) == len(base) else tuple(((d, r), -1, False)
+                                                                             for d, r in spec.tensor_shapes)
+    if not setup.lora_rank:
+        return Counts(base, spec.params_total, spec.params_total, spec.unit_numels, spec.num_tensors, layout)
+    lora = lora_params(spec, setup.lora_rank, setup.lora_targets)
+    if not lora:
+        raise UsageError(f"no Linear layer of {spec.name} matches LoRA targets {','.join(setup.lora_targets)}")
+    added = sum(d * r for d, r in lora)
+    tensors = base + tuple((d, r, True) for d, r in lora) if base else ()
+    blocks = spec.unit_numels[:-1] or spec.unit_numels
+    units = tuple(u + added // len(blocks) for u in blocks) + (spec.unit_numels[-1:] if spec.unit_numels[:-1] else ())
+    # LoRA adapters are not in the model's TP plan: counted whole on every TP rank (not measured).
+    layout = layout + tuple(((d, r), -1, False) for d, r in lora) if base else ()
+    return Counts(tensors, spec.params_total + added, added, units, len(lora), layout)
+
+
+def shard_tensors(c: Counts, n: int, trainable_only: bool = False, by_rows: bool = False) -> int:
+    """Each tensor partitioned on its own: ZeRO-3 pads the flattened tensor, ceil(numel/n);
+    FSDP2 (`by_rows`) splits dim 0, ceil(dim0/n) * rest. Without a tensor list: ceil(total/n)."""
+    if not c.tensors:
+        return ceil_div(c.trainable if trainable_only else c.total, n)
+    return sum(ceil_div(d, n) * r if by_rows else ceil_div(d * r, n)
+               for d, r, train in c.tensors if train or not trainable_only)
+
+
+def chunk(size: int, parts: int, index: int) -> int:
+    """Rows that chunk `index` of `size` split into `parts` gets (torch.chunk / DTensor Shard / FSDP2:
+    chunks of ceil(size / parts), the last ones shorter or empty)."""
+    k = ceil_div(size, parts)
+    return max(0, min(k, size - index * k))
+
+
+def tp_fsdp_shard(c: Counts, t: int, s: int, trainable_only: bool = False, tp_grads: bool = False) -> int:
+    """Elements of the heaviest rank's (rank 0's) storage under TP degree t then FSDP2 over s ranks.
+
+    Per tensor: the TP plan's dim split in t (colwise / embedding_rowwise: dim 0, rowwise: the last
+    dim, replicated: whole), then FSDP2 splits the local TP shard's dim 0 in s padded chunks of
+    ceil(rows / s) rows. `tp_grads` (TP without FSDP): gradients, whole for the tensors whose
+    gradient DTensor comes back Replicate (embedding_rowwise). Without a tensor list (`--params`):
+    ceil(total / (t * s)), approximate.
+    """
+    if not c.tensors:
+        return ceil_div(c.trainable if trainable_only else c.total, t * s)
+    total = 0
+    for (_, _, train), (shape, dim, grad_whole) in zip(c.tensors, c.tp_layout):
+        if trainable_only and not train:
+            continue
+        local = list(shape) or [1]
+        if dim >= 0 and not (tp_grads and grad_whole):
+            local[dim] = chunk(local[dim], t, 0)
+        total += ceil_div(local[0], s) * math.prod(local[1:])
+    return total
+
+
+
+@dataclass
+class Row:
+    """One strategy's bytes per rank (see `strategy_row`); totals are derived."""
+
+    strategy: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+    frozen_bytes: int = 0                     # a frozen copy of the model (`Setup.reference_model`): its params
+    total_bytes: int = 0                      # = peak_bytes (the name plan --json used before peak_bytes)
+    peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
+    peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (peak_plan)
+    peak_phase: str = ""                      # forward, backward or optimizer step
+    activations_source: str = FORMULA         # "traced" (1 and 2 layers scaled), "simulated" (full depth), FORMULA
+    fits: bool | None = None
+    cpu_bytes: int = 0
+    model_states_bytes: int = 0
+    buffers_detail: dict = field(default_factory=dict)
+    shard_degree: int = 1
+    mesh: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp"}
+    per_param: dict = field(default_factory=dict)  # B per trainable param: weights, grads, master, moments
+    comm_bytes_per_step: int = 0              # computed: bytes each rank sends per optimizer step
+    comm: dict = field(default_factory=dict)  # its terms
+    approximate: bool = False                 # TP rows from --params: totals / (t x s)
+
+    def __post_init__(self):
+        self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        self.total_bytes = self.peak_bytes
+
+
+def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
+                 activations: int | None = None, trace=None) -> Row:
+    """Per-rank bytes of one strategy: its model states, buffers, CPU bytes, communication and the peak of its
+    step (with `trace`, plan/trace.py's `StepTrace` of its compute regime; else the activation formula). The
+    formula of each family, its terms and its sources: docs/planner.md, "The formulas as the code computes them"."""
+    c = c or counts(spec, setup)
+    fam = family(strategy)
+    t = tp_degree(spec, setup) if fam == "tp" else 1
+    mesh = tp_mesh(strategy, setup, t)
+    act = activation_bytes(spec, setup, t)["total"] if activations is None else activations
+    stage = int(strategy[4]) if fam == "deepspeed" else 0
+    eb = element_bytes(setup.precision, fam, setup.optimizer, setup.fp32_grads, stage)
+    states = {"torch": _torch_states, "deepspeed": _zero12_states if stage in (1, 2) else _zero3_states,
+              "fsdp": _fsdp_states, "tp": _tp_states}[fam]
+    row, cpu, detail, n = states(strategy, spec, setup, c, eb, mesh)
+    comm = {k: int(v) for k, v in comm_terms(strategy, spec, setup, c, eb, mesh, n).items()}
+    if trace is not None and fam != "tp":
+        moments, source = trace.at(spec.num_layers), "simulated" if trace.simulated else "traced"
+    else:
+        moments, source = formula_moments(act, setup.activation_checkpointing), FORMULA
+    peak = step_peak(row, detail, moments, _held(strategy, spec, setup, c, eb, row, detail))
+    # A frozen reference is built and sharded like the trained model, in the dtype its parameters are held in
+    # (fp32 under torch mixed precision, 16-bit DeepSpeed partitions), with no grads or optimizer state; it is
+    # held through the whole step, so it adds to the worst moment.
+    frozen = row["params_bytes"] if setup.reference_model else 0
+    if frozen:
+        peak["peak_bytes"] += frozen
+        peak["peak_breakdown"] = {**peak["peak_breakdown"], "frozen": frozen}
+    return Row(strategy=strategy, frozen_bytes=frozen, activations_bytes=peak["peak_breakdown"]["activations"],
+               per_param=per_param(eb),
+               buffers_bytes=int(sum(detail.values())), cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n,
+               mesh=mesh, comm_bytes_per_step=sum(comm.values()), comm=comm,
+               approximate=fam == "tp" and not c.tensors, peak_bytes=peak["peak_bytes"],
+               peak_breakdown=peak["peak_breakdown"], peak_phase=peak["peak_phase"], activations_source=source, **row)
+
+
+def _held(strategy, spec, setup, c, eb, row, detail) -> dict:
+    """What `peak_plan.step_peak` adds to the states (see its docstring): what a rank gathers to compute and the
+    fresh gradient of the unit or layer being reduced, the gradients it holds at the end of backward where they
+    are not its shard (ZeRO-1), and what it carries from earlier micro-batches into a later one."""
+    fam, g, held = family(strategy), eb.grad, {}
+    if fam == "fsdp":
+        unit = detail["unit_grad"]  # the largest unit in the compute dtype (_fsdp_states)
+        held = {"gathered": detail.get("gathered_params", unit), "gathered_end": unit,
+                "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": unit}
+    elif detail.get("gathered_units"):  # TP + FSDP2
+        held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
+    elif strategy.startswith("zero3"):
+        held = {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
+                "fresh_unit": spec.largest_layer_params * g}
+    if strategy == "zero1":
+        held["backward_grads"] = c.trainable * g
+    if setup.grad_accum_steps == 1 or fam == "tp":
+        return held
+    if fam == "torch" or strategy == "zero1":  # torch's AccumulateGrad adds each fresh gradient into .grad
+        return {**held, "carried": c.trainable * g}
+    if fam == "fsdp":  # unsharded, reduce-scattered unit by unit in the last micro-batch
+        return {**held, "carried": c.trainable * eb.compute}
+    return {**held, "carried": row["grads_bytes"], "carried_kept": strategy == "zero2"}
+
+
+def _fsdp_units(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, ...]:
+    """FSDP's wrap units; accelerate gives FSDP2 an untied input embedding a unit of its own (out of the root)."""
+    embedding = spec.untied_embedding_params
+    if setup.fsdp_version != 2 or not embedding or len(c.units) < 2 or c.units[-1] <= embedding:
+        return c.units
+    return c.units[:-1] + (embedding, c.units[-1] - embedding)
+
+
+def _step_tensors(setup: Setup, tensors: int) -> int:
+    """AdamW's 4-byte `step` count per state entry (a trainable tensor, or a ZeRO param group)."""
+    return 4 * tensors if setup.optimizer == "adamw" else 0
+
+
+def _bucket(spec: ModelSpec, setup: Setup) -> int:
+    """DeepSpeed's reduce bucket in elements: the config's, else the Trainer's "auto" hidden^2."""
+    return setup.bucket_elements if setup.bucket_elements is not None else spec.hidden_size ** 2
+
+
+def _overlap(setup: Setup, stage: int) -> bool:
+    """DeepSpeed's overlap_comm: the config's, else its default (on for ZeRO-3 only)."""
+    return setup.zero_overlap_comm if setup.zero_overlap_comm is not None else stage == 3
+
+
+def _torch_states(strategy, spec, setup, c, eb, mesh):
+    """ddp: everything whole on every rank, plus the reducer's bucket copy of the grads."""
+    row = dict(params_bytes=c.total * eb.param, grads_bytes=c.trainable * eb.grad,
+               optimizer_bytes=int(c.trainable * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors))
+    detail = {"ddp_buckets": 0 if setup.ddp_bucket_view or setup.world_size == 1 else c.trainable * eb.grad}
+    return row, 0, detail, 1
+
+
+def _zero12_states(strategy, spec, setup, c, eb, mesh):
+    """zero1, zero2, zero2_offload: one flat partition of the trainable params, padded to 2N."""
+    n, g = setup.world_size, eb.grad
+    shard = ceil_div(c.trainable, 2 * n) * 2
+    optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
+    detail = {"reduce_buckets": (2 if _overlap(setup, 2) else 1) * _bucket(spec, setup) * g}
+    if strategy == "zero2_offload":
+        return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
+            shard * (4 + eb.param) + optim, detail, n
+    detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
+    grads = zero2_grad_partition(c, n) if strategy == "zero2" else shard
+    if strategy == "zero2":  # the flat partition DeepSpeed's end-of-backward epilogue builds for the step
+        detail["flat_grad_partition"] = shard * g
+    return dict(params_bytes=c.total * eb.param, grads_bytes=grads * g, optimizer_bytes=optim), 0, detail, n
+
+
+def _zero3_states(strategy, spec, setup, c, eb, mesh):
+    """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent).
+    zero3_offload moves what `setup.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
+    n, p, g = setup.world_size, eb.param, eb.grad
+    threshold = _zero3_threshold(spec, setup)
+    pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
+    optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
+    gathered, regather = _zero3_gathered(spec, setup, c)
+    # what stays gathered from forward into backward beyond the layer in use (not re-gathered: see comm_terms)
+    kept = max(0, int((1 - regather) * gathered) - spec.largest_layer_params) * p
+    detail = {"gathered_layer": spec.largest_layer_params * (p + g), "kept_gathered": kept,
+              "reduce_bucket": _bucket(spec, setup) * g,  # + the bucket's reduce-scatter output at the end of backward
+              "reduce_scatter_output": ceil_div(min(_bucket(spec, setup), c.trainable), n) * g}
+    # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
+    persistent = (c.total - gathered) * p
+    on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
+    cpu = 0
+    if strategy == "zero3_offload" and setup.zero3_offload in ("all", "params"):  # offload_param
+        on_gpu["params_bytes"], cpu = persistent, pshard * p
+    if strategy == "zero3_offload" and setup.zero3_offload in ("all", "optimizer"):  # offload_optimizer
+        on_gpu.update(grads_bytes=0, optimizer_bytes=0)
+        return on_gpu, cpu + tshard * (g + 4) + optim, detail, n
+    # DeepSpeed's step builds fp32 gradients one sub-group (sub_group_size elements) at a time
+    detail["fp32_grad_copy_in_step"] = min(tshard, setup.zero_sub_group_size) * 4
+    return on_gpu, cpu, detail, n
+
+
+def _fsdp_states(strategy, spec, setup, c, eb, mesh):
+    """fsdp_*: FSDP2 shards each tensor by rows, FSDP1 one flat parameter per unit."""
+    n = setup.gpus_per_node if strategy == "fsdp_hybrid_shard" else setup.world_size
+    if setup.fsdp_version == 1:  # one padded flat parameter per unit
+        pshard = sum(ceil_div(u, n) for u in c.units)
+        tshard = pshard if c.trainable == c.total else ceil_div(c.trainable, n)
+    else:
+        pshard = shard_tensors(c, n, by_rows=True)
+        tshard = shard_tensors(c, n, trainable_only=True, by_rows=True)
+    optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors)
+    unit, e = max(_fsdp_units(spec, setup, c)), eb.compute
+    if strategy == "fsdp_shard_grad_op":
+        detail = {"gathered_params": c.total * e, "unit_grad": unit * e}
+    else:
+        detail = {"gathered_units": 2 * unit * e, "unit_grad": unit * e}
+    detail["reduce_scatter_input"] = unit * e  # FSDP2 copies the unit's grads in; the output is the rank's shard
+    if strategy == "fsdp_offload":
+        return dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0), pshard * eb.param + tshard * eb.grad + optim, \
+            detail, n
+    return dict(params_bytes=pshard * eb.param, grads_bytes=tshard * eb.grad, optimizer_bytes=optim), 0, detail, n
+
+
+def _tp_states(strategy, spec, setup, c, eb, mesh):
+    """tp, fsdp_tp, hsdp_tp: each tensor split as the TP plan says, then FSDP2 over dp_shard."""
+    t, S, R = mesh["tp"], mesh["dp_shard"], mesh["dp_replicate"]
+    pshard, tshard = tp_fsdp_shard(c, t, S), tp_fsdp_shard(c, t, S, trainable_only=True)
+    gshard = tshard if R * S > 1 else tp_fsdp_shard(c, t, 1, trainable_only=True, tp_grads=True)
+    row = dict(params_bytes=pshard * eb.param, grads_bytes=gshard * eb.grad,
+               optimizer_bytes=int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors))
+    detail = {}
+    if R * S > 1:  # transformers applies FSDP2 over (dp_replicate, fsdp) when dp_size > 1
+        unit = ceil_div(max(c.units), t)
+        detail = {"gathered_units": 2 * unit * eb.param, "unit_grad": unit * eb.grad}
+    return row, 0, detail, t * S
+
+
+def _zero3_threshold(spec: ModelSpec, setup: Setup) -> int:
+    """stage3_param_persistence_threshold: tensors at or below it stay whole on every rank."""
+    return setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None else 10 * spec.hidden_size
+
+
+ZERO3_REUSE_DISTANCE = 10 ** 9  # DeepSpeed's stage3_max_reuse_distance default (elements)
+
+
+def _zero3_gathered(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, float]:
+    """ZeRO-3's G, elements gathered to compute (all but the persistent tensors), and r, the fraction backward
+    re-gathers: modelled r = max(0, 1 - D/(2G)) with D = stage3_max_reuse_distance (see `strategy_row`)."""
+    gathered = c.total - sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, setup))
+    return gathered, max(0.0, 1 - ZERO3_REUSE_DISTANCE / (2 * gathered)) if gathered else 0.0
+
+
+def _ring(k: int) -> float:
+    """Bytes each rank sends per byte all-gathered / reduce-scattered over k ranks (ring algorithm)."""
+    return (k - 1) / k
+
+
+def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
+    """Bytes each rank sends per optimizer step, by collective (formulas in `strategy_row`)."""
+    fam, A, N = family(strategy), setup.grad_accum_steps, setup.world_size
+    p, g, e = eb.param, eb.grad, eb.compute
+    if fam == "torch":
+        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g}
+    if fam == "deepspeed" and strategy.startswith("zero1"):  # stage 1 all-reduces whole gradients once per step
+        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g, "param_all_gather": _ring(N) * c.total * p}
+    if fam == "deepspeed" and strategy.startswith("zero2"):  # all-reduced buckets (use_multi_rank_bucket_allreduce)
+        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g * A, "param_all_gather": _ring(N) * c.total * p}
+    if fam == "deepspeed":
+        gathered, regather = _zero3_gathered(spec, setup, c)
+        persistent = c.total - gathered
+        return {"param_all_gather": _ring(N) * (A * (1 + regather) * gathered + persistent) * p,
+                "grad_reduce_scatter": A * _ring(N) * c.trainable * g}
+    if fam == "fsdp":
+        root = c.units[-1] if len(c.units) > 1 else 0
+        once = root - (spec.untied_embedding_params if setup.fsdp_version == 2 else 0)
+        gathered = c.total if strategy == "fsdp_shard_grad_op" else 2 * c.total - once
+        comm = {"param_all_gather": A * _ring(n) * gathered * e,
+                "grad_reduce_scatter": _ring(n) * c.trainable * e}
+        if strategy == "fsdp_hybrid_shard" and setup.nodes > 1:
+            comm["grad_all_reduce"] = 2 * _ring(setup.nodes) * ceil_div(c.trainable, n) * e
+        return comm
+    t, S, R = mesh["tp"], mesh["dp_shard"], mesh["dp_replicate"]
+    comm = _tp_comm(spec, setup, t, e)
+    if R * S > 1:
+        ptp, ttp = tp_fsdp_shard(c, t, 1), tp_fsdp_shard(c, t, 1, trainable_only=True)
+        comm["param_all_gather"] = 2 * A * _ring(S) * ptp * p
+        comm["grad_reduce_scatter"] = _ring(S) * ttp * g
+        if R > 1:
+            comm["grad_all_reduce"] = 2 * _ring(R) * tp_fsdp_shard(c, t, S, trainable_only=True) * g
+    return comm
+
+
+def _colwise_per_layer(spec: ModelSpec) -> int:
+    """Column-parallel Linears per block (dim 0 split, embedding and head left out), from the TP layout;
+    5 (q, k, v, gate, up: Llama-like) without one."""
+    head = (spec.vocab_size, spec.hidden_size)
+    colwise = [shape for shape, dim, _ in spec.tp_layout if dim == 0 and len(shape) == 2 and shape != head]
+    return len(colwise) // spec.num_layers if colwise and spec.num_layers else 5
+
+
+def _tp_comm(spec: ModelSpec, setup: Setup, t: int, e: int) -> dict:
+    """Tensor-parallel traffic per rank per optimizer step (see `strategy_row`): activation
+    all-reduces of b*s*h*e bytes and lm_head's all-gather of the b*s*V*e logits, over t ranks."""
+    if t == 1:
+        return {}
+    tokens = setup.micro_batch * activation_bytes(spec, setup)["tokens_per_sample"] * setup.grad_accum_steps
+    per_layer = 2 + _colwise_per_layer(spec) + (2 if setup.activation_checkpointing else 0)
+    all_reduces = per_layer * spec.num_layers + 2
+    out = {"tp_all_reduce": 2 * (t - 1) / t * all_reduces * tokens * spec.hidden_size * e}
+    if spec.vocab_size:
+        out["tp_logits_all_gather"] = (t - 1) / t * tokens * spec.vocab_size * e
+    return out

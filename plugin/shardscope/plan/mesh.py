@@ -1,0 +1,155 @@
+"""The run being planned (`Setup`) and how its ranks are split: data-parallel replicas x shards x tensor-parallel.
+
+Owns the one tensor-parallel validity rule (`tp_heads_problem`: each rank keeps whole attention and
+KV heads), used by the planner, the dry run, doctor and the recipes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..errors import UsageError
+from ..model.spec import LORA_DEFAULT_TARGETS, ModelSpec
+from ..strategy import OPTIMIZERS, PRECISIONS, tp_strategy
+
+
+# The fraction of GPU memory a plan leaves free (`Setup.headroom`, `--headroom`): what no planned tensor
+# accounts for, the CUDA caching allocator's fragmentation (memory reserved in blocks but not allocated),
+# the CUDA context and NCCL's buffers. A run fits when its planned peak <= (1 - HEADROOM) x GPU memory
+# (`planner.usable_bytes`); docs/planner.md, "Fits: the headroom", is where it is stated.
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run being planned. `gpus_per_node` x `nodes` ranks, one GPU each."""
+
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_memory_bytes: int | None = None
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    micro_batch: int = 1
+    seq_len: int = 2048                    # text; vision derives tokens from image/patch size
+    image_size: int | None = None          # vision: overrides the config's image size
+    activation_checkpointing: bool = False
+    attention: str = "sdpa"                # "sdpa" (no s^2 scores kept) or "eager"
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS  # or ("all-linear",)
+    fp32_grads: bool = False               # DeepSpeed data_types.grad_accum_dtype=fp32
+    ddp_bucket_view: bool = False          # DDP(gradient_as_bucket_view=True): no bucket copy
+    bucket_elements: int | None = None     # DeepSpeed reduce bucket; None: hidden^2 (Trainer "auto")
+    zero_overlap_comm: bool | None = None  # DeepSpeed overlap_comm; None: its default (ZeRO-3 only)
+    zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
+    zero_sub_group_size: int = 10 ** 9     # DeepSpeed zero_optimization.sub_group_size: ZeRO-3's fp32 grads per step
+    zero3_offload: str = "all"             # what zero3_offload moves to CPU: "all", "params" or "optimizer"
+    zero_param_groups: int = 2             # Trainer: decay / no-decay groups
+    grad_accum_steps: int = 1
+    fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params
+    headroom: float = HEADROOM             # fraction of GPU memory kept free (see HEADROOM)
+    cpu_memory_bytes: int | None = None    # per node; checked for offload rows when given
+    prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
+    tp_size: int | None = None             # tensor-parallel degree of tp/fsdp_tp/hsdp_tp; None: `tp_degree` default
+    reference_model: bool = False          # a frozen copy of the model (DPO's reference), held like its parameters
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def validate(self) -> "Setup":
+        flag = {"gpus_per_node": "--gpus", "gpu_memory_bytes": "--gpu-memory", "cpu_memory_bytes": "--cpu-memory"}
+        for key in ("gpus_per_node", "nodes", "micro_batch", "grad_accum_steps"):
+            if getattr(self, key) < 1:
+                name = flag.get(key, "--" + key.replace("_", "-"))
+                raise UsageError(f"{name} must be at least 1, got {getattr(self, key)}")
+        for key in ("seq_len", "lora_rank", "gpu_memory_bytes", "cpu_memory_bytes", "image_size"):
+            if getattr(self, key) is not None and getattr(self, key) < (0 if key in ("seq_len", "lora_rank") else 1):
+                name = flag.get(key, "--" + key.replace("_", "-"))
+                raise UsageError(f"{name} must not be negative, got {getattr(self, key)}" if key in ("seq_len", "lora_rank")
+                                 else f"{name} must be positive, got {getattr(self, key)}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"unknown precision '{self.precision}' (choose from {', '.join(PRECISIONS)})")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"unknown optimizer '{self.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
+        if not 0 <= self.headroom < 1:
+            raise UsageError(f"headroom must be in [0, 1), got {self.headroom}")
+        if self.tp_size is not None:
+            if self.tp_size < 1:
+                raise UsageError(f"--tp must be at least 1, got {self.tp_size}")
+            if self.gpus_per_node % self.tp_size:
+                raise UsageError(f"--tp {self.tp_size} must divide the GPUs per node (--gpus {self.gpus_per_node}): "
+                                 f"a tensor-parallel group stays inside one node")
+        return self
+
+
+
+def tp_degree(spec: ModelSpec, setup: Setup) -> int:
+    """The tensor-parallel degree t of the tp / fsdp_tp / hsdp_tp rows.
+
+    `setup.tp_size` (`--tp`) when given: it must divide num_attention_heads and num_key_value_heads
+    (each rank keeps whole heads) and the GPUs per node (checked by `Setup.validate`). Default: the
+    GPUs per node capped to the largest degree that divides both head counts, i.e.
+    gcd(GPUs per node, num_attention_heads, num_key_value_heads): 8 for Llama-2-70B (64 / 8 heads) on
+    8 GPUs, 1 on one GPU (then the TP rows equal ddp / fsdp and are not recommended). The same rule
+    holds for head counts assumed from `--params` (hidden / 128); an explicit `--tp` is not checked
+    against assumed heads.
+    """
+    heads, kv = spec.heads
+    assumed = any(a.startswith("heads=") for a in spec.assumed)  # --params without --heads
+    if setup.tp_size is None:
+        return math.gcd(setup.gpus_per_node, heads, kv)
+    t = setup.tp_size
+    if not spec.tp_plan:
+        raise UsageError(f"--tp {t}: {spec.name} cannot be tensor-parallel here ({spec.tp_note})")
+    if not assumed:
+        check_tp_heads(t, heads, kv, spec.name)
+    return t
+
+
+def tp_heads_problem(t: int, heads: int, kv_heads: int) -> str | None:
+    """Why tensor-parallel degree t cannot split these heads (each rank keeps whole heads), or None."""
+    if heads % t or kv_heads % t:
+        return f"{t} must divide num_attention_heads ({heads}) and num_key_value_heads ({kv_heads})"
+    return None
+
+
+def valid_tp_degrees(heads: int, kv_heads: int) -> list[int]:
+    """Every degree that `tp_heads_problem` accepts."""
+    common = math.gcd(heads or 1, kv_heads or 1)
+    return [d for d in range(1, common + 1) if common % d == 0]
+
+
+def check_tp_heads(t: int, heads: int, kv_heads: int, name: str) -> None:
+    """One-line `UsageError` (`--tp`) unless t divides both head counts."""
+    problem = tp_heads_problem(t, heads, kv_heads)
+    if problem:
+        raise UsageError(f"--tp {problem} of {name}")
+
+
+def tp_mesh(strategy: str, setup: Setup, t: int) -> dict:
+    """The `{"dp_replicate", "dp_shard", "tp"}` degrees of a row (the profiler summary's `mesh`).
+
+    tp: t ranks of one node (world = t); fsdp_tp: FSDP2 over the other world / t ranks;
+    hsdp_tp: replicated across the nodes, FSDP2 over gpus_per_node / t ranks inside each node.
+    Ranks are laid out row-major over (dp_replicate, dp_shard, tp), as transformers' mesh
+    (pp, dp_replicate, fsdp, tp) does, so a TP group is t consecutive ranks inside a node.
+    """
+    if strategy == "tp":
+        return {"dp_replicate": 1, "dp_shard": 1, "tp": t}
+    if strategy == "fsdp_tp":
+        return {"dp_replicate": 1, "dp_shard": setup.world_size // t, "tp": t}
+    if strategy == "hsdp_tp":
+        return {"dp_replicate": setup.nodes, "dp_shard": setup.gpus_per_node // t, "tp": t}
+    n = setup.world_size
+    if strategy == "ddp":
+        return {"dp_replicate": n, "dp_shard": 1, "tp": 1}
+    if strategy == "fsdp_hybrid_shard":
+        return {"dp_replicate": setup.nodes, "dp_shard": setup.gpus_per_node, "tp": 1}
+    return {"dp_replicate": 1, "dp_shard": n, "tp": 1}
+
+
+def setup_for_mesh(setup: Setup, mesh: dict) -> tuple[str, Setup]:
+    """The TP strategy name and a Setup whose row reproduces `mesh` (a summary's `{"dp_replicate",
+    "dp_shard", "tp"}`): nodes = dp_replicate, GPUs per node = dp_shard x tp, tp_size = tp."""
+    r, s, t = (int(mesh[k]) for k in ("dp_replicate", "dp_shard", "tp"))
+    return tp_strategy(mesh), replace(setup, gpus_per_node=s * t, nodes=r, tp_size=t)

@@ -1,0 +1,220 @@
+"""`shardscope plan`'s answers: a row per strategy, which fits, which to use.
+
+Reads top-down: model spec (`model.spec`) -> mesh (`mesh`) -> bytes per strategy (`formulas`) ->
+rows, `fits`, `recommend` (here) -> printing (`cli.plan`); planned beside measured is report/'s
+`plan_vs_run`. Nothing here imports the Trainer or loads a weight. Sizes are bytes per GPU; GPU capacities are GiB (2**30).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from .formulas import Row, activation_bytes, counts, strategy_row
+from .mesh import Setup, tp_degree
+from ..model.spec import ModelSpec, model_spec
+from .trace import regime_for
+from ..strategy import STRATEGIES, TP_STRATEGIES, family
+from ..units import gb, gpu_size
+
+__all__ = ["Setup", "model_spec", "strategy_row", "estimate", "recommend", "convention_table"]
+
+TIERS = (("ddp",), ("fsdp_shard_grad_op", "zero2"), ("fsdp_hybrid_shard",), ("fsdp_full_shard", "zero3"),
+         ("hsdp_tp",), ("tp",), ("fsdp_tp",), ("zero2_offload",), ("fsdp_offload", "zero3_offload"))
+
+
+def usable_bytes(setup: Setup) -> float | None:
+    """GPU memory left for the run once `setup.headroom` is kept free (None: no GPU memory given)."""
+    return None if setup.gpu_memory_bytes is None else setup.gpu_memory_bytes * (1 - setup.headroom)
+
+
+def fit_rule(setup: Setup) -> str:
+    """The fit rule in words, as `plan` prints it."""
+    return (f"fits: peak <= {1 - setup.headroom:g} x GPU memory, the {setup.headroom:.0%} left for the CUDA caching "
+            "allocator's fragmentation, the CUDA context and NCCL buffers (--headroom; docs/planner.md)")
+
+
+def fits(row: Row, setup: Setup) -> bool | None:
+    """Whether the row fits the usable GPU memory (and, for offload rows, the given CPU memory)."""
+    usable = usable_bytes(setup)
+    if usable is None:
+        return None
+    cpu_ok = setup.cpu_memory_bytes is None or row.cpu_bytes * setup.gpus_per_node <= setup.cpu_memory_bytes
+    return row.peak_bytes <= usable and cpu_ok
+
+
+def recommend(rows: list[Row], setup: Setup) -> dict:
+    """The fastest strategy that fits with headroom, in the order DDP -> ZeRO-2/SHARD_GRAD_OP ->
+    (HYBRID_SHARD on several nodes) -> ZeRO-3/FULL_SHARD -> (HSDP x TP on several nodes) -> TP
+    (when it spans all the GPUs: world = t) -> FSDP x TP -> ZeRO-2 offload -> ZeRO-3/FSDP offload;
+    within a tier `setup.prefer` ("fsdp" or "deepspeed") goes first. TP comes after full sharding:
+    FSDP over the same N ranks already divides the model states by N; what TP adds is smaller
+    activations (the attention/MLP internals / t) and smaller gathered units (/ t), for per-layer
+    all-reduces of the activations. The TP rows are skipped at degree 1 (absent without a TP plan)."""
+    if setup.gpu_memory_bytes is None:
+        return {"strategy": None, "reason": "no GPU memory given (--gpu NAME or --gpu-memory SIZE)"}
+    by_name = {r.strategy: r for r in rows}
+    usable = usable_bytes(setup)
+    tried = []
+    for tier in TIERS:
+        if tier == ("fsdp_hybrid_shard",) and setup.nodes == 1:
+            continue  # one node: identical to full shard
+        if tier[0] in TP_STRATEGIES:
+            row = by_name.get(tier[0])
+            if row is None or row.mesh["tp"] == 1:  # estimate() leaves out rows that repeat a mesh
+                continue
+            if tier == ("tp",) and row.mesh["tp"] != setup.world_size:
+                continue  # TP alone uses t GPUs of one node, not all of them
+        names = sorted(tier, key=lambda s: family(s) != setup.prefer)
+        for name in names:
+            row = by_name[name]
+            if row.fits:
+                why = (f"{name} needs {gb(row.total_bytes)} GB per GPU of {gb(usable)} GB usable "
+                       f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
+                if name in TP_STRATEGIES:
+                    mesh = row.mesh
+                    why += (f", tensor parallel {mesh['tp']} x FSDP {mesh['dp_shard']}"
+                            + (f" x replicas {mesh['dp_replicate']}" if mesh["dp_replicate"] > 1 else ""))
+                if tried:
+                    why += "; faster options do not fit: " + ", ".join(tried)
+                return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier, rows, setup)}
+            tried.append(f"{name} {gb(row.total_bytes)} GB")
+    hint = "" if setup.activation_checkpointing else ", activation checkpointing"
+    return {"strategy": None, "reason": f"nothing fits in {gb(usable)} GB usable per GPU; try more GPUs, "
+                                         f"a smaller micro-batch{hint} or LoRA"}
+
+
+def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
+    """One line each on why a fitting alternative lost: the other strategy of the pick's tier, and the
+    TP rows (degree > 1) that fit."""
+    out = {}
+    for row in rows:
+        if row.strategy == pick or not row.fits:
+            continue
+        if row.strategy in tier:
+            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB), same tier of the decision tree; "
+                                 f"--prefer {setup.prefer}{' (the default)' * (setup.prefer == 'fsdp')} "
+                                 f"puts {pick} first")
+        elif row.strategy in TP_STRATEGIES and row.mesh["tp"] > 1:
+            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB) but ranks after sharding: FSDP over the "
+                                 f"same GPUs divides model states as well, and TP all-reduces activations in "
+                                 f"every layer; pick it when activations or gathered layers do not fit")
+    return out
+
+
+class Note(str):
+    """A note of `estimate`: its text (what --json writes) and its kind: "footnoted" when the printed table's
+    footnotes already say it, else "note"."""
+
+    def __new__(cls, text: str, kind: str = "note"):
+        note = super().__new__(cls, text)
+        note.kind = kind
+        return note
+
+
+def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
+    """Rows for every strategy, the recommendation, and what they were computed from. `traces`: compute
+    regime -> plan.trace.StepTrace (see `plan.trace.regime_for`); without one a row's activations come
+    from the formula and are approximate."""
+    setup.validate()
+    c = counts(spec, setup)
+    act = activation_bytes(spec, setup)
+    notes = []
+    strategies, tp_info = _tp_rows(spec, setup, c, notes)
+    act_tp = tp_info["activations"] if tp_info else None
+    if setup.precision == "bf16-pure":
+        notes.append(Note("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
+                          "zero* rows are planned as bf16-mixed"))
+    if spec.num_experts:
+        notes.append(Note(moe_note(spec)))
+    traces = traces or {}
+    rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
+                         traces.get(regime_for(s, setup.precision))) for s in strategies]
+    for row in rows:
+        row.fits = fits(row, setup)
+    return {
+        "rows": [asdict(r) for r in rows],
+        "recommendation": recommend(rows, setup),
+        "model": _model_facts(spec, c),
+        "setup": {**asdict(setup), "world_size": setup.world_size},
+        "activations": act,
+        "tp": tp_info,
+        "notes": [*_standing_notes(bool(traces)), *notes],
+    }
+
+
+def _tp_rows(spec: ModelSpec, setup: Setup, c, notes: list) -> tuple[tuple, dict | None]:
+    """The strategies with a row on this setup, and the TP degree's facts (None: the model has no TP plan)."""
+    if not spec.tp_plan:
+        if setup.tp_size is not None:
+            tp_degree(spec, setup)  # raises: no plan
+        notes.append(Note(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}"))
+        return tuple(s for s in STRATEGIES if s not in TP_STRATEGIES), None
+    t = tp_degree(spec, setup)
+    # fsdp_tp is tp when tp spans every GPU, hsdp_tp is fsdp_tp on one node: show each mesh once
+    same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
+    if any(same.values()):
+        notes.append(Note("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
+                          "their mesh is the one of the row above them"))
+    assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
+    tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
+               f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
+               f"KV heads {spec.heads[1]}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
+               "activations": activation_bytes(spec, setup, t), "approximate": not c.tensors}
+    if not c.tensors:
+        notes.append(Note("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)",
+                          "footnoted"))
+    if spec.tp_note:
+        notes.append(Note(spec.tp_note))
+    return tuple(s for s in STRATEGIES if not same.get(s)), tp_info
+
+
+def _model_facts(spec: ModelSpec, c) -> dict:
+    return {"name": spec.name, "params_total": c.total, "trainable_params": c.trainable,
+            "exact": spec.exact, "assumed": list(spec.assumed), "largest_layer_params": spec.largest_layer_params,
+            "largest_unit_params": max(c.units), "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
+            "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings,
+            **({"params_active": spec.params_active, "num_experts": spec.num_experts,
+                "experts_per_token": spec.experts_per_token} if spec.num_experts else {})}
+
+
+def _standing_notes(traced: bool) -> list[Note]:
+    """The notes every plan carries (the printed table's footnotes say them)."""
+    return [Note(text, "footnoted") for text in (
+        "model states (params, grads, optimizer) are exact counts; " + (
+            "activations and temporaries traced from the model's code on fake tensors (step_trace)"
+            if traced else "activations from a written-out formula: approximate"),
+        "peak_bytes: the worst moment of a step (forward, backward or optimizer step), not the sum of "
+        "everything; see docs/planner.md",
+        "optimizer_bytes includes fp32 master weights; bytes per GPU; see docs/planner.md",
+        "comm_bytes_per_step is computed from ring-collective formulas (held within 5% of the collectives the "
+        "profiler counts on 2-rank runs; see docs/planner.md)")]
+
+
+def moe_note(spec: ModelSpec) -> str:
+    """What a mixture of experts changes: memory holds every expert; ZeRO-3 and the experts' modules."""
+    note = (f"mixture of experts: every GPU's model states hold all {spec.num_experts} experts per layer "
+            f"({spec.params_total:,} params) though a token uses {spec.experts_per_token} "
+            f"({spec.params_active:,} active); ZeRO-3: ")
+    if spec.zero3_leaf_module:
+        return note + (f"mark {spec.zero3_leaf_module} a leaf module (accelerate yaml deepspeed_config: "
+                       f"deepspeed_moe_layer_cls_names: {spec.zero3_leaf_module}, or deepspeed.utils."
+                       "set_z3_leaf_modules), else ranks routing tokens to different experts fetch different "
+                       "modules and the step can hang")
+    return note + ("this transformers keeps a layer's experts in one fused module, gathered whole in each forward, "
+                   "so no leaf-module setting is needed (deepspeed_moe_layer_cls_names is for per-expert modules)")
+
+
+def convention_table(params: float = 7e9, gpus: int = 4) -> dict:
+    """The 12 B/param rule of thumb (2 weights + 2 grads + 8 Adam moments) beside the planner's
+    16 B/param (+4 B fp32 master weights), model states only, per GPU:
+        none = (p+g+k)*P;  ZeRO-1 = (p+g)*P + k*P/N;  ZeRO-2 = p*P + (g+k)*P/N;  ZeRO-3 = (p+g+k)*P/N
+    7e9 on 4 GPUs: 84 / 42 / 31.5 / 21 GB (k=8) and 112 / 49 / 38.5 / 28 GB (k=12)."""
+    def row(p, g, k):
+        return {"none": (p + g + k) * params, "zero1": (p + g) * params + k * params / gpus,
+                "zero2": p * params + (g + k) * params / gpus, "zero3": (p + g + k) * params / gpus}
+    return {"params": params, "gpus": gpus,
+            "rule-of-thumb-12": {"bytes_per_param": "2+2+8", **row(2, 2, 8)},
+            "planner-16": {"bytes_per_param": "2+2+12", **row(2, 2, 12)},
+            "explanation": ("the 12 B/param rule of thumb leaves out the 4 B fp32 master copy of the weights that "
+                            "mixed-precision Adam updates (bf16 alone cannot hold small updates); the ZeRO "
+                            "paper's K=12 is 4 master + 4 momentum + 4 variance, so 2+2+12 = 16 B/param, "
+                            "18 with fp32 gradients. Sharded terms differ by 4 B x P/N.")}

@@ -1,0 +1,264 @@
+"""What a training step holds besides its model states, from the model's own code run on fake tensors.
+
+The model is built from its transformers config inside torch's `FakeTensorMode` (shapes and dtypes, no
+memory), one forward with labels (the loss included) and one backward run at the requested shapes, and
+torch's `MemTracker` records every tensor: the moment of the largest total, and what was live then
+(activations saved for backward, temporaries such as the fp32 logits the loss upcasts, gradients
+already produced). This is the same measurement `peak.StepPeak` makes on a real step, so a prediction
+and a measurement differ only by what the planner adds for the strategy.
+
+A full-depth run (`plan --simulate`) is exact for one process; the default traces the model at 1 and 2
+layers and scales: activations(L) = base + L x per-layer, which holds because every decoder (or encoder)
+layer of a transformers model runs the same code on the same shapes. The compute regime follows the
+strategy: `autocast` (fp32 parameters, 16-bit ops: DDP) or `pure` (16-bit parameters: FSDP's mixed
+precision policy, DeepSpeed's bf16/fp16 module), `fp32` otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+from ..model.spec import auto_class
+
+REGIMES = ("fp32", "autocast", "pure")
+
+
+class TraceError(Exception):
+    """The model's code could not run on fake tensors (the planner falls back to its formula)."""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What is live at one phase's peak (forward or backward) besides parameters and optimizer state, for a
+    model of L layers: each part is base + L x per-layer bytes."""
+
+    activations: tuple[int, int]   # saved for backward (checkpointing: each layer's input, one layer recomputed)
+    temporaries: tuple[int, int]   # logits/loss upcasts, attention scratch, autocast's 16-bit weight copies
+    gradients: tuple[int, int]     # gradients already produced (0 in forward)
+
+    def at(self, layers: int) -> dict:
+        return {part: base + layers * per_layer for part, (base, per_layer) in
+                (("activations", self.activations), ("temporaries", self.temporaries), ("gradients", self.gradients))}
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The candidate peak moments of one micro-batch, and the trainable bytes the gradients belong to.
+
+    forward:        the forward's peak (the loss included)
+    head backward:  the peak before the layers' backward (the loss's and head's gradients); it holds one
+                    more layer's activations per layer, like `last layer backward`
+    last layer backward / first layer backward: the peak inside the backward of the top and the bottom layer
+                    (checkpointing: the late one holds nearly all gradients and little else)
+    """
+
+    moments: dict                # name -> Moment
+    trainable: tuple[int, int]   # bytes of the trainable parameters in the trace's dtype: base, per layer
+    regime: str
+    simulated: bool = False      # a full-depth run, not scaled from 1 and 2 layers
+
+    def toward(self, big: "StepTrace", largest: int, k: int) -> "StepTrace":
+        """The step at micro-batch k, on the line from this trace (micro-batch 1) to `big` (micro-batch `largest`).
+        A layer's moment is the largest of its instants', each affine in the micro-batch (per-sample tensors plus
+        what does not grow with it: autocast's 16-bit weight copies, rotary tables), so it is convex in it: the
+        line is exact at both ends and high between them (but for the small non-linear part the 1-and-2-layer
+        scaling leaves: tests/test_peak_prediction.py bounds it)."""
+        def line(ones, bigs):
+            return tuple(one - (-(k - 1) * (b - one) // max(1, largest - 1)) for one, b in zip(ones, bigs))
+
+        moments = {name: Moment(*(line(a, b) for a, b in zip(
+            (m.activations, m.temporaries, m.gradients), (o.activations, o.temporaries, o.gradients))))
+            for name, m in self.moments.items() for o in (big.moments[name],)}
+        return StepTrace(moments, self.trainable, self.regime, self.simulated)
+
+    def at(self, layers: int) -> dict:
+        """{moment: {activations, temporaries, gradient_fraction}} for a model of `layers` layers; the
+        gradient fraction is the share of all gradients that exist at that moment."""
+        total = self.trainable[0] + layers * self.trainable[1]
+        out = {}
+        for name, moment in self.moments.items():
+            parts = moment.at(layers)
+            grads = parts.pop("gradients")
+            out[name] = {**parts, "gradient_fraction": min(1.0, max(0.0, grads / total)) if total else 0.0}
+        return out
+
+
+def regime_for(strategy: str, precision: str) -> str:
+    """How a strategy computes at `precision` (see the module docstring)."""
+    if precision == "fp32":
+        return "fp32"
+    if precision.endswith("-pure") or strategy.startswith(("zero", "fsdp")):
+        return "pure"
+    return "autocast"
+
+
+def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32", regime: str = "fp32",
+               checkpointing: bool = False, attention: str = "sdpa", image_size: int | None = None,
+               full_depth: bool = False, lora: tuple | None = None) -> StepTrace:
+    """Trace one micro-batch's forward and backward (see the module docstring). `config` is the model's
+    transformers config; it is copied, never changed. `lora`: (rank, target module names) to train LoRA
+    adapters on the frozen model, as peft builds them. Raises TraceError when the model cannot be traced."""
+    import torch
+
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}")
+    half = torch.float16 if precision.startswith("fp16") else torch.bfloat16
+    layers_key = _layers_key(config)
+    total_layers = getattr(config, layers_key)
+    depths = (total_layers,) if full_depth else (1, 2)
+    points = []
+    for depth in depths:
+        try:
+            points.append(_trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing,
+                                 attention, image_size, lora))
+        except TraceError:
+            raise
+        except Exception as error:  # the model's code on fake tensors: any failure means "cannot trace"
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise TraceError(f"{type(error).__name__}: {first}"[:200]) from None
+    if full_depth:
+        (moments, trainable), = points
+        return StepTrace({name: Moment(*((v, 0) for v in parts)) for name, parts in moments.items()},
+                         (trainable, 0), regime, simulated=True)
+    (m1, p1), (m2, p2) = points
+    scaled = {name: Moment(*((2 * v1 - v2, v2 - v1) for v1, v2 in zip(m1[name], m2[name]))) for name in m1}
+    # the head's moment, seen alone only where the head dominates (1 layer), grows like the top layer's
+    slope = scaled["last layer backward"]
+    scaled["head backward"] = Moment(*((v - s1, s1) for v, (_, s1) in zip(
+        m1["head backward"], (slope.activations, slope.temporaries, slope.gradients))))
+    return StepTrace(scaled, (2 * p1 - p2, p2 - p1), regime)
+
+
+def _layers_key(config) -> str:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, key, None), int):
+            return key
+    raise TraceError(f"config of model type '{getattr(config, 'model_type', '?')}' names no layer count")
+
+
+def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing, attention, image_size,
+           lora=None):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
+    from transformers.initialization import no_init_weights
+
+    from ..mem_tracker import tracker as memory_tracker
+
+    config = copy.deepcopy(config)
+    setattr(config, layers_key, depth)
+    if hasattr(config, "layer_types") and isinstance(config.layer_types, list):  # per-layer kinds (Gemma-2, Qwen2)
+        config.layer_types = config.layer_types[:depth]
+    config._attn_implementation = attention
+    auto = auto_class(config)
+    if auto not in (AutoModelForCausalLM, AutoModelForImageClassification):
+        raise TraceError(f"model type '{getattr(config, 'model_type', '?')}' has no causal-LM or image-classification "
+                         "head whose loss could be traced")
+    vision = auto is AutoModelForImageClassification
+    dtype = half if regime == "pure" else torch.float32
+    # Built on the meta device (no weights, no initialisers: they read values), LoRA applied there, then each
+    # tensor made a fake CPU tensor of the same shape and dtype: peft's own device moves fail on fake tensors.
+    with torch.device("meta"), no_init_weights():
+        model = auto.from_config(config, dtype=dtype)  # not the dtype a saved config names
+    if lora is not None:
+        model = _with_lora(model, *lora)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        if checkpointing:
+            model.config.use_cache = False  # the cache is off under checkpointing anyway: say so, not warn it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if vision:
+            size = image_size or config.image_size
+            batch = {"pixel_values": torch.zeros(micro_batch, config.num_channels, size, size,
+                                                 dtype=half if regime == "pure" else torch.float32),
+                     "labels": torch.zeros(micro_batch, dtype=torch.long)}
+        else:
+            ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            batch = {"input_ids": ids, "labels": ids}
+        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        tracker = memory_tracker()
+        tracker.track_external(model)
+        autocast = torch.autocast("cpu", dtype=half) if regime == "autocast" else contextlib.nullcontext()
+        with tracker:
+            with autocast:
+                outputs = model(**batch)
+                loss = outputs.loss
+                del outputs  # the Trainer keeps only the loss: the logits are freed before backward
+            loss.backward()
+        layers = _layer_list(model, depth)
+
+        def peak(module, state):  # a module's own snapshot (MemTracker names its states by these strings)
+            return _parts({s.value: v for s, v in tracker.memory_tracking[module].snapshots.items()}[state][-1])
+
+        moments = {"forward": peak(model, "Peak-Forward"), "head backward": peak(model, "Peak-Backward"),
+                   "last layer backward": peak(layers[-1], "Peak-Backward"),
+                   "first layer backward": peak(layers[0], "Peak-Backward")}
+    return moments, trainable
+
+
+def _with_lora(model, rank: int, targets: tuple):
+    """The model wrapped by peft with LoRA adapters of `rank` on `targets` ("all-linear": every Linear but the
+    head), as `get_peft_model` builds them for training (base weights frozen, adapters in fp32 by default)."""
+    from peft import LoraConfig, get_peft_model
+
+    names = "all-linear" if "all-linear" in targets else list(targets)
+    try:
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=names))
+    except ValueError as error:  # no module matches the targets: the planner's own count says so first
+        raise TraceError(f"LoRA: {str(error).splitlines()[0]}"[:200]) from None
+
+
+def _layer_list(model, depth: int):
+    """The model's repeated blocks: the ModuleList of `depth` modules of a class it never splits."""
+    import torch
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if (isinstance(module, torch.nn.ModuleList) and len(module) == depth
+                and all(type(m).__name__ in names for m in module)):
+            return module
+    raise TraceError(f"no list of {depth} repeated layers found in {type(model).__name__}")
+
+
+def _parts(snapshot: dict) -> tuple[int, int, int]:
+    """(activations, temporaries, gradients) of a MemTracker snapshot, summed over devices."""
+    return tuple(sum(per_device.get(category, 0) for per_device in snapshot.values())
+                 for category in ("Activation", "Temp", "Gradient"))
+
+
+def tracer(config, largest: int):
+    """`setup -> {regime: StepTrace}` for a search over many setups of micro-batches 1..`largest`: each
+    (checkpointing, precision, sequence, attention, LoRA) traced at micro-batches 1 and `largest`, and any
+    micro-batch between taken on the line through them (`StepTrace.toward`: exact at the ends, high
+    between); {} when the model cannot be traced."""
+    from dataclasses import replace
+
+    cache = {}
+
+    def traces(setup) -> dict:
+        key = (setup.activation_checkpointing, setup.precision, setup.seq_len, setup.image_size, setup.attention,
+               setup.lora_rank, setup.lora_targets)
+        if key not in cache:
+            cache[key] = [traces_for(config, replace(setup, micro_batch=b))[0] for b in sorted({1, largest})]
+        one, big = cache[key][0], cache[key][-1]
+        return {regime: trace.toward(big[regime], largest, setup.micro_batch) for regime, trace in one.items()}
+    return traces
+
+
+def traces_for(config, setup, simulate: bool = False) -> tuple[dict, str | None]:
+    """{regime: StepTrace} for every regime `setup.precision` needs (fp32: one; 16-bit: autocast and pure),
+    and a note when the model cannot be traced (the planner then uses its formula, marked approximate)."""
+    regimes = ("fp32",) if setup.precision == "fp32" else ("autocast", "pure")
+    traces = {}
+    for regime in regimes:
+        try:
+            traces[regime] = trace_step(config, setup.micro_batch, setup.seq_len, precision=setup.precision,
+                                        regime=regime, checkpointing=setup.activation_checkpointing,
+                                        attention=setup.attention, image_size=setup.image_size,
+                                        full_depth=simulate,
+                                        lora=(setup.lora_rank, setup.lora_targets) if setup.lora_rank else None)
+        except TraceError as error:
+            return {}, f"activations from the formula (approximate): the model could not be traced ({error})"
+    return traces, None

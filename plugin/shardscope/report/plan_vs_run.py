@@ -1,0 +1,175 @@
+"""Planned beside measured: the planner's row for a run summary's strategy, world size, precision and model next
+to each rank's measured bytes and peak (`plan --compare`, `report`). Reads the summary (the top-level `summary`)
+and plans with plan/; the bridge from a finished run to the planner."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import UsageError
+from ..model.spec import ModelSpec, model_spec, resolve_model, spec_from_count
+from ..plan.formulas import strategy_row
+from ..plan.mesh import Setup, setup_for_mesh
+from ..plan.trace import regime_for
+from ..strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, strategy_from_summary
+from ..summary import COMPONENTS, read_summary
+
+
+def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: Setup | None = None,
+                model: str | None = None) -> dict:
+    """Planner estimate for the summary's strategy, world size, precision and model beside each
+    rank's measured bytes: per component planned, measured, rel_diff = (measured - planned)/planned.
+    Where a rank's summary has a measured peak (`peak_breakdown`) and its step's shape (`peak_step`), its
+    `peak` holds the planned peak of that same step (micro-batch, sequence or image size, checkpointing,
+    traced from `model` or the summary's model when it is a local folder or shipped name) beside it."""
+    summary = read_summary(summary_path)
+    strategy = strategy_from_summary(summary)
+    if strategy is None:
+        raise UsageError(f"summary '{summary_path}': key 'strategy' ({summary['strategy']!r}) is not one of "
+                         f"{', '.join(STRATEGIES)}")
+    world, nodes = int(summary["world_size"]), int(summary.get("num_nodes") or 1)
+    precision = PRECISION_ALIASES.get(str(summary.get("precision", "fp32")).lower())
+    if precision is None:
+        raise UsageError(f"summary '{summary_path}': key 'precision' ({summary.get('precision')!r}) is not one of "
+                         f"{', '.join(PRECISIONS)}")
+    info = summary.get("model") or {}
+    spec, model = _spec_of_run(summary_path, info, spec, model)
+    setup = _setup_of_run(summary_path, summary, strategy, setup, world, nodes, precision)
+    row = strategy_row(strategy, spec, setup)
+    planned = {k: getattr(row, k) for k in COMPONENTS}
+    planned["model_states_bytes"] = row.model_states_bytes
+    if setup.reference_model:
+        planned["frozen_models_bytes"] = row.frozen_bytes
+    peaks = _PlannedPeaks(strategy, spec, setup, model)
+    ranks = _ranks(summary_path, summary, planned, peaks)
+    trainable = info.get("trainable_params")
+    planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.total_bytes)
+    return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
+            "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": planned_peak,
+            "bucket_elements": setup.bucket_elements, "trace_note": peaks.note,
+            "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
+            "planned_comm_bytes_per_step": row.comm_bytes_per_step,
+            "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
+            "trainable_params_measured": trainable, "ranks": ranks}
+
+
+def _spec_of_run(summary_path, info: dict, spec: ModelSpec | None, model: str | None) -> tuple[ModelSpec, str | None]:
+    """The run's model: `spec` if given, else its config (a local folder or shipped name) or its parameter count."""
+    if spec is None:
+        source = info.get("name_or_path")
+        if source and (os.path.isdir(source) or resolve_model(source) != source):
+            spec, model = model_spec(source), model or source
+        elif info.get("params_total"):
+            spec = spec_from_count(info["params_total"])
+        else:
+            raise UsageError(f"summary '{summary_path}': key 'model.name_or_path' is not a local folder; "
+                             f"pass --model")
+    return spec, model
+
+
+def _setup_of_run(summary_path, summary: dict, strategy: str, setup: Setup | None, world: int, nodes: int,
+                  precision: str) -> Setup:
+    """The Setup the run was: its GPUs, precision, accumulation, TP mesh, the ZeRO/FSDP settings its profiler read
+    and whether it held a frozen reference model."""
+    setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision)
+    accum = summary.get("gradient_accumulation_steps", setup.grad_accum_steps)
+    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        raise UsageError(f"summary '{summary_path}': key 'gradient_accumulation_steps' must be a positive integer, "
+                         f"got {accum!r}")
+    setup = replace(setup, grad_accum_steps=accum)
+    mesh = summary.get("mesh")
+    if strategy in TP_STRATEGIES:
+        if not isinstance(mesh, dict) or not all(isinstance(mesh.get(k), int) and mesh[k] >= 1
+                                                 for k in ("dp_replicate", "dp_shard", "tp")):
+            raise UsageError(f"summary '{summary_path}': key 'mesh' must give positive integers dp_replicate, "
+                             f"dp_shard and tp for strategy {strategy}, got {mesh!r}")
+        degrees = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["tp"]
+        if degrees != world:
+            raise UsageError(f"summary '{summary_path}': key 'mesh' ({mesh['dp_replicate']} x {mesh['dp_shard']} x "
+                             f"{mesh['tp']} = {degrees}) disagrees with world_size {world}")
+        by_mesh, setup = setup_for_mesh(setup, mesh)
+        if by_mesh != strategy:
+            raise UsageError(f"summary '{summary_path}': key 'strategy' ({strategy}) disagrees with key 'mesh' "
+                             f"{mesh} (which is {by_mesh})")
+    detail = summary.get("strategy_detail") or {}
+    if strategy.startswith("zero3") and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
+        setup = replace(setup, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
+    if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
+        setup = replace(setup, fsdp_version=int(detail["fsdp_version"]))
+    if strategy.startswith("zero"):  # the buckets the run's ZeRO optimizer was built with (the profiler reads them)
+        if _count_or_none(detail.get("reduce_bucket_size")):
+            setup = replace(setup, bucket_elements=detail["reduce_bucket_size"])
+        if isinstance(detail.get("overlap_comm"), bool):
+            setup = replace(setup, zero_overlap_comm=detail["overlap_comm"])
+    # A run that held a frozen copy of the model (DPO's reference) is planned with one: compared as its own part.
+    setup = replace(setup, reference_model=all(v is not None for v in _references(summary)))
+    return setup
+
+
+def _references(summary: dict) -> list:
+    """Per rank, the bytes of the frozen reference model it held (DPO's), or None."""
+    return [_count_or_none((r.get("frozen_models") or {}).get("reference")) for r in summary["ranks"]]
+
+
+def _ranks(summary_path, summary: dict, planned: dict, peaks: "_PlannedPeaks") -> list[dict]:
+    """Per rank: each planned component beside the measured one, and the planned peak of its measured step."""
+    ranks = []
+    for i, (rank, frozen) in enumerate(zip(summary["ranks"], _references(summary))):
+        measured = {k: rank[k] for k in COMPONENTS}
+        measured["model_states_bytes"] = sum(measured.values())
+        if "frozen_models_bytes" in planned:
+            measured["frozen_models_bytes"] = frozen
+        ranks.append({"rank": rank.get("rank"), "components": [
+            {"component": k, "planned": planned[k], "measured": measured[k],
+             "rel_diff": (measured[k] - planned[k]) / planned[k] if planned[k] else None} for k in planned],
+            "peak_memory_bytes": rank.get("peak_memory_bytes"), "memory_kind": rank.get("memory_kind"),
+            "comm_sent_bytes_per_step": rank.get("comm_sent_bytes_per_step"), "comm": rank.get("comm"),
+            "peak": peaks.beside(rank, f"summary '{summary_path}': key 'ranks[{i}].peak_step'")})
+    return ranks
+
+
+class _PlannedPeaks:
+    """The planned peak of each step shape a run's ranks measured (traced once per shape)."""
+
+    def __init__(self, strategy: str, spec: ModelSpec, setup: Setup, model: str | None):
+        self.strategy, self.spec, self.setup, self.model, self.rows, self.note = strategy, spec, setup, model, {}, None
+
+    def beside(self, rank: dict, where: str) -> dict | None:
+        """{step, planned {peak_bytes, peak_breakdown, peak_phase, activations_source}, measured {peak_tensor_bytes,
+        peak_breakdown, peak_phase}, error = (planned - measured) / measured (as the 5% bound reads)}, or None
+        when the rank has no measured peak or step shape."""
+        step, breakdown = rank.get("peak_step"), rank.get("peak_breakdown")
+        if step is None or not isinstance(breakdown, dict) or _count_or_none(rank.get("peak_tensor_bytes")) is None:
+            return None
+        shape = {k: step.get(k) if isinstance(step, dict) else None
+                 for k in ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")}
+        if not _count_or_none(shape["micro_batch"]) or not all(
+                v is None or _count_or_none(v) is not None for v in (shape["seq_len"], shape["image_size"])):
+            raise UsageError(f"{where} must give a positive integer micro_batch and non-negative integers (or null) "
+                             f"seq_len and image_size, got {step!r}")
+        key = tuple(shape.values())
+        if key not in self.rows:
+            setup = replace(self.setup, micro_batch=shape["micro_batch"], image_size=shape["image_size"],
+                            activation_checkpointing=bool(shape["gradient_checkpointing"]),
+                            seq_len=self.setup.seq_len if shape["seq_len"] is None else shape["seq_len"])
+            traces = {}
+            if self.model:
+                from ..plan.trace_cache import cached_traces_for
+
+                traces, self.note = cached_traces_for(self.model, setup)
+            else:
+                self.note = "no model config to trace: activations from the formula (approximate)"
+            self.rows[key] = strategy_row(self.strategy, self.spec, setup,
+                                          trace=traces.get(regime_for(self.strategy, setup.precision)))
+        row, measured = self.rows[key], rank["peak_tensor_bytes"]
+        return {"step": shape, "planned": {k: getattr(row, k) for k in ("peak_bytes", "peak_breakdown", "peak_phase",
+                                                                         "activations_source")},
+                "measured": {"peak_tensor_bytes": measured, "peak_breakdown": breakdown,
+                             "peak_phase": rank.get("peak_phase")},
+                "error": (row.peak_bytes - measured) / measured if measured else None}
+
+
+def _count_or_none(value):
+    """A byte count read from a summary, or None (missing, not a number)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
