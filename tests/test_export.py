@@ -199,7 +199,7 @@ def test_zero_reshard_writes_the_universal_checkpoint(trained, tmp_path, capsys,
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from shardscope.checkpoint.reshard import UNIVERSAL_SWITCH
-    from shardscope.checkpoint.resume import resume_problem
+    from shardscope.doctor.resume import resume_problem
     from shardscope.checkpoint.sources import ZeroSource
 
     checkpoint, _ = trained(name)

@@ -26,7 +26,7 @@ import os
 import pickle
 import secrets
 import shutil
-from argparse import Namespace
+from types import SimpleNamespace
 from pathlib import Path
 
 from ..errors import UsageError
@@ -68,7 +68,7 @@ def to_universal(folder: Path, tag: str | None, out: Path, trust_pickle: bool) -
     zero_files(step, trust_pickle)  # every rank's files present, whole, and only DeepSpeed's types pickled
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    args = Namespace(input_folder=str(step), output_folder=str(out / step.name), num_extract_workers=1,
+    args = SimpleNamespace(input_folder=str(step), output_folder=str(out / step.name), num_extract_workers=1,
                      num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     log = io.StringIO()
     try:
@@ -144,18 +144,3 @@ def next_step(kind: str, out: Path) -> str:
                 "when the checkpoint holds latest_universal)")
     return (f"resume at any world size (keep the global batch) with `--resume_from_checkpoint {out}`: "
             "torch's DCP reshards the model and optimizer state on load")
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "reshard", help="make a ZeRO/FSDP Trainer checkpoint resumable at another number of GPUs",
-        description="Turn a Trainer checkpoint (DeepSpeed ZeRO-1/2/3, or FSDP SHARDED_STATE_DICT) into one that "
-                    "resumes at any world size with the optimizer state kept: ZeRO -> DeepSpeed's universal "
-                    f"checkpoint (resume with {UNIVERSAL_SWITCH} in the DeepSpeed config); DCP -> checked readable "
-                    "and copied (torch reshards it on load).")
-    parser.add_argument("checkpoint", type=Path, help="checkpoint-N (or a Trainer output dir: its newest)")
-    parser.add_argument("out_dir", type=Path, help="new folder to create (refused if it exists)")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="unpickle the checkpoint's files without restriction (a crafted checkpoint can then run "
-                             "any code on your machine)")
-    parser.set_defaults(func=lambda args: reshard(args.checkpoint, args.out_dir, args.trust_pickle) and 0)

@@ -20,9 +20,9 @@ COMMANDS = {
     "compare": "cli.compare",
     "report": "cli.compare",
     "doctor": "cli.doctor",
-    "export": "checkpoint.export",
-    "reshard": "checkpoint.reshard",
-    "preflight": "preflight",
+    "export": "cli.export",
+    "reshard": "cli.reshard",
+    "preflight": "cli.preflight",
 }
 
 DESCRIPTION = """\

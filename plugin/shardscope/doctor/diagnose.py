@@ -328,7 +328,7 @@ def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, 
 
 def check_resume(trainer: dict, world: int | None, source: str) -> list[Finding]:
     """`resume_from_checkpoint` saved by ZeRO at another world size: the reshard step named."""
-    from ..checkpoint.resume import resume_problem
+    from .resume import resume_problem
 
     problem = resume_problem(trainer.get("resume_from_checkpoint"), world) if world else None
     return [Finding("resume-world-size", source, "resume_from_checkpoint", *problem)] if problem else []

@@ -143,13 +143,7 @@ class ShardingProfiler:
         self._sampled_due = True  # the next step's counter and timer are still to start
         forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
         with self.guard("parameter counts"):
-            self._flops_model = self._flops_model or describe_flops(self._module)
-            self._frozen_flops = {name: describe_flops(m) for name, m in self.frozen_models.items()}
-            self._patch_size = patch_size(self._module)
-            self._frozen_patch_sizes = {name: patch_size(m) for name, m in self.frozen_models.items()}
-            self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
-                                "params_total": self._flops_model.total_params,
-                                "trainable_params": self._flops_model.trainable_total}
+            self._describe_models()
         with self._throughput:
             self._install_hooks()
         with self._precision_probe:
@@ -417,6 +411,16 @@ class ShardingProfiler:
         return out
 
     # --- Set-up ------------------------------------------------------------------------------------------------
+    def _describe_models(self):
+        """Parameter counts (FLOPs, the summary's `model`) and vision patch sizes of the trained and frozen models."""
+        self._flops_model = self._flops_model or describe_flops(self._module)
+        self._frozen_flops = {name: describe_flops(m) for name, m in self.frozen_models.items()}
+        self._patch_size = patch_size(self._module)
+        self._frozen_patch_sizes = {name: patch_size(m) for name, m in self.frozen_models.items()}
+        self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
+                            "params_total": self._flops_model.total_params,
+                            "trainable_params": self._flops_model.trainable_total}
+
     def _visible_module(self, model):
         """The module whose parameters and forwards are counted: the model inside a known wrapper; for an object
         the profiler does not know, the module it holds (`module` / `model`), warned about once."""

@@ -1,4 +1,5 @@
-"""`shardscope preflight`: its options, their checks (bad input: exit 2) and which check runs."""
+"""`shardscope preflight` arguments: its options, their checks (bad input: exit 2) and which check runs (the checks
+are preflight/'s)."""
 from __future__ import annotations
 
 import argparse
@@ -85,9 +86,9 @@ def check(args) -> str:
 def run(args) -> int:
     args.started = time.monotonic()  # the deadline counts from here, before torch is imported (seconds under load)
     if check(args) == "node":
-        from .node_check import run as node_check
+        from ..preflight.node_check import run as node_check
 
         return node_check(args)
-    from .full_check import run as full_check
+    from ..preflight.full_check import run as full_check
 
     return full_check(args)
