@@ -11,7 +11,7 @@ master + 8 B moments), 18 B with fp32 gradients; `optimizer_bytes` includes the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
 from .mesh import Setup, tp_degree, tp_mesh
@@ -225,7 +225,6 @@ class Row:
     activations_bytes: int
     buffers_bytes: int
     frozen_bytes: int = 0                     # a frozen copy of the model (`Setup.reference_model`): its params
-    total_bytes: int = 0                      # = peak_bytes (the name plan --json used before peak_bytes)
     peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
     peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (peak_plan)
     peak_phase: str = ""                      # forward, backward or optimizer step
@@ -243,7 +242,16 @@ class Row:
 
     def __post_init__(self):
         self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
-        self.total_bytes = self.peak_bytes
+
+    def as_dict(self) -> dict:
+        """The row as `estimate` returns it and --json writes it: its fields, and `total_bytes` (= peak_bytes, the
+        name plan --json used before peak_bytes) where that key has always stood."""
+        out = {}
+        for key, value in asdict(self).items():
+            out[key] = value
+            if key == "frozen_bytes":
+                out["total_bytes"] = self.peak_bytes
+        return out
 
 
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
