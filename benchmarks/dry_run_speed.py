@@ -3,6 +3,11 @@ test checks what the dry run counts, this file what it costs). One process; the 
 warmed first; each case is timed with wall clock and process CPU time.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/dry_run_speed.py --out benchmarks/results/dry_run_speed.md
+
+`--vs-import N` times instead the whole command for Llama-2-70B on 64 ranks (`shardscope plan --model llama-2-70b
+--gpus 8 --nodes 8 --dry-run`, a fresh process; every default strategy, then fsdp_full_shard alone) against
+`python -c "import torch, transformers"`, N times each, interleaved (the issue's target: within 1.85x); medians of
+wall clock and the child's CPU time (user + sys).
 """
 from __future__ import annotations
 
@@ -22,7 +27,10 @@ CASES = [("llama-2-70b", "fsdp_tp", 64, 8, 8), ("llama-2-70b", "hsdp_tp", 64, 8,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the table here (Markdown)")
+    parser.add_argument("--vs-import", type=int, metavar="N", help="the whole command against the imports, N times")
     args = parser.parse_args()
+    if args.vs_import:
+        return vs_import(args.vs_import, args.out)
     configs = {model: load_model_config(model) for model, *_ in CASES}
     dr.dry_run(configs["llama-2-7b"], "fsdp_full_shard", 8)  # warm-up: imports and model classes
     lines = [f"`plan --dry-run` per case, after a warm-up (load average {os.getloadavg()[0]:.1f} on "
@@ -37,6 +45,38 @@ def main() -> None:
         print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+def vs_import(repeats: int, out: str | None) -> None:
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from plan_startup import timed
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "plugin"),
+           "SHARDSCOPE_CACHE": tempfile.mkdtemp()}
+    plan = [sys.executable, "-m", "shardscope", "plan", "--model", "llama-2-70b", "--gpus", "8", "--nodes", "8",
+            "--dry-run"]
+    arms = {"import torch, transformers": [sys.executable, "-c", "import torch, transformers"],
+            "plan --dry-run 70B, 64 ranks": plan,
+            "the same, --strategy fsdp_full_shard": [*plan, "--strategy", "fsdp_full_shard"]}
+    subprocess.run(plan, env=env, capture_output=True, check=True)  # page cache
+    times = {arm: [] for arm in arms}
+    for _ in range(repeats):
+        for arm, cmd in arms.items():
+            times[arm].append(timed(cmd, env))
+    base = [statistics.median(t[i] for t in times["import torch, transformers"]) for i in (0, 1)]
+    lines = [f"`plan --dry-run` against the imports, {repeats} runs each, interleaved, medians (load average "
+             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU(s))", "",
+             "| command | wall s | CPU s | wall / import | CPU / import |", "| --- | --- | --- | --- | --- |"]
+    for arm, runs in times.items():
+        wall, cpu = (statistics.median(t[i] for t in runs) for i in (0, 1))
+        lines.append(f"| {arm} | {wall:.2f} | {cpu:.2f} | {wall / base[0]:.2f}x | {cpu / base[1]:.2f}x |")
+    print("\n".join(lines))
+    if out:
+        Path(out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

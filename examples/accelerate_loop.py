@@ -21,8 +21,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from transformers import AutoModelForCausalLM
 
-from shardscope import ShardingProfiler
-from shardscope.recipes.training import end_of_run
+from shardscope import ShardingProfiler, end_of_run
 
 
 def padded_batches(vocab: int, batch_size: int, max_len: int = 48, n: int = 64, seed: int = 0):

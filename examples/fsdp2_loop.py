@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from shardscope import ShardingProfiler
-from shardscope.recipes.training import end_of_run
+from shardscope import ShardingProfiler, end_of_run
 
 from accelerate_loop import padded_batches, tiny_model  # same folder: the data and model of the Accelerate example
 

@@ -38,7 +38,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
-from shardscope.recipes.training import end_of_run
+from shardscope import end_of_run
 
 
 class Stage(torch.nn.Module):

@@ -84,7 +84,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from shardscope.recipes.training import end_of_run
+    from shardscope import end_of_run
 
     main()
     end_of_run()

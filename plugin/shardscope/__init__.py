@@ -19,6 +19,7 @@ _PUBLIC = {
     "setup_for_mesh": "plan.mesh",
     "model_spec": "model.spec",
     "plan_vs_run": "report.plan_vs_run",
+    "end_of_run": "recipes.training",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

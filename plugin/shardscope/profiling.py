@@ -38,7 +38,7 @@ def preflight_plan(model, strategy: str | None, mesh: dict | None, world: int, n
     if row is None:
         return None
     usable, best = usable_bytes(setup), plan["recommendation"]
-    out = {"strategy": strategy, "peak_bytes": row["peak_bytes"], "total_bytes": row["total_bytes"],
+    out = {"strategy": strategy, "peak_bytes": row["peak_bytes"], "total_bytes": row["peak_bytes"],
            "peak_phase": row["peak_phase"], "activations_source": row["activations_source"],
            "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "fits": row["fits"],
            "gpu_memory_bytes": setup.gpu_memory_bytes, "usable_bytes": int(usable), "recommendation": best}

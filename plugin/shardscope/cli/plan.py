@@ -85,7 +85,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['strategy'] + ('~' if r.get('approximate') else ''):<20} {gb(r['params_bytes']):>8} "
                      f"{gb(r['grads_bytes']):>7} {gb(r['optimizer_bytes']):>6} {gb(r['activations_bytes']):>7} "
                      f"{gb(r['buffers_bytes']):>8}" + (f" {gb(r['frozen_bytes']):>7}" if frozen else "")
-                     + f" {gb(r['total_bytes']):>7}  | "
+                     + f" {gb(r['peak_bytes']):>7}  | "
                      f"{gb(r['cpu_bytes']) if r['cpu_bytes'] else '':>8}  {fits:<4}  "
                      f"{gb(r['comm_bytes_per_step']):>10}")
     lines += ["", "bytes per trainable parameter (weights + grads + master + moments = total):"]

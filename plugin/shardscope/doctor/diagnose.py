@@ -169,7 +169,7 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
         flags.append(flag)
         cheaper = {r["strategy"]: r for r in plan(setup)[0]["rows"]}[strategy]
         if cheaper["fits"]:
-            fix = f"pass {' '.join(flags)}: {strategy} then needs {gb(cheaper['total_bytes'])} GB per GPU " \
+            fix = f"pass {' '.join(flags)}: {strategy} then needs {gb(cheaper['peak_bytes'])} GB per GPU " \
                   f"(cheaper than changing strategy); else {fix}"
             break
     what = (f"{strategy} needs {gb(row['peak_bytes'])} GB per GPU at its peak ({row['peak_phase']}); a "

@@ -11,7 +11,7 @@ master + 8 B moments), 18 B with fp32 gradients; `optimizer_bytes` includes the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
 from .mesh import Setup, tp_degree, tp_mesh
@@ -225,7 +225,6 @@ class Row:
     activations_bytes: int
     buffers_bytes: int
     frozen_bytes: int = 0                     # a frozen copy of the model (`Setup.reference_model`): its params
-    total_bytes: int = 0                      # = peak_bytes (the name plan --json used before peak_bytes)
     peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
     peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (peak_plan)
     peak_phase: str = ""                      # forward, backward or optimizer step
@@ -243,7 +242,16 @@ class Row:
 
     def __post_init__(self):
         self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
-        self.total_bytes = self.peak_bytes
+
+    def as_dict(self) -> dict:
+        """The row as `estimate` returns it and --json writes it: its fields, and `total_bytes` (= peak_bytes, the
+        name plan --json used before peak_bytes) where that key has always stood."""
+        out = {}
+        for key, value in asdict(self).items():
+            out[key] = value
+            if key == "frozen_bytes":
+                out["total_bytes"] = self.peak_bytes
+        return out
 
 
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
@@ -251,22 +259,15 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     """Per-rank bytes of one strategy: its model states, buffers, CPU bytes, communication and the peak of its
     step (with `trace`, plan/trace.py's `StepTrace` of its compute regime; else the activation formula). The
     formula of each family, its terms and its sources: docs/planner.md, "The formulas as the code computes them"."""
-    c = c or counts(spec, setup)
-    fam = family(strategy)
-    t = tp_degree(spec, setup) if fam == "tp" else 1
-    mesh = tp_mesh(strategy, setup, t)
-    act = activation_bytes(spec, setup, t)["total"] if activations is None else activations
-    stage = int(strategy[4]) if fam == "deepspeed" else 0
-    eb = element_bytes(setup.precision, fam, setup.optimizer, setup.fp32_grads, stage)
-    states = {"torch": _torch_states, "deepspeed": _zero12_states if stage in (1, 2) else _zero3_states,
-              "fsdp": _fsdp_states, "tp": _tp_states}[fam]
-    row, cpu, detail, n = states(strategy, spec, setup, c, eb, mesh)
-    comm = {k: int(v) for k, v in comm_terms(strategy, spec, setup, c, eb, mesh, n).items()}
-    if trace is not None and fam != "tp":
+    ctx = family_row(strategy, spec, setup, c or counts(spec, setup))
+    act = activation_bytes(spec, setup, ctx.mesh["tp"])["total"] if activations is None else activations
+    row, cpu, detail = ctx.states()
+    comm = {k: int(v) for k, v in ctx.comm().items()}
+    if trace is not None and not isinstance(ctx, TpRow):
         moments, source = trace.at(spec.num_layers), "simulated" if trace.simulated else "traced"
     else:
         moments, source = formula_moments(act, setup.activation_checkpointing), FORMULA
-    peak = step_peak(row, detail, moments, _held(strategy, spec, setup, c, eb, row, detail))
+    peak = step_peak(row, detail, moments, ctx.held(row, detail))
     # A frozen reference is built and sharded like the trained model, in the dtype its parameters are held in
     # (fp32 under torch mixed precision, 16-bit DeepSpeed partitions), with no grads or optimizer state; it is
     # held through the whole step, so it adds to the worst moment.
@@ -275,36 +276,230 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
         peak["peak_bytes"] += frozen
         peak["peak_breakdown"] = {**peak["peak_breakdown"], "frozen": frozen}
     return Row(strategy=strategy, frozen_bytes=frozen, activations_bytes=peak["peak_breakdown"]["activations"],
-               per_param=per_param(eb),
-               buffers_bytes=int(sum(detail.values())), cpu_bytes=int(cpu), buffers_detail=detail, shard_degree=n,
-               mesh=mesh, comm_bytes_per_step=sum(comm.values()), comm=comm,
-               approximate=fam == "tp" and not c.tensors, peak_bytes=peak["peak_bytes"],
+               per_param=per_param(ctx.eb),
+               buffers_bytes=int(sum(detail.values())), cpu_bytes=int(cpu), buffers_detail=detail,
+               shard_degree=ctx.shards, mesh=ctx.mesh, comm_bytes_per_step=sum(comm.values()), comm=comm,
+               approximate=isinstance(ctx, TpRow) and not ctx.c.tensors, peak_bytes=peak["peak_bytes"],
                peak_breakdown=peak["peak_breakdown"], peak_phase=peak["peak_phase"], activations_source=source, **row)
 
 
-def _held(strategy, spec, setup, c, eb, row, detail) -> dict:
-    """What `peak_plan.step_peak` adds to the states (see its docstring): what a rank gathers to compute and the
-    fresh gradient of the unit or layer being reduced, the gradients it holds at the end of backward where they
-    are not its shard (ZeRO-1), and what it carries from earlier micro-batches into a later one."""
-    fam, g, held = family(strategy), eb.grad, {}
-    if fam == "fsdp":
-        unit = detail["unit_grad"]  # the largest unit in the compute dtype (_fsdp_states)
-        held = {"gathered": detail.get("gathered_params", unit), "gathered_end": unit,
-                "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": unit}
-    elif detail.get("gathered_units"):  # TP + FSDP2
-        held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
-    elif strategy.startswith("zero3"):
-        held = {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
-                "fresh_unit": spec.largest_layer_params * g}
-    if strategy == "zero1":
-        held["backward_grads"] = c.trainable * g
-    if setup.grad_accum_steps == 1 or fam == "tp":
-        return held
-    if fam == "torch" or strategy == "zero1":  # torch's AccumulateGrad adds each fresh gradient into .grad
-        return {**held, "carried": c.trainable * g}
-    if fam == "fsdp":  # unsharded, reduce-scattered unit by unit in the last micro-batch
-        return {**held, "carried": c.trainable * eb.compute}
-    return {**held, "carried": row["grads_bytes"], "carried_kept": strategy == "zero2"}
+def family_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts) -> "FamilyRow":
+    """The context of one strategy's row: its family's class with the counts, element bytes and mesh."""
+    fam = family(strategy)
+    t = tp_degree(spec, setup) if fam == "tp" else 1
+    stage = int(strategy[4]) if fam == "deepspeed" else 0
+    eb = element_bytes(setup.precision, fam, setup.optimizer, setup.fp32_grads, stage)
+    kind = {"torch": TorchRow, "deepspeed": Zero12Row if stage in (1, 2) else Zero3Row, "fsdp": FsdpRow,
+            "tp": TpRow}[fam]
+    return kind(strategy, spec, setup, c, eb, tp_mesh(strategy, setup, t))
+
+
+@dataclass
+class FamilyRow:
+    """What one strategy row's formulas need (the model, the run, the counts, the element bytes, the mesh); one
+    subclass per family gives `states` (GPU model states, CPU bytes, buffers), `comm` (bytes each rank sends per
+    optimizer step, by collective) and `shards` (the ranks that divide the model states)."""
+
+    strategy: str
+    spec: ModelSpec
+    setup: Setup
+    c: Counts
+    eb: ElementBytes
+    mesh: dict
+
+    shards = 1
+
+    def states(self) -> tuple[dict, int, dict]:
+        raise NotImplementedError
+
+    def comm(self) -> dict:
+        raise NotImplementedError
+
+    def held(self, row: dict, detail: dict) -> dict:
+        """What `plan/peak.py`'s `step_peak` adds to the states (see its docstring): what a rank gathers to compute
+        and the fresh gradient of the unit or layer being reduced, the gradients it holds at the end of backward
+        where they are not its shard (ZeRO-1), and what it carries from earlier micro-batches into a later one."""
+        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        fam, g, held = family(strategy), eb.grad, {}
+        if fam == "fsdp":
+            unit = detail["unit_grad"]  # the largest unit in the compute dtype (FsdpRow.states)
+            held = {"gathered": detail.get("gathered_params", unit), "gathered_end": unit,
+                    "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": unit}
+        elif detail.get("gathered_units"):  # TP + FSDP2
+            held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
+        elif strategy.startswith("zero3"):
+            held = {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
+                    "fresh_unit": spec.largest_layer_params * g}
+        if strategy == "zero1":
+            held["backward_grads"] = c.trainable * g
+        if setup.grad_accum_steps == 1 or fam == "tp":
+            return held
+        if fam == "torch" or strategy == "zero1":  # torch's AccumulateGrad adds each fresh gradient into .grad
+            return {**held, "carried": c.trainable * g}
+        if fam == "fsdp":  # unsharded, reduce-scattered unit by unit in the last micro-batch
+            return {**held, "carried": c.trainable * eb.compute}
+        return {**held, "carried": row["grads_bytes"], "carried_kept": strategy == "zero2"}
+
+
+class TorchRow(FamilyRow):
+    """ddp: everything whole on every rank, plus the reducer's bucket copy of the grads."""
+
+    def states(self):
+        setup, c, eb = self.setup, self.c, self.eb
+        row = dict(params_bytes=c.total * eb.param, grads_bytes=c.trainable * eb.grad,
+                   optimizer_bytes=int(c.trainable * (eb.master + eb.moments))
+                   + _step_tensors(setup, c.n_trainable_tensors))
+        detail = {"ddp_buckets": 0 if setup.ddp_bucket_view or setup.world_size == 1 else c.trainable * eb.grad}
+        return row, 0, detail
+
+    def comm(self):
+        return {"grad_all_reduce": 2 * _ring(self.setup.world_size) * self.c.trainable * self.eb.grad}
+
+
+class Zero12Row(FamilyRow):
+    """zero1, zero2, zero2_offload: one flat partition of the trainable params, padded to 2N."""
+
+    @property
+    def shards(self) -> int:
+        return self.setup.world_size
+
+    def states(self):
+        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        n, g = self.shards, eb.grad
+        shard = ceil_div(c.trainable, 2 * n) * 2
+        optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
+        detail = {"reduce_buckets": (2 if _overlap(setup, 2) else 1) * _bucket(spec, setup) * g}
+        if strategy == "zero2_offload":
+            return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
+                shard * (4 + eb.param) + optim, detail
+        detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
+        grads = zero2_grad_partition(c, n) if strategy == "zero2" else shard
+        if strategy == "zero2":  # the flat partition DeepSpeed's end-of-backward epilogue builds for the step
+            detail["flat_grad_partition"] = shard * g
+        return dict(params_bytes=c.total * eb.param, grads_bytes=grads * g, optimizer_bytes=optim), 0, detail
+
+    def comm(self):
+        c, N, A = self.c, self.setup.world_size, self.setup.grad_accum_steps
+        # stage 1 all-reduces whole gradients once per step; stage 2 all-reduces buckets every micro-batch
+        # (use_multi_rank_bucket_allreduce)
+        per_step = 1 if self.strategy.startswith("zero1") else A
+        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * self.eb.grad * per_step,
+                "param_all_gather": _ring(N) * c.total * self.eb.param}
+
+
+class Zero3Row(FamilyRow):
+    """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent).
+    zero3_offload moves what `setup.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
+
+    @property
+    def shards(self) -> int:
+        return self.setup.world_size
+
+    def states(self):
+        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        n, p, g = self.shards, eb.param, eb.grad
+        pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
+        optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
+        gathered, regather = _zero3_gathered(spec, setup, c)
+        # what stays gathered from forward into backward beyond the layer in use (not re-gathered: see comm)
+        kept = max(0, int((1 - regather) * gathered) - spec.largest_layer_params) * p
+        detail = {"gathered_layer": spec.largest_layer_params * (p + g), "kept_gathered": kept,
+                  "reduce_bucket": _bucket(spec, setup) * g,  # + its reduce-scatter output at the end of backward
+                  "reduce_scatter_output": ceil_div(min(_bucket(spec, setup), c.trainable), n) * g}
+        # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
+        persistent = (c.total - gathered) * p
+        on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
+        cpu = 0
+        if strategy == "zero3_offload" and setup.zero3_offload in ("all", "params"):  # offload_param
+            on_gpu["params_bytes"], cpu = persistent, pshard * p
+        if strategy == "zero3_offload" and setup.zero3_offload in ("all", "optimizer"):  # offload_optimizer
+            on_gpu.update(grads_bytes=0, optimizer_bytes=0)
+            return on_gpu, cpu + tshard * (g + 4) + optim, detail
+        # DeepSpeed's step builds fp32 gradients one sub-group (sub_group_size elements) at a time
+        detail["fp32_grad_copy_in_step"] = min(tshard, setup.zero_sub_group_size) * 4
+        return on_gpu, cpu, detail
+
+    def comm(self):
+        c, N, A = self.c, self.setup.world_size, self.setup.grad_accum_steps
+        gathered, regather = _zero3_gathered(self.spec, self.setup, c)
+        persistent = c.total - gathered
+        return {"param_all_gather": _ring(N) * (A * (1 + regather) * gathered + persistent) * self.eb.param,
+                "grad_reduce_scatter": A * _ring(N) * c.trainable * self.eb.grad}
+
+
+class FsdpRow(FamilyRow):
+    """fsdp_*: FSDP2 shards each tensor by rows, FSDP1 one flat parameter per unit."""
+
+    @property
+    def shards(self) -> int:
+        setup = self.setup
+        return setup.gpus_per_node if self.strategy == "fsdp_hybrid_shard" else setup.world_size
+
+    def states(self):
+        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        n = self.shards
+        if setup.fsdp_version == 1:  # one padded flat parameter per unit
+            pshard = sum(ceil_div(u, n) for u in c.units)
+            tshard = pshard if c.trainable == c.total else ceil_div(c.trainable, n)
+        else:
+            pshard = shard_tensors(c, n, by_rows=True)
+            tshard = shard_tensors(c, n, trainable_only=True, by_rows=True)
+        optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors)
+        unit, e = max(_fsdp_units(spec, setup, c)), eb.compute
+        if strategy == "fsdp_shard_grad_op":
+            detail = {"gathered_params": c.total * e, "unit_grad": unit * e}
+        else:
+            detail = {"gathered_units": 2 * unit * e, "unit_grad": unit * e}
+        detail["reduce_scatter_input"] = unit * e  # FSDP2 copies the unit's grads in; the output is the rank's shard
+        if strategy == "fsdp_offload":
+            return dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0), \
+                pshard * eb.param + tshard * eb.grad + optim, detail
+        return dict(params_bytes=pshard * eb.param, grads_bytes=tshard * eb.grad, optimizer_bytes=optim), 0, detail
+
+    def comm(self):
+        spec, setup, c, n, e = self.spec, self.setup, self.c, self.shards, self.eb.compute
+        root = c.units[-1] if len(c.units) > 1 else 0
+        once = root - (spec.untied_embedding_params if setup.fsdp_version == 2 else 0)
+        gathered = c.total if self.strategy == "fsdp_shard_grad_op" else 2 * c.total - once
+        comm = {"param_all_gather": setup.grad_accum_steps * _ring(n) * gathered * e,
+                "grad_reduce_scatter": _ring(n) * c.trainable * e}
+        if self.strategy == "fsdp_hybrid_shard" and setup.nodes > 1:
+            comm["grad_all_reduce"] = 2 * _ring(setup.nodes) * ceil_div(c.trainable, n) * e
+        return comm
+
+
+class TpRow(FamilyRow):
+    """tp, fsdp_tp, hsdp_tp: each tensor split as the TP plan says, then FSDP2 over dp_shard."""
+
+    @property
+    def shards(self) -> int:
+        return self.mesh["tp"] * self.mesh["dp_shard"]
+
+    def states(self):
+        setup, c, eb = self.setup, self.c, self.eb
+        t, S, R = self.mesh["tp"], self.mesh["dp_shard"], self.mesh["dp_replicate"]
+        pshard, tshard = tp_fsdp_shard(c, t, S), tp_fsdp_shard(c, t, S, trainable_only=True)
+        gshard = tshard if R * S > 1 else tp_fsdp_shard(c, t, 1, trainable_only=True, tp_grads=True)
+        row = dict(params_bytes=pshard * eb.param, grads_bytes=gshard * eb.grad,
+                   optimizer_bytes=int(tshard * (eb.master + eb.moments))
+                   + _step_tensors(setup, c.n_trainable_tensors))
+        detail = {}
+        if R * S > 1:  # transformers applies FSDP2 over (dp_replicate, fsdp) when dp_size > 1
+            unit = ceil_div(max(c.units), t)
+            detail = {"gathered_units": 2 * unit * eb.param, "unit_grad": unit * eb.grad}
+        return row, 0, detail
+
+    def comm(self):
+        c, p, g, A = self.c, self.eb.param, self.eb.grad, self.setup.grad_accum_steps
+        t, S, R = self.mesh["tp"], self.mesh["dp_shard"], self.mesh["dp_replicate"]
+        comm = _tp_comm(self.spec, self.setup, t, self.eb.compute)
+        if R * S > 1:
+            ptp, ttp = tp_fsdp_shard(c, t, 1), tp_fsdp_shard(c, t, 1, trainable_only=True)
+            comm["param_all_gather"] = 2 * A * _ring(S) * ptp * p
+            comm["grad_reduce_scatter"] = _ring(S) * ttp * g
+            if R > 1:
+                comm["grad_all_reduce"] = 2 * _ring(R) * tp_fsdp_shard(c, t, S, trainable_only=True) * g
+        return comm
 
 
 def _fsdp_units(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, ...]:
@@ -330,93 +525,6 @@ def _overlap(setup: Setup, stage: int) -> bool:
     return setup.zero_overlap_comm if setup.zero_overlap_comm is not None else stage == 3
 
 
-def _torch_states(strategy, spec, setup, c, eb, mesh):
-    """ddp: everything whole on every rank, plus the reducer's bucket copy of the grads."""
-    row = dict(params_bytes=c.total * eb.param, grads_bytes=c.trainable * eb.grad,
-               optimizer_bytes=int(c.trainable * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors))
-    detail = {"ddp_buckets": 0 if setup.ddp_bucket_view or setup.world_size == 1 else c.trainable * eb.grad}
-    return row, 0, detail, 1
-
-
-def _zero12_states(strategy, spec, setup, c, eb, mesh):
-    """zero1, zero2, zero2_offload: one flat partition of the trainable params, padded to 2N."""
-    n, g = setup.world_size, eb.grad
-    shard = ceil_div(c.trainable, 2 * n) * 2
-    optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-    detail = {"reduce_buckets": (2 if _overlap(setup, 2) else 1) * _bucket(spec, setup) * g}
-    if strategy == "zero2_offload":
-        return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
-            shard * (4 + eb.param) + optim, detail, n
-    detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
-    grads = zero2_grad_partition(c, n) if strategy == "zero2" else shard
-    if strategy == "zero2":  # the flat partition DeepSpeed's end-of-backward epilogue builds for the step
-        detail["flat_grad_partition"] = shard * g
-    return dict(params_bytes=c.total * eb.param, grads_bytes=grads * g, optimizer_bytes=optim), 0, detail, n
-
-
-def _zero3_states(strategy, spec, setup, c, eb, mesh):
-    """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent).
-    zero3_offload moves what `setup.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
-    n, p, g = setup.world_size, eb.param, eb.grad
-    threshold = _zero3_threshold(spec, setup)
-    pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
-    optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-    gathered, regather = _zero3_gathered(spec, setup, c)
-    # what stays gathered from forward into backward beyond the layer in use (not re-gathered: see comm_terms)
-    kept = max(0, int((1 - regather) * gathered) - spec.largest_layer_params) * p
-    detail = {"gathered_layer": spec.largest_layer_params * (p + g), "kept_gathered": kept,
-              "reduce_bucket": _bucket(spec, setup) * g,  # + the bucket's reduce-scatter output at the end of backward
-              "reduce_scatter_output": ceil_div(min(_bucket(spec, setup), c.trainable), n) * g}
-    # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
-    persistent = (c.total - gathered) * p
-    on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
-    cpu = 0
-    if strategy == "zero3_offload" and setup.zero3_offload in ("all", "params"):  # offload_param
-        on_gpu["params_bytes"], cpu = persistent, pshard * p
-    if strategy == "zero3_offload" and setup.zero3_offload in ("all", "optimizer"):  # offload_optimizer
-        on_gpu.update(grads_bytes=0, optimizer_bytes=0)
-        return on_gpu, cpu + tshard * (g + 4) + optim, detail, n
-    # DeepSpeed's step builds fp32 gradients one sub-group (sub_group_size elements) at a time
-    detail["fp32_grad_copy_in_step"] = min(tshard, setup.zero_sub_group_size) * 4
-    return on_gpu, cpu, detail, n
-
-
-def _fsdp_states(strategy, spec, setup, c, eb, mesh):
-    """fsdp_*: FSDP2 shards each tensor by rows, FSDP1 one flat parameter per unit."""
-    n = setup.gpus_per_node if strategy == "fsdp_hybrid_shard" else setup.world_size
-    if setup.fsdp_version == 1:  # one padded flat parameter per unit
-        pshard = sum(ceil_div(u, n) for u in c.units)
-        tshard = pshard if c.trainable == c.total else ceil_div(c.trainable, n)
-    else:
-        pshard = shard_tensors(c, n, by_rows=True)
-        tshard = shard_tensors(c, n, trainable_only=True, by_rows=True)
-    optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors)
-    unit, e = max(_fsdp_units(spec, setup, c)), eb.compute
-    if strategy == "fsdp_shard_grad_op":
-        detail = {"gathered_params": c.total * e, "unit_grad": unit * e}
-    else:
-        detail = {"gathered_units": 2 * unit * e, "unit_grad": unit * e}
-    detail["reduce_scatter_input"] = unit * e  # FSDP2 copies the unit's grads in; the output is the rank's shard
-    if strategy == "fsdp_offload":
-        return dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0), pshard * eb.param + tshard * eb.grad + optim, \
-            detail, n
-    return dict(params_bytes=pshard * eb.param, grads_bytes=tshard * eb.grad, optimizer_bytes=optim), 0, detail, n
-
-
-def _tp_states(strategy, spec, setup, c, eb, mesh):
-    """tp, fsdp_tp, hsdp_tp: each tensor split as the TP plan says, then FSDP2 over dp_shard."""
-    t, S, R = mesh["tp"], mesh["dp_shard"], mesh["dp_replicate"]
-    pshard, tshard = tp_fsdp_shard(c, t, S), tp_fsdp_shard(c, t, S, trainable_only=True)
-    gshard = tshard if R * S > 1 else tp_fsdp_shard(c, t, 1, trainable_only=True, tp_grads=True)
-    row = dict(params_bytes=pshard * eb.param, grads_bytes=gshard * eb.grad,
-               optimizer_bytes=int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors))
-    detail = {}
-    if R * S > 1:  # transformers applies FSDP2 over (dp_replicate, fsdp) when dp_size > 1
-        unit = ceil_div(max(c.units), t)
-        detail = {"gathered_units": 2 * unit * eb.param, "unit_grad": unit * eb.grad}
-    return row, 0, detail, t * S
-
-
 def _zero3_threshold(spec: ModelSpec, setup: Setup) -> int:
     """stage3_param_persistence_threshold: tensors at or below it stay whole on every rank."""
     return setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None else 10 * spec.hidden_size
@@ -435,41 +543,6 @@ def _zero3_gathered(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, floa
 def _ring(k: int) -> float:
     """Bytes each rank sends per byte all-gathered / reduce-scattered over k ranks (ring algorithm)."""
     return (k - 1) / k
-
-
-def comm_terms(strategy, spec, setup, c, eb, mesh, n) -> dict:
-    """Bytes each rank sends per optimizer step, by collective (formulas in `strategy_row`)."""
-    fam, A, N = family(strategy), setup.grad_accum_steps, setup.world_size
-    p, g, e = eb.param, eb.grad, eb.compute
-    if fam == "torch":
-        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g}
-    if fam == "deepspeed" and strategy.startswith("zero1"):  # stage 1 all-reduces whole gradients once per step
-        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g, "param_all_gather": _ring(N) * c.total * p}
-    if fam == "deepspeed" and strategy.startswith("zero2"):  # all-reduced buckets (use_multi_rank_bucket_allreduce)
-        return {"grad_all_reduce": 2 * _ring(N) * c.trainable * g * A, "param_all_gather": _ring(N) * c.total * p}
-    if fam == "deepspeed":
-        gathered, regather = _zero3_gathered(spec, setup, c)
-        persistent = c.total - gathered
-        return {"param_all_gather": _ring(N) * (A * (1 + regather) * gathered + persistent) * p,
-                "grad_reduce_scatter": A * _ring(N) * c.trainable * g}
-    if fam == "fsdp":
-        root = c.units[-1] if len(c.units) > 1 else 0
-        once = root - (spec.untied_embedding_params if setup.fsdp_version == 2 else 0)
-        gathered = c.total if strategy == "fsdp_shard_grad_op" else 2 * c.total - once
-        comm = {"param_all_gather": A * _ring(n) * gathered * e,
-                "grad_reduce_scatter": _ring(n) * c.trainable * e}
-        if strategy == "fsdp_hybrid_shard" and setup.nodes > 1:
-            comm["grad_all_reduce"] = 2 * _ring(setup.nodes) * ceil_div(c.trainable, n) * e
-        return comm
-    t, S, R = mesh["tp"], mesh["dp_shard"], mesh["dp_replicate"]
-    comm = _tp_comm(spec, setup, t, e)
-    if R * S > 1:
-        ptp, ttp = tp_fsdp_shard(c, t, 1), tp_fsdp_shard(c, t, 1, trainable_only=True)
-        comm["param_all_gather"] = 2 * A * _ring(S) * ptp * p
-        comm["grad_reduce_scatter"] = _ring(S) * ttp * g
-        if R > 1:
-            comm["grad_all_reduce"] = 2 * _ring(R) * tp_fsdp_shard(c, t, S, trainable_only=True) * g
-    return comm
 
 
 def _colwise_per_layer(spec: ModelSpec) -> int:

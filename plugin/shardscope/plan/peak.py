@@ -3,7 +3,7 @@
 `step_trace` says what one micro-batch holds besides parameters and optimizer state at each candidate
 moment (forward, the head's backward, the top and the bottom layer's backward: a fresh gradient before it
 becomes a parameter's .grad is among the trace's temporaries); the strategy decides how much of the rest is
-live then. `formulas._held` gives the strategy's part. Per moment, per rank:
+live then. `formulas.FamilyRow.held` gives the strategy's part. Per moment, per rank:
 
     parameters   = params_bytes (the rank's shard) + what FSDP / ZeRO-3 hold gathered (FSDP: the largest
                    unit in the compute dtype; shard-grad-op: every unit, gathered in forward and counted
@@ -46,7 +46,7 @@ IN_BACKWARD = ("ddp_buckets",)                                # live once gradie
 def step_peak(states: dict, buffers_detail: dict, moments: dict, held: dict | None = None) -> dict:
     """{peak_bytes, peak_breakdown, peak_phase} of one strategy (see the module docstring).
     `states`: params_bytes, grads_bytes, optimizer_bytes of the rank; `moments`: StepTrace.at(layers);
-    `held`: gathered, gathered_end, reduce_copy, fresh_unit, backward_grads, carried, carried_kept (formulas._held)."""
+    `held`: gathered, gathered_end, reduce_copy, fresh_unit, backward_grads, carried, carried_kept (formulas.FamilyRow.held)."""
     h = {"gathered": 0, "reduce_copy": 0, "fresh_unit": 0, "backward_grads": states["grads_bytes"], "carried": 0,
          **(held or {})}
     gathered, gathered_end = h["gathered"], h.get("gathered_end", h["gathered"])

@@ -67,7 +67,7 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
         for name in names:
             row = by_name[name]
             if row.fits:
-                why = (f"{name} needs {gb(row.total_bytes)} GB per GPU of {gb(usable)} GB usable "
+                why = (f"{name} needs {gb(row.peak_bytes)} GB per GPU of {gb(usable)} GB usable "
                        f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
                 if name in TP_STRATEGIES:
                     mesh = row.mesh
@@ -76,7 +76,7 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
                 if tried:
                     why += "; faster options do not fit: " + ", ".join(tried)
                 return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier, rows, setup)}
-            tried.append(f"{name} {gb(row.total_bytes)} GB")
+            tried.append(f"{name} {gb(row.peak_bytes)} GB")
     hint = "" if setup.activation_checkpointing else ", activation checkpointing"
     return {"strategy": None, "reason": f"nothing fits in {gb(usable)} GB usable per GPU; try more GPUs, "
                                          f"a smaller micro-batch{hint} or LoRA"}
@@ -90,11 +90,11 @@ def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
         if row.strategy == pick or not row.fits:
             continue
         if row.strategy in tier:
-            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB), same tier of the decision tree; "
+            out[row.strategy] = (f"fits too ({gb(row.peak_bytes)} GB), same tier of the decision tree; "
                                  f"--prefer {setup.prefer}{' (the default)' * (setup.prefer == 'fsdp')} "
                                  f"puts {pick} first")
         elif row.strategy in TP_STRATEGIES and row.mesh["tp"] > 1:
-            out[row.strategy] = (f"fits too ({gb(row.total_bytes)} GB) but ranks after sharding: FSDP over the "
+            out[row.strategy] = (f"fits too ({gb(row.peak_bytes)} GB) but ranks after sharding: FSDP over the "
                                  f"same GPUs divides model states as well, and TP all-reduces activations in "
                                  f"every layer; pick it when activations or gathered layers do not fit")
     return out
@@ -131,7 +131,7 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
     for row in rows:
         row.fits = fits(row, setup)
     return {
-        "rows": [asdict(r) for r in rows],
+        "rows": [r.as_dict() for r in rows],
         "recommendation": recommend(rows, setup),
         "model": _model_facts(spec, c),
         "setup": {**asdict(setup), "world_size": setup.world_size},

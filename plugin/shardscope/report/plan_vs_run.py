@@ -44,7 +44,7 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
     peaks = _PlannedPeaks(strategy, spec, setup, model)
     ranks = _ranks(summary_path, summary, planned, peaks)
     trainable = info.get("trainable_params")
-    planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.total_bytes)
+    planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.peak_bytes)
     return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
             "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": planned_peak,
             "bucket_elements": setup.bucket_elements, "trace_note": peaks.note,
