@@ -2,7 +2,7 @@
 
 The script is what a user writes: torch DDP on a tiny Llama for a few steps, optionally a `ShardingProfiler` with
 its default instrumented steps, and at the end `dist.destroy_process_group()` and a plain interpreter exit (not
-`shardscope.recipes.training.end_of_run()`). After a complete run gloo's threads can outlive the group and race
+`shardscope.end_of_run()`). After a complete run gloo's threads can outlive the group and race
 Python's finalization ("terminate called without an active exception"); the question is whether the profiler makes
 that more likely (it should leave nothing behind at `close()`). Runs alternate between the two arms under
 `torchrun`; an abort is a non-zero exit or that message after the script printed that it finished.
