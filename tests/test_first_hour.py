@@ -184,8 +184,8 @@ PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "pyth
 USERS_OWN = {"meta-llama/Llama-2-7b-hf": "hub id", "./my_model_folder": "folder",
              "output/shardscope_summary.json": "summary"}
 # Parsed, not run here: they launch training (compare), write files into the checkout (fit --output-dir; its
-# own tests run it) or take a minute of CPU (--dry-run on 512 ranks).
-PARSE_ONLY = ("compare", "fit", "--dry-run")
+# own tests run it), take a minute of CPU (--dry-run on 512 ranks) or wait for other nodes (preflight).
+PARSE_ONLY = ("compare", "fit", "--dry-run", "preflight")
 # Folders named in the text that a run creates (outputs), not files the checkout must have.
 # What a user sets for the shell variables the docs use (multi-node launches).
 SHELL_VARIABLES = {"NODE_RANK": "0", "MAIN_NODE_IP": "10.0.0.1"}
@@ -245,8 +245,14 @@ def recipe_parser(script: Path):
     return RecipeParser(module.ScriptArguments, module.ModelArguments, training_type=RecipeTrainingArguments)
 
 
-def check_script(script: str, args: list[str]):
-    """The script exists; a recipe accepts its arguments (flags and the YAML's keys) as written."""
+def check_script(script: str, args: list[str], module: bool = False):
+    """The script exists; a recipe accepts its arguments (flags and the YAML's keys) as written; a module
+    (`-m shardscope preflight`) is importable, and shardscope's own parser takes its arguments."""
+    if module:
+        assert importlib.util.find_spec(script), script
+        if script == "shardscope":
+            cli.build_parser().parse_args(args)
+        return
     assert (ROOT / script).is_file(), script
     if script.startswith("recipes/"):
         recipe_parser(ROOT / script).parse(args)
@@ -267,17 +273,18 @@ def test_every_launch_command_in_the_docs_parses(doc, argv):
         from accelerate.commands.launch import launch_command_parser
 
         parsed = launch_command_parser().parse_args(argv[2:])
-        check_script(parsed.training_script, parsed.training_script_args)
+        check_script(parsed.training_script, parsed.training_script_args, parsed.module)
         if parsed.config_file:
             assert Path(parsed.config_file).is_file(), parsed.config_file
     elif argv[0] == "torchrun":
         from torch.distributed.run import get_args_parser
 
         parsed = get_args_parser().parse_args(argv[1:])
-        check_script(parsed.training_script, parsed.training_script_args)
+        check_script(parsed.training_script, parsed.training_script_args, parsed.module)
     elif argv[0] == "deepspeed":
-        script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-        check_script(argv[script], argv[script + 1:])
+        module = "--module" in argv
+        script = argv.index("--module") + 1 if module else next(i for i, a in enumerate(argv) if a.endswith(".py"))
+        check_script(argv[script], argv[script + 1:], module)
     elif argv[0] in ("python", "python3"):
         if argv[1] == "-m":
             assert importlib.util.find_spec(argv[2]), argv

@@ -134,15 +134,21 @@ def fingerprint(files: list[Path], env=os.environ) -> str:
             digest.update(json.dumps(raw, sort_keys=True, default=str).encode())
         else:
             digest.update(read_bytes(path, "config"))
-    for name in sorted(env):
-        if name in FINGERPRINT_VARIABLES or name.startswith(FINGERPRINT_PREFIXES):
-            digest.update(f"{name}={env[name]}".encode())
+    digest.update(json.dumps(fingerprint_values(env), sort_keys=True).encode())
+    return digest.hexdigest()[:12]
+
+
+def fingerprint_values(env=os.environ) -> dict[str, str]:
+    """The NCCL_*/GLOO_*/MASTER_* variables (by name) and library versions (by library) `fingerprint` hashes;
+    `shardscope preflight` compares them key by key across nodes."""
+    values = {name: env[name] for name in sorted(env)
+              if name in FINGERPRINT_VARIABLES or name.startswith(FINGERPRINT_PREFIXES)}
     for library in LIBRARIES:
         try:
-            digest.update(f"{library} {metadata.version(library)}".encode())
+            values[library] = metadata.version(library)
         except metadata.PackageNotFoundError:
             pass
-    return digest.hexdigest()[:12]
+    return values
 
 
 def cluster_checks(acc_path: Path | None, acc: dict | None, hostfile: Path | None, files: list[Path],

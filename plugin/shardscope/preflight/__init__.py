@@ -1,0 +1,10 @@
+"""`shardscope preflight`: the cluster checked before the first multi-node run (docs/cluster.md).
+
+- node check (`node_check`): one process per node, before any launcher; missing nodes named by the deadline.
+- full check (`full_check`): launched like training; fingerprints, links and compute per rank.
+- `calibration_from_preflight(path)`: the measured link bandwidths and FLOP/s, for the step-time model.
+"""
+from .calibration import calibration_from_preflight
+from .command import register
+
+__all__ = ["calibration_from_preflight", "register"]
