@@ -219,7 +219,7 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
     groups = strategy_groups(spec, setup, allowed)
     if not groups:
         raise UsageError(f"no strategy to search on this setup (--strategy {', '.join(allowed)})")
-    fitting, smallest, skipped, tokens, model = [], {}, [], 0, None
+    fitting, smallest, skipped, tokens, model, host = [], {}, [], 0, None, {}
     for tp_size, names, dp in groups:
         if global_batch % dp:
             skipped.append((names, dp))
@@ -234,7 +234,10 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
                 any_fit = False
                 for row in rows:
                     cand = candidate(row, spec, model, trial, tokens, global_batch, hw)
-                    if cand.fits:
+                    if gpu_fits(cand, trial) and not host_fits(cand, trial):
+                        keep_least_host(host, cand, trial)
+                        any_fit = True
+                    elif cand.fits:
                         fitting.append(cand)
                         any_fit = True
                     best = smallest.get(row["strategy"])
@@ -247,7 +250,45 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
     fitting.sort(key=lambda c: c.key)
     notes = [f"{', '.join(names)} left out: --global-batch {global_batch} is not a multiple of their data-parallel "
              f"size {dp} (nearest: {nearest_multiples(global_batch, dp)})" for names, dp in skipped]
-    return {"fitting": fitting, "smallest": smallest, "tokens_per_sample": tokens, "model": model, "notes": notes}
+    return {"fitting": fitting, "smallest": smallest, "tokens_per_sample": tokens, "model": model, "notes": notes,
+            "host": host}
+
+
+# ----------------------------------------------------------------------------- host memory
+def host_bytes_per_node(cand: Candidate, setup: Setup) -> int:
+    """The planner's CPU bytes of an offload candidate on one node (formulas.Row.cpu_bytes x GPUs per node)."""
+    return cand.cpu_bytes * setup.gpus_per_node
+
+
+def gpu_fits(cand: Candidate, setup: Setup) -> bool:
+    return cand.peak_bytes <= usable_bytes(setup)
+
+
+def host_fits(cand: Candidate, setup: Setup) -> bool:
+    """An offload candidate is kept only when `--cpu-memory` is given and holds its CPU bytes per node."""
+    if cand.strategy not in OFFLOAD:
+        return True
+    return setup.cpu_memory_bytes is not None and host_bytes_per_node(cand, setup) <= setup.cpu_memory_bytes
+
+
+def keep_least_host(host: dict, cand: Candidate, setup: Setup) -> None:
+    """Per offload strategy that fits the GPU but not the host rule: its least host memory per node."""
+    need = host_bytes_per_node(cand, setup)
+    if cand.strategy not in host or need < host[cand.strategy]["cpu_bytes_per_node"]:
+        host[cand.strategy] = {"cpu_bytes_per_node": need, "peak_bytes": cand.peak_bytes,
+                               "cpu_memory_bytes": setup.cpu_memory_bytes}
+
+
+def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
+    """One line per offload strategy left out for host memory: what it needs, and `bound`, what was given."""
+    lines = []
+    for name, h in sorted(host.items()):
+        need = f"{name} fits the GPU ({gb(h['peak_bytes'])} GB) but needs {gb(h['cpu_bytes_per_node'])} GB of host " \
+               "memory per node (offloaded states, planner cpu_bytes x GPUs per node)"
+        given = h["cpu_memory_bytes"]
+        lines.append(need + (f": more than {bound} {gb(given)} GB" if given is not None else
+                             ": not a candidate without --cpu-memory SIZE (the host RAM per node)"))
+    return lines
 
 
 def candidate(row: dict, spec, model, setup: Setup, tokens: int, global_batch: int, hw: Hardware) -> Candidate:
@@ -305,7 +346,8 @@ def alternatives(fitting: list[Candidate], count: int = 4) -> list[dict]:
 def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=None) -> str:
     """One line naming the smallest need and what would meet it: more GPUs, offload, shorter sequences."""
     usable = usable_bytes(setup)
-    best = min(found["smallest"].values(), key=lambda c: c.peak_bytes)
+    others = [c for name, c in found["smallest"].items() if name not in found["host"]]  # host-blocked: own line
+    best = min(others or found["smallest"].values(), key=lambda c: c.peak_bytes)
     ways = []
     more = more_gpus(spec, setup, allowed, traces=traces)
     if more:
@@ -321,8 +363,10 @@ def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=Non
         if seq >= 64:
             ways.append(f"--seq-len {seq}")
     how = ("; it would fit with " + ", or ".join(ways)) if ways else "; no more GPUs, offload or shorter sequence found"
-    return (f"nothing fits in {gb(usable)} GB usable per GPU ({setup.headroom:.0%} headroom kept): the smallest need "
-            f"is {gb(best.peak_bytes)} GB ({best.strategy}, micro-batch 1, checkpointing on){how}")
+    kept = " and the host memory" if found["host"] else ""
+    return (f"nothing fits in {gb(usable)} GB usable per GPU ({setup.headroom:.0%} headroom kept){kept}: the smallest "
+            f"GPU need{' of the rest' if found['host'] else ''} is {gb(best.peak_bytes)} GB ({best.strategy}, "
+            f"micro-batch 1, checkpointing on){how}")
 
 
 def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None) -> str | None:
@@ -331,7 +375,7 @@ def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None) -> str
         trial = replace(setup, micro_batch=1, grad_accum_steps=1, activation_checkpointing=True, tp_size=tp_size)
         rows, _ = rows_for(spec, trial, group, traces)
         for row in rows:
-            if row["fits"]:
+            if row["fits"] and (row["strategy"] not in OFFLOAD or trial.cpu_memory_bytes is not None):
                 return row["strategy"]
     return None
 

@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 from .errors import UsageError
-from .fit import Hardware, alternatives, below_model_states, hardware, larger_micro_batch, nothing_fits, search
+from .fit import (Hardware, alternatives, below_model_states, hardware, host_lines, larger_micro_batch, nothing_fits,
+                  search)
 from .mesh import Setup
 from .model_spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, resolve_model, shipped_models, spec_from_config
 from .plan_cli import add_hardware_arguments, memory_from_args
@@ -102,8 +103,8 @@ def fit_command(args) -> int:
     if below:
         raise UsageError(below)
     if not found["fitting"]:
-        line = nothing_fits(spec, setup, found, allowed, traces)
-        print(json.dumps({"strategy": None, "reason": line}) if args.json else line)
+        lines = [nothing_fits(spec, setup, found, allowed, traces), *host_lines(found["host"])]
+        print(json.dumps({"strategy": None, "reason": lines[0], "reasons": lines}) if args.json else "\n".join(lines))
         return 1
     result = fit_result(spec, setup, hw, found, args, traces)
     if args.output_dir:
@@ -138,6 +139,8 @@ def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args, traces=None)
                                   "(1 - headroom) (planner.usable_bytes)",
                         "text": hw.describe()},
         "notes": found["notes"],
+        "offload_host_memory": {name: {**h, "why": line} for (name, h), line in
+                                zip(sorted(found["host"].items()), host_lines(found["host"]))},
     })
     return out
 
@@ -261,6 +264,8 @@ def format_fit(r: dict) -> str:
     if r["not_fitting"]:
         lines += ["", "does not fit (smallest planned peak per GPU):  " + ", ".join(
             f"{name} {gb(v['smallest_peak_bytes'])} GB" for name, v in r["not_fitting"].items())]
+    if r["offload_host_memory"]:
+        lines += ["", "offload left out (host memory):", *(f"  {h['why']}" for h in r["offload_host_memory"].values())]
     if r["larger_micro_batch"]:
         lines += ["", "global batch: " + r["larger_micro_batch"]["note"]]
     lines += ["", *(f"note: {n}" for n in r["notes"])] if r["notes"] else []
