@@ -10,7 +10,8 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.errors import UsageError
-from shardscope.fit import divisors, flops_per_token, hardware, search
+from shardscope.fit import divisors, hardware, search
+from shardscope.time_model import flops_per_token
 from shardscope.mesh import Setup
 from shardscope.model_spec import spec_from_count
 from shardscope.planner import estimate, usable_bytes

@@ -2,18 +2,10 @@
 
 Every candidate keeps `micro_batch * grad_accum * data-parallel size == global batch` exactly; it is
 kept when the planner's `peak_bytes` fits `planner.usable_bytes` (the memory left after the stated
-headroom) and ranked by a predicted step time (`step_time`, every assumption in `Hardware`):
-
-    compute   = global_batch * tokens * flops_per_token / (world * peak_flops * mfu)
-                flops_per_token = 6 * N_trained + 4 * N_frozen + 12 * layers * hidden * tokens
-                (+ 2 * N + 4 * layers * hidden * tokens with activation checkpointing: the forward again)
-                N = parameters in matrix multiplies (an untied input embedding is a lookup, left out)
-    sharding  = the planner's comm_bytes_per_step for data-parallel / sharding collectives, over NVLink
-                inside a node or the network when the group spans nodes; overlapped with compute
-    tp        = tensor-parallel all-reduces over NVLink; on the critical path (added)
-    offload   = PCIe traffic of the offloaded states + the CPU optimizer step (added)
-    overhead  = grad_accum * micro_step_overhead_s (kernel launches, Python, per forward/backward)
-    step      = max(compute, sharding) + tp + offload + overhead
+headroom) and, for offload, its CPU bytes fit the host memory given; it is ranked by the step-time model
+`plan` shares (`time_model.step_time`: compute, exposed communication, optimizer, offload, overhead),
+on datasheet figures (`Hardware`, `time_model.datasheet_figures`) or figures measured on a run
+(`calibration.calibrate`).
 
 Nothing here imports torch or transformers; the FLOP/s table is `throughput.PEAK_TFLOPS` (read lazily).
 """
@@ -26,11 +18,9 @@ from .mesh import Setup, valid_tp_degrees
 from .model_spec import ModelSpec
 from .planner import TIERS, estimate, usable_bytes
 from .strategy import STRATEGIES, TP_STRATEGIES, family
+from .time_model import OFFLOAD, Figures, datasheet_figures, step_time
 from .units import gb
 
-OFFLOAD = ("zero2_offload", "zero3_offload", "fsdp_offload")
-TP_LINK_TERMS = ("tp_all_reduce", "tp_logits_all_gather")  # inside a TP group: one node
-NODE_LOCAL = ("fsdp_hybrid_shard", "hsdp_tp")  # their gathers / reduce-scatters stay inside a node
 # Per GPU, GB/s one direction (datasheets): NVLink (or PCIe where the card has none) and its PCIe link.
 LINKS = {
     "A100": (300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),
@@ -62,20 +52,6 @@ class Hardware:
     micro_step_overhead_s: float = 0.005
     link_source: str = ""
 
-    def describe(self) -> list[str]:
-        return [f"compute: dense peak {self.peak_flops / 1e12:g} TFLOP/s ({self.peak_source}) at MFU {self.mfu:.0%}; "
-                "flops/token = 6 x trained + 4 x frozen matmul params + 12 x layers x hidden x tokens, "
-                "+ one forward again (2 x params + 4 x layers x hidden x tokens) with checkpointing",
-                f"links per GPU, one direction: {self.nvlink_bytes_per_s / 1e9:g} GB/s inside a node (NVLink, or PCIe "
-                f"without it), "
-                f"network {self.network_bytes_per_s / 1e9:g} GB/s across nodes, PCIe {self.pcie_bytes_per_s / 1e9:g} "
-                f"GB/s for offload ({self.link_source or 'given'})",
-                "communication: the planner's ring-collective bytes per step (comm_bytes_per_step); data-parallel "
-                "and sharding collectives overlap compute, tensor-parallel all-reduces and offload copies do not",
-                f"offload: CPU optimizer step at {self.cpu_adam_params_per_s / 1e9:g} G params/s per rank",
-                f"overhead: {self.micro_step_overhead_s * 1e3:g} ms per micro-batch (launches, Python), so fewer, "
-                "larger micro-batches win when memory allows"]
-
 
 def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, **overrides) -> Hardware:
     """The stated assumptions for a GPU name (`units.GPUS`); `peak_tflops` where the table has none."""
@@ -97,55 +73,6 @@ def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, 
                   pcie_bytes_per_s=pcie * 1e9, link_source=link_source)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Hardware(**values)
-
-
-# ----------------------------------------------------------------------------- step time
-def flops_per_token(spec: ModelSpec, model: dict, tokens: int, checkpointing: bool) -> float:
-    """Model FLOPs per token (formula in the module docstring); `model` is `estimate`'s "model" entry."""
-    embedding = spec.vocab_size * spec.hidden_size if spec.kind == "text" and not spec.tied_embeddings else 0
-    base = max(spec.params_total - embedding, 0)
-    trained = model["trainable_params"] if model["trainable_params"] != model["params_total"] else base
-    frozen = base if trained != base else 0
-    attention = 12 * spec.num_layers * spec.hidden_size * tokens
-    total = 6 * trained + 4 * frozen + attention
-    if checkpointing:
-        total += 2 * (trained + frozen) + attention / 3
-    return total
-
-
-def step_time(row: dict, spec: ModelSpec, model: dict, setup: Setup, tokens: int, global_batch: int,
-              hw: Hardware) -> dict:
-    """Predicted seconds per optimizer step of one planner row, by part (see the module docstring)."""
-    fpt = flops_per_token(spec, model, tokens, setup.activation_checkpointing)
-    compute = global_batch * tokens * fpt / (setup.world_size * hw.peak_flops * hw.mfu)
-    strategy, sharding, tp = row["strategy"], 0.0, 0.0
-    for term, nbytes in row["comm"].items():
-        if term in TP_LINK_TERMS:
-            tp += nbytes / hw.nvlink_bytes_per_s
-        elif setup.nodes == 1 or (strategy in NODE_LOCAL and term != "grad_all_reduce"):
-            sharding += nbytes / hw.nvlink_bytes_per_s
-        else:
-            sharding += nbytes / hw.network_bytes_per_s
-    offload = offload_seconds(strategy, row, model, setup, hw)
-    overhead = setup.grad_accum_steps * hw.micro_step_overhead_s
-    total = max(compute, sharding) + tp + offload + overhead
-    return {"step_time_s": total, "compute_s": compute, "sharding_comm_s": sharding,
-            "exposed_sharding_comm_s": max(0.0, sharding - compute), "tp_comm_s": tp, "offload_s": offload,
-            "overhead_s": overhead, "flops_per_token": fpt}
-
-
-def offload_seconds(strategy: str, row: dict, model: dict, setup: Setup, hw: Hardware) -> float:
-    """PCIe copies per step + the CPU optimizer step over this rank's trainable shard s(T):
-    zero2_offload: A grads down + params up once (s(T) x (A x g + p)); zero3_offload, fsdp_offload:
-    the parameter shard up for every forward and backward and the grads down, A x s(P) x (2p + g)."""
-    if strategy not in OFFLOAD:
-        return 0.0
-    n, A = row["shard_degree"], setup.grad_accum_steps
-    p = row["per_param"]["weights"]
-    g = row["per_param"]["grads"]
-    t_shard, p_shard = model["trainable_params"] / n, model["params_total"] / n
-    copies = t_shard * (A * g + p) if strategy == "zero2_offload" else A * p_shard * (2 * p + g)
-    return copies / hw.pcie_bytes_per_s + t_shard / hw.cpu_adam_params_per_s
 
 
 # ----------------------------------------------------------------------------- search
@@ -207,11 +134,12 @@ def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None) -> tuple[
     return [r for r in result["rows"] if r["strategy"] in names], result
 
 
-def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allowed=STRATEGIES,
+def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES,
            traces=None) -> dict:
     """Every (strategy, micro-batch, checkpointing, accumulation) that keeps `global_batch` exactly;
     fitting ones sorted by predicted step time. Larger micro-batches of a (mesh, checkpointing) are not
     tried once none of its strategies fits (activations grow with the micro-batch)."""
+    fig = hw if isinstance(hw, Figures) else datasheet_figures(hw)
     if usable_bytes(setup) is None:
         raise UsageError("give --gpu NAME or --gpu-memory SIZE: fit needs the memory per GPU")
     if global_batch < 1:
@@ -233,7 +161,7 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
                 tokens, model = result["activations"]["tokens_per_sample"], result["model"]
                 any_fit = False
                 for row in rows:
-                    cand = candidate(row, spec, model, trial, tokens, global_batch, hw)
+                    cand = candidate(row, spec, model, trial, tokens, fig)
                     if gpu_fits(cand, trial) and not host_fits(cand, trial):
                         keep_least_host(host, cand, trial)
                         any_fit = True
@@ -291,8 +219,8 @@ def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
     return lines
 
 
-def candidate(row: dict, spec, model, setup: Setup, tokens: int, global_batch: int, hw: Hardware) -> Candidate:
-    step = step_time(row, spec, model, setup, tokens, global_batch, hw)
+def candidate(row: dict, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
+    step = step_time(row, spec, model, setup, tokens, fig)
     return Candidate(row["strategy"], setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
                      row["mesh"]["tp"], row["mesh"], row["peak_bytes"], bool(row["fits"]), step["step_time_s"],
                      step, row["cpu_bytes"], row["model_states_bytes"])
@@ -319,14 +247,15 @@ def why_lost(cand: Candidate, winner: Candidate) -> str:
             return (f"same predicted time; {winner.strategy} comes first in the planner's order (fewer "
                     "collectives or simpler set-up)")
         return "same predicted time; fewer micro-batches per step come first"
-    parts = {"compute_s": "compute" + (" (checkpointing recomputes the forward: +33% matmul FLOPs)"
-                                       if cand.gradient_checkpointing and not winner.gradient_checkpointing else ""),
-             "exposed_sharding_comm_s": "sharding collectives not hidden behind compute",
-             "tp_comm_s": "tensor-parallel all-reduces on the critical path",
-             "offload_s": "offload copies over PCIe and the CPU optimizer step",
-             "overhead_s": f"{cand.gradient_accumulation_steps} micro-batches per step instead of "
-                           f"{winner.gradient_accumulation_steps} (per-micro-batch overhead)"}
-    worst = max(parts, key=lambda k: cand.step[k] - winner.step[k])
+    parts = {"compute": "compute" + (" (checkpointing recomputes the forward: +33% matmul FLOPs)"
+                                     if cand.gradient_checkpointing and not winner.gradient_checkpointing else ""),
+             "exposed_comm": "communication not hidden behind compute",
+             "optimizer": "the optimizer step over more parameters per rank",
+             "offload": "offload copies over PCIe and the CPU optimizer step",
+             "overhead": f"{cand.gradient_accumulation_steps} micro-batches per step instead of "
+                         f"{winner.gradient_accumulation_steps} (per-micro-batch overhead)"}
+    mine, best = cand.step["step_time_parts"], winner.step["step_time_parts"]
+    worst = max(parts, key=lambda k: mine[k] - best[k])
     return f"+{delta / winner.step_time_s:.1%} step time ({delta:.3g} s): {parts[worst]}"
 
 
