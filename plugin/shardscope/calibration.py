@@ -5,6 +5,7 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
     flops_per_s            = training FLOPs per step per rank (`throughput`: TFLOP/s x window seconds / steps,
                              + 1/3 for the recomputed forward with checkpointing) / (forward_s + backward_s)
     bus_bytes_per_s[kind]  = sent bytes per step of all counted collectives (`comm`) / comm_s, for each kind run
+                             (kinds under 1% of the sent bytes left out)
     hidden_share[kind]     = (comm_s - exposed_comm_s) / (comm_s x the overlapped kinds' share of sent bytes),
                              for each kind the strategy runs beside compute (`time_model.overlapped`), at most 1
     optimizer_s_per_param  = optimizer_s / (trainable params / (dp_shard x tp))
@@ -26,6 +27,7 @@ SUMMARY = "shardscope_summary.json"
 TERM_OF_KIND = {"all_reduce": "grad_all_reduce", "all_gather": "param_all_gather",
                 "reduce_scatter": "grad_reduce_scatter"}
 PER_KIND = ("bus_bytes_per_s", "hidden_share")
+MINOR = 0.01  # kinds below this share of a run's sent bytes get no figure of their own
 
 
 def calibrate(paths, base: Figures) -> tuple[Figures, dict]:
@@ -114,7 +116,8 @@ def from_summary(doc, where) -> dict:
 def comm_figures(strategy: str, ranks: list, part: dict) -> dict:
     """Bus bandwidth per kind run, and the hidden share of the kinds this strategy overlaps."""
     sent = {k: mean((r.get("comm") or {}).get(k, {}).get("sent_bytes", 0) for r in ranks) for k in TERM_OF_KIND}
-    sent = {k: v for k, v in sent.items() if v > 0}
+    total = sum(sent.values())
+    sent = {k: v for k, v in sent.items() if v > MINOR * total}  # a profiler's or logger's few bytes say nothing
     if not sent or part["comm_s"] <= 0:
         return {}
     total = sum(sent.values())
