@@ -59,3 +59,21 @@ def test_predicted_order_where_measured_medians_are_apart(runs):
             if (ma["median"] < mb["median"]) != (a["predicted_s"] < b["predicted_s"]):
                 wrong.append((a["name"], b["name"]))
     assert not wrong, wrong
+
+
+def test_report_puts_predicted_beside_measured(runs, tmp_path, capsys):
+    """`report` calibrates from the first run (or --calibrate) and prints each run's prediction and measured median."""
+    from shardscope.cli import main
+    from shardscope.safe_io import load_json
+    from shardscope.time_predict import measured
+
+    dirs = [runs / "ddp" / "a1c0", runs / "zero3" / "a2c1"]
+    assert main(["report", *map(str, dirs), "--output", str(tmp_path / "a")]) == 0
+    text = (tmp_path / "a" / "report.md").read_text()
+    assert "## Step time: predicted beside measured" in text and f"calibrated from {dirs[0]}" in text
+    for d in dirs:
+        median = measured(load_json(d / "shardscope_summary.json", "summary"))["median"]
+        assert f"| {median:.3g} s |" in text
+    assert main(["report", *map(str, dirs), "--output", str(tmp_path / "b"), "--calibrate", str(dirs[1])]) == 0
+    assert f"calibrated from {dirs[1]}" in (tmp_path / "b" / "report.md").read_text()
+    capsys.readouterr()

@@ -12,7 +12,9 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
     overhead_s             = (data_wait_s + other_s) / gradient_accumulation_steps
 From a preflight.json (`preflight.calibration.calibration_from_preflight`): flops_per_s = the slowest rank's
 matmul FLOP/s; bus bandwidth per kind inside a node; the slowest across-node bandwidth as the network.
-A figure several runs give is taken from the first run given that has it; the rest stay datasheet.
+A figure several runs give is taken from the first run given that has it; a collective kind no run issued
+takes the slowest measured kind's bandwidth and hidden share (the same link; sent bytes per second are
+comparable across kinds under the ring convention); figures no run measured stay datasheet.
 """
 from __future__ import annotations
 
@@ -43,12 +45,13 @@ def calibrate(paths, base: Figures) -> tuple[Figures, dict]:
                 record.setdefault(name, {"value": value, "run": str(path)})
     changes, sources = {}, dict(base.sources)
     for name, entry in record.items():
-        if name in PER_KIND:
-            changes[name] = {**getattr(base, name), **{k: e["value"] for k, e in entry.items()}}
+        if name in PER_KIND:  # a kind no run issued crosses the same link: the measured kinds' slowest figure
+            least = min(e["value"] for e in entry.values())
+            changes[name] = {**dict.fromkeys(getattr(base, name), least), **{k: e["value"] for k, e in entry.items()}}
             runs = sorted({e["run"] for e in entry.values()})
+            missing = sorted(set(getattr(base, name)) - set(entry))
             sources[name] = "measured on " + ", ".join(runs) + (
-                "" if set(entry) >= set(getattr(base, name)) else f" ({', '.join(sorted(entry))}; the rest "
-                                                                    f"{base.sources[name]})")
+                f" ({', '.join(missing)}: as {', '.join(sorted(entry))})" if missing else "")
         else:
             changes[name] = entry["value"]
             sources[name] = f"measured on {entry['run']}"

@@ -37,7 +37,7 @@ from .configs import find_config
 from .errors import UsageError
 from .safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from .summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
-from . import peak_report
+from . import peak_report, time_predict
 from .time_report import markdown_lines, plot_time, row_facts
 
 # Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
@@ -341,6 +341,7 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines.append("")
     lines += markdown_lines(runs, human_bytes)
+    lines += time_predict.markdown_lines(runs)
     lines += peak_report.markdown_lines(runs)
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
@@ -408,13 +409,14 @@ def plot_throughput(runs: list[dict], path):
     plt.close(fig)
 
 
-def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
+def write_report(run_dirs: list[Path], output: Path, calibrate=None) -> list[dict]:
     """Collect the runs, then write output/memory.png, throughput.png, time.png, peak.png, report.json and, last,
     report.md; each file atomically (a reader sees the old file or the new one). Returns the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     runs = collect(run_dirs)
+    time_predict.attach(runs, calibrate)
     if output.exists() and not output.is_dir() or output.is_symlink() and not output.exists():
         raise UsageError(f"--output '{output}' is {'a file' if output.exists() else 'a dangling symlink'}, "
                          "not a folder")
@@ -463,6 +465,9 @@ def register(subparsers) -> None:
                                             "trainer_state.json); a folder of run folders works too.")
     rep.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     rep.add_argument("--output", type=Path, default=Path("shardscope_report"))
+    for parser in (cmp, rep):
+        parser.add_argument("--calibrate", nargs="+", metavar="RUN_DIR", help="runs (or preflight.json) the "
+                            "predicted step times are calibrated from (default: the first run)")
     rep.set_defaults(func=report_command)
 
 
@@ -494,8 +499,8 @@ def compare_command(args) -> int:
             reason = _no_summary_reason(code, (run_dir / LOG_FILE).read_text(errors="replace"))
             print(f"[{i}/{len(configs)}] {name}: failed after {seconds:.1f} s: {reason}", flush=True)
         run_dirs.append(run_dir)
-    return _outcome(write_report(run_dirs, args.output_dir), args.output_dir)
+    return _outcome(write_report(run_dirs, args.output_dir, args.calibrate), args.output_dir)
 
 
 def report_command(args) -> int:
-    return _outcome(write_report(args.run_dirs, args.output), args.output)
+    return _outcome(write_report(args.run_dirs, args.output, args.calibrate), args.output)

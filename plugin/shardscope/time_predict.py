@@ -17,6 +17,7 @@ from .safe_io import load_json
 from .strategy import strategy_from_summary
 from .time_model import PARTS, Figures, step_time
 
+EXPLAINED = 0.02  # a prediction within 2% of the median has nothing to explain
 PRECISION = {"fp32": "fp32", "fp16": "fp16-mixed", "fp16-mixed": "fp16-mixed", "bf16-pure": "bf16-pure"}
 
 
@@ -82,8 +83,60 @@ def measured_parts(doc: dict) -> dict | None:
 
 
 def explaining_part(prediction: dict) -> str | None:
-    """The part whose predicted-minus-measured difference is largest (what explains the error)."""
+    """The part whose predicted-minus-measured difference is largest, signed ("compute +0.1 s": predicted more),
+    None when nothing to explain (no breakdown, or within EXPLAINED of the measured median)."""
     real = prediction.get("measured_parts")
-    if not real:
+    if not real or prediction.get("error") is None or abs(prediction["error"]) < EXPLAINED:
         return None
-    return max(PARTS, key=lambda p: abs(prediction["parts"][p] - real[p]))
+    part = max(PARTS, key=lambda p: abs(prediction["parts"][p] - real[p]))
+    return f"{part} {prediction['parts'][part] - real[part]:+.2g} s"
+
+
+def attach(runs: list[dict], calibrate=None) -> None:
+    """`report`/`compare`: each run row that finished gets `predicted_step` (`predict_run`), the model calibrated
+    from `calibrate` (run folders or preflight.json files) or else from the first run that finished."""
+    from .calibration import calibrate as measure
+    from .fit import hardware
+    from .time_model import datasheet_figures
+
+    done = [r for r in runs if r.get("status") == "ok" and r.get("dir")]
+    sources = list(calibrate or [r["dir"] for r in done[:1]])
+    if not sources:
+        return
+    try:
+        fig, _ = measure(sources, datasheet_figures(hardware("H100", "bf16-mixed")))
+    except UsageError as error:
+        for r in done:
+            r["predicted_step"] = {"error": str(error)}
+        return
+    for r in done:
+        try:
+            r["predicted_step"] = {**predict_run(r["dir"], fig), "calibrated_from": [str(s) for s in sources]}
+        except (UsageError, StopIteration) as error:
+            r["predicted_step"] = {"error": f"{r['dir']}: not predicted ({error or 'no planner row'})"}
+
+
+def markdown_lines(runs: list[dict]) -> list[str]:
+    """Predicted beside measured step time per run, and the part that explains the difference."""
+    rows = [r for r in runs if r.get("predicted_step")]
+    if not rows:
+        return []
+    source = next((r["predicted_step"]["calibrated_from"] for r in rows if "calibrated_from" in r["predicted_step"]),
+                  None)
+    lines = ["## Step time: predicted beside measured", "",
+             f"`time_model.step_time` at each run's own setup, calibrated from {', '.join(source or ['-'])} "
+             "(`--calibrate` to choose); measured: the median plain step (p10-p90). The part named is the one whose "
+             "prediction is furthest from the run's timed step breakdown (scaled to the median).", "",
+             "| run | predicted | measured median | p10-p90 | error | part that explains it |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["predicted_step"]
+        if "error" in p and "predicted_s" not in p:
+            lines.append(f"| {r['run']} | - | - | - | - | {p['error']} |")
+            continue
+        m = p["measured"]
+        real = f"{m['median']:.3g} s" if m else "-"
+        spread = f"{m['p10']:.3g}-{m['p90']:.3g} s" if m else "-"
+        error = f"{p['error']:+.1%}" if p["error"] is not None else "-"
+        lines.append(f"| {r['run']} | {p['predicted_s']:.3g} s | {real} | {spread} | {error} | "
+                     f"{explaining_part(p) or '-'} |")
+    return lines + [""]

@@ -69,8 +69,9 @@ def main():
         AcceleratorState._reset_state()  # each Trainer builds its own accelerator state (DeepSpeed plugin too)
         out = Path(opts.output_dir) / name
         args = training_args(opts, out, accumulation, checkpointing)
-        model = AutoModelForCausalLM.from_pretrained(opts.model)
+        # the world size first: it sets the process group up, which ZeRO-3's zero.Init in from_pretrained reads
         data = RandomTokens(opts.micro_batch * accumulation * args.world_size * STEPS, opts.seq_len, vocab)
+        model = AutoModelForCausalLM.from_pretrained(opts.model)
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback(**SAMPLED)])
         trainer.train()
         if trainer.is_world_process_zero():
