@@ -62,6 +62,10 @@ def main():
     p.add_argument("--output_dir", required=True)
     opts = p.parse_args()
     vocab = AutoConfig.from_pretrained(opts.model).vocab_size
+    if opts.deepspeed_stage:  # ZeRO-3's zero.Init in from_pretrained reads DeepSpeed's own process group
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
     for name in opts.configs.split(","):
         accumulation, checkpointing = int(name[1]), name[3] == "1"
         from accelerate.state import AcceleratorState
@@ -69,7 +73,6 @@ def main():
         AcceleratorState._reset_state()  # each Trainer builds its own accelerator state (DeepSpeed plugin too)
         out = Path(opts.output_dir) / name
         args = training_args(opts, out, accumulation, checkpointing)
-        # the world size first: it sets the process group up, which ZeRO-3's zero.Init in from_pretrained reads
         data = RandomTokens(opts.micro_batch * accumulation * args.world_size * STEPS, opts.seq_len, vocab)
         model = AutoModelForCausalLM.from_pretrained(opts.model)
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback(**SAMPLED)])
