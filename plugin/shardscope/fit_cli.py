@@ -138,7 +138,8 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
         "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
                                f", checkpointing {'on' if c.gradient_checkpointing else 'off'}"}
-                        for name, c in sorted(found["smallest"].items()) if name not in fitting},
+                        for name, c in sorted(found["smallest"].items())
+                        if name not in fitting and name not in found["host"]},  # host-blocked: their own list
         "larger_micro_batch": larger_micro_batch(spec, setup, winner, args.global_batch, traces=traces),
         "model": {**found["model"], "source": args.model or f"--params {args.params}"},
         "setup": {"gpus_per_node": setup.gpus_per_node, "nodes": setup.nodes, "world_size": setup.world_size,
