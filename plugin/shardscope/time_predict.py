@@ -106,14 +106,17 @@ def attach(runs: list[dict], calibrate=None) -> None:
     try:
         fig, _ = measure(sources, datasheet_figures(hardware("H100", "bf16-mixed")))
     except UsageError as error:
-        for r in done:
+        if calibrate:  # the user's --calibrate: bad input, one line and exit 2
+            raise
+        for r in done:  # the first run has no timed step: every row says so, the report goes on
             r["predicted_step"] = {"error": str(error)}
         return
     for r in done:
         try:
             r["predicted_step"] = {**predict_run(r["dir"], fig), "calibrated_from": [str(s) for s in sources]}
-        except (UsageError, StopIteration) as error:
-            r["predicted_step"] = {"error": f"{r['dir']}: not predicted ({error or 'no planner row'})"}
+        except (UsageError, StopIteration, KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            # a summary the report could read but the model cannot use: said in its row, the report goes on
+            r["predicted_step"] = {"error": f"not predicted ({type(error).__name__}: {error or 'no planner row'})"}
 
 
 def markdown_lines(runs: list[dict]) -> list[str]:
