@@ -37,8 +37,8 @@ def test_the_calibration_run_predicts_itself(runs):
         assert own["predicted_s"] == pytest.approx(own["measured"]["median"], rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="not met on this machine: the measured errors and what explains them are in "
-                                       "benchmarks/results/time_prediction.md")
+@pytest.mark.xfail(reason="not met reliably on a shared 2-core machine: measured compute per pass of the same "
+                          "micro-batch moves more than 15% between runs (benchmarks/results/time_prediction.md)")
 def test_every_strategy_within_15_percent_calibrated_from_ddp(runs):
     rows = bench.predictions(runs, "ddp/a1c0")
     assert len(rows) == len(bench.STRATEGIES) * len(bench.CONFIGS)
@@ -48,8 +48,8 @@ def test_every_strategy_within_15_percent_calibrated_from_ddp(runs):
     assert not off, off
 
 
-@pytest.mark.xfail(strict=True, reason="not met on this machine: measured compute per pass varies 2.5x between runs "
-                                       "(benchmarks/results/time_prediction.md)")
+@pytest.mark.xfail(reason="not met reliably on a shared 2-core machine: measured compute per pass of the same "
+                          "micro-batch moves more than 15% between runs (benchmarks/results/time_prediction.md)")
 def test_predicted_order_where_measured_medians_are_apart(runs):
     """Wherever two runs' measured medians differ by more than their p10-p90 spreads, the prediction orders them
     the same way (calibrated from DDP)."""
