@@ -153,3 +153,24 @@ def test_fit_ranks_by_the_same_function(capsys, tmp_path):
     assert result["step_time_s"] == pytest.approx(expected["step_time_s"])
     found = search(spec, Setup(gpus_per_node=8, gpu_memory_bytes=80 * 2 ** 30, seq_len=4096), 64, fig)
     assert result["step_time_s"] == min(c.step_time_s for c in found["fitting"])
+
+
+def test_a_run_is_predicted_at_its_own_setup(tmp_path):
+    """`predict_run` reads the run's step shape: accumulation 2 doubles the compute, checkpointing adds a third of
+    the training FLOPs (8N + 16 L h s instead of 6N + 12 L h s), the overhead counts micro-batches."""
+    from shardscope.time_predict import predict_run
+
+    def run(name, accumulation, checkpointing):
+        doc = summary(accumulation=accumulation, checkpointing=checkpointing)
+        doc["model"]["name_or_path"] = str(tmp_path / "gone")  # no folder: the parameter count gives the shapes
+        doc["precision"] = "fp32"
+        for rank in doc["ranks"]:
+            rank["peak_step"].update(micro_batch=2, seq_len=64)
+        return predict_run(write_run(tmp_path / name, doc), FIG)
+
+    base, double, recompute = run("a1", 1, False), run("a2", 2, False), run("c1", 1, True)
+    assert double["parts"]["compute"] == pytest.approx(2 * base["parts"]["compute"])
+    assert recompute["parts"]["compute"] == pytest.approx(4 / 3 * base["parts"]["compute"])
+    assert double["parts"]["overhead"] == pytest.approx(2 * FIG.overhead_s)
+    assert base["measured"]["median"] == 0.4 and base["error"] == pytest.approx(base["predicted_s"] / 0.4 - 1)
+    assert (base["strategy"], double["accumulation"], recompute["checkpointing"]) == ("ddp", 2, True)
