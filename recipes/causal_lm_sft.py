@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
+from shardscope.checkpoint.resume import prepare_resume
 from shardscope.doctor import preflight
 from shardscope.errors import UsageError
 from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
@@ -137,7 +138,8 @@ def main():
     trainer = RecipeTrainer(model=model, args=training_args, train_dataset=train_dataset, data_collator=collator,
                       processing_class=tokenizer, callbacks=callbacks)
 
-    # --- Train ---
+    # --- Train (resuming at another world size: `shardscope reshard` first, docs/checkpoints.md) ---
+    prepare_resume(trainer, training_args.resume_from_checkpoint)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     print(describe_run(trainer), flush=True)
     trainer.log_metrics("train", result.metrics)

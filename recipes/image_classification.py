@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
+from shardscope.checkpoint.resume import prepare_resume
 from shardscope.doctor import preflight
 from shardscope.recipe_args import FitArguments, RecipeParser, RecipeTrainingArguments, check_dinov2, run
 from shardscope.model_spec import load_model_config
@@ -106,7 +107,8 @@ def main():
                       data_collator=collate_images, compute_metrics=accuracy, processing_class=processor,
                       callbacks=callbacks)
 
-    # --- Train and evaluate ---
+    # --- Train and evaluate (resuming at another world size: `shardscope reshard` first, docs/checkpoints.md) ---
+    prepare_resume(trainer, training_args.resume_from_checkpoint)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     print(describe_run(trainer), flush=True)
     trainer.log_metrics("train", result.metrics)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -16,9 +17,11 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 
 def run_lines(run: Run) -> list[dict]:
-    """The recipe's `[shardscope] rank=.. world_size=..` lines, one per rank, parsed."""
-    lines = [line[line.index("[shardscope] rank="):] for line in run.output.splitlines() if "[shardscope] rank=" in line]
-    return [dict(item.split("=", 1) for item in line.split()[1:]) for line in lines]
+    """The recipe's `[shardscope] rank=.. world_size=..` records, one per rank, parsed. Two ranks share one pipe and
+    `print` writes a line and its newline apart, so one rank's record can land at the end of another's line: each
+    record runs from its marker to the next marker or the line's end."""
+    records = re.findall(r"\[shardscope\] (rank=.*?)(?=\[shardscope\]|$)", run.output, flags=re.MULTILINE)
+    return [dict(item.split("=", 1) for item in record.split()) for record in records]
 
 
 def reload_logits(output_dir: Path, base_model: Path | None = None):

@@ -48,6 +48,23 @@ def test_each_kind_is_sized_by_its_logical_tensor(group):
     assert counter.result()["comm_sent_bytes_per_step"] == 0
 
 
+def test_fsdp2_gradient_clipping_runs_under_the_counter(group):
+    """FSDP2's clip_grad_norm_ propagates DTensor shardings on FakeTensors: the counter hands back DTensors only, so
+    the norm is computed as without the counter, and counting goes on."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.ones(4, 8)).sum().backward()
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.full_tensor())
+                                                     for p in model.parameters()]))  # before clipping
+    with CollectiveCounter() as counter:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert float(norm.full_tensor()) == pytest.approx(float(expected), rel=1e-6)
+    assert counter.instrument.ok
+
+
 def test_unknown_collective_is_other_with_one_warning(group, caplog):
     """An operator in a collective namespace the table does not know: counted as `other`, warned once."""
     library = torch.library.Library("c10d", "FRAGMENT")

@@ -1,9 +1,11 @@
 """`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
 ZeRO-3 LoRA, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder
 must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
-wrapped model after training). These exports all take the safe (weights_only) path; --trust-pickle must give
-the same weights. Fault cases: truncated file, missing shard, existing output folder (hostile files:
-test_hostile_input.py)."""
+wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about a
+seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
+must equal DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`). These exports all take
+the safe (weights_only) path; --trust-pickle must give the same weights. Fault cases: truncated file, missing
+shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py."""
 from __future__ import annotations
 
 import shutil
@@ -16,9 +18,10 @@ import yaml
 from launch import ROOT, accelerate_launch
 from shardscope.cli import main
 from shardscope.errors import UsageError
-from shardscope.export import export
+from shardscope.checkpoint.export import export
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
+TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
 RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
     "zero3": ("zero3.yaml", {}, 0),
     "zero3_lora": ("zero3.yaml", {}, 4),
@@ -72,19 +75,43 @@ def assert_nothing_left(parent: Path, before: set):
     assert {p.name for p in parent.iterdir()} == before, "export left files behind"
 
 
+def assert_sharded(out: Path, limit: int) -> dict:
+    """The folder holds model-0000k-of-0000n.safetensors shards within `limit` (a lone tensor may exceed
+    it) and an index naming every tensor's shard; returns all tensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    assert files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    assert set(index["weight_map"].values()) == set(files)
+    tensors = {}
+    for name in files:
+        shard = load_file(out / name)
+        assert sum(t.nbytes for t in shard.values()) <= limit or len(shard) == 1, name
+        assert {k for k, f in index["weight_map"].items() if f == name} == set(shard)
+        tensors.update(shard)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    return tensors
+
+
 @pytest.mark.parametrize("name", ["zero3", "zero2"])
-def test_zero_full_fine_tune_and_trust_pickle(trained, strategy_model, tmp_path, name):
+def test_zero_full_fine_tune_in_shards_and_trust_pickle(trained, strategy_model, tmp_path, name):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     checkpoint, logits = trained(name)
-    out = export(checkpoint, tmp_path / "model")
-    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    assert not list(out.glob("*.bin")) and not list(tmp_path.glob(".*partial*"))
+    out = export(checkpoint, tmp_path / "model", max_shard_size=TIGHT)
+    assert (out / "config.json").is_file() and not list(out.glob("*.bin")) and not list(tmp_path.glob(".*partial*"))
+    sharded = assert_sharded(out, TIGHT)
     assert_reproduces(AutoModelForCausalLM.from_pretrained(out), logits, strategy_model("shard_llama"))
+    deepspeed_own = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))  # what zero_to_fp32 writes
+    assert all(torch.equal(sharded[k], deepspeed_own[k]) for k in sharded)
     trusted = load_file(export(checkpoint, tmp_path / "trusted", trust_pickle=True) / "model.safetensors")
-    safe = load_file(out / "model.safetensors")
-    assert trusted.keys() == safe.keys() and all(torch.equal(trusted[k], safe[k]) for k in safe)
+    assert trusted.keys() == sharded.keys() and all(torch.equal(trusted[k], sharded[k]) for k in sharded)
 
 
 def test_zero3_lora_adapter(trained, strategy_model, tmp_path):
@@ -107,7 +134,9 @@ def test_fsdp_sharded_state_dict_through_the_cli(trained, strategy_model, tmp_pa
     # an FSDP checkpoint has no config.json: without --model that is one clear error, exit 2
     assert main(["export", str(checkpoint), str(tmp_path / "none")]) == 2
     assert "pass --model" in capsys.readouterr().err and not (tmp_path / "none").exists()
-    assert main(["export", str(checkpoint.parent), str(tmp_path / "model"), "--model", str(base)]) == 0  # output dir
+    assert main(["export", str(checkpoint.parent), str(tmp_path / "model"), "--model", str(base),  # output dir
+                 "--max-shard-size", "500KB"]) == 0
+    assert_sharded(tmp_path / "model", TIGHT)
     assert_reproduces(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), logits, base)
     assert_nothing_left(tmp_path, {"model"})
 
@@ -151,3 +180,152 @@ def test_existing_output_folder_is_refused(trained, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert_nothing_left(tmp_path, {"out"})
+
+
+# ----------------------------------------------------------------------------- reshard (same launched runs)
+
+
+def _universal(path: Path):
+    import torch as t
+
+    value = t.load(path, weights_only=True)
+    return value["param"] if isinstance(value, dict) else value  # ZeRO-1/2 files add the cat dim
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero2"])
+def test_zero_reshard_writes_the_universal_checkpoint(trained, tmp_path, capsys, name):
+    """DeepSpeed's universal checkpoint holds each parameter's fp32 weight (= DeepSpeed's own consolidation) and
+    its Adam moments (= the saved per-rank partitions, gathered by `ZeroSource`), and no `latest`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from shardscope.checkpoint.reshard import UNIVERSAL_SWITCH
+    from shardscope.checkpoint.resume import resume_problem
+    from shardscope.checkpoint.sources import ZeroSource
+
+    checkpoint, _ = trained(name)
+    out = tmp_path / "any_world_size"
+    assert main(["reshard", str(checkpoint), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert UNIVERSAL_SWITCH in printed and f"--resume_from_checkpoint {out}" in printed
+    assert (out / "latest_universal").read_text() == "global_step3" and not (out / "latest").exists()
+    assert (out / "trainer_state.json").read_bytes() == (checkpoint / "trainer_state.json").read_bytes()
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    zero = out / "global_step3" / "zero"
+    assert {p.name for p in zero.iterdir() if p.is_dir()} == set(weights)
+    for state in ("exp_avg", "exp_avg_sq"):
+        saved = ZeroSource(checkpoint, None, state=state)
+        trained_names = [n for n, entry in saved.entries.items() if entry[0] in ("zero2", "zero3")]
+        gathered = saved.read(trained_names)
+        assert len(gathered) == len(weights)
+        for param, moment in gathered.items():
+            assert torch.equal(_universal(zero / param / f"{state}.pt").view(moment.shape), moment), (state, param)
+            assert moment.abs().sum() > 0  # trained: the moments are not the zeros of a fresh optimizer
+    for param, weight in weights.items():
+        assert torch.equal(_universal(zero / param / "fp32.pt").view(weight.shape), weight), param
+    problem = " ".join(resume_problem(checkpoint, 4))  # the plain checkpoint at another world size: reshard named
+    assert f"shardscope reshard {checkpoint} OUT" in problem and "saved by 2 ZeRO ranks" in problem
+    assert resume_problem(checkpoint, 2) is None and resume_problem(out, 4) is None
+
+
+def test_dcp_reshard_checks_and_copies(trained, tmp_path, capsys):
+    checkpoint, _ = trained("fsdp_sharded")
+    out = tmp_path / "any_world_size"
+    assert main(["reshard", str(checkpoint), str(out)]) == 0
+    assert "DCP reshards" in capsys.readouterr().out
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        for file in (checkpoint / folder).iterdir():
+            assert (out / folder / file.name).read_bytes() == file.read_bytes(), file
+    assert main(["reshard", str(checkpoint), str(out)]) == 2  # never overwrites
+    assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, shard", [("zero3", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         ("fsdp_sharded", "optimizer_0/__1_0.distcp")])
+def test_reshard_refuses_a_missing_shard_or_a_link(trained, tmp_path, capsys, name, shard):
+    checkpoint = _copy(trained(name)[0], tmp_path)
+    (checkpoint / shard).unlink()
+    assert main(["reshard", str(checkpoint), str(tmp_path / "out")]) == 2
+    assert "missing a shard" in capsys.readouterr().err
+    (checkpoint / shard).symlink_to(trained(name)[0] / shard)  # the real file, but outside this checkpoint
+    assert main(["reshard", str(checkpoint), str(tmp_path / "out")]) == 2
+    assert "is a link or special file" in capsys.readouterr().err
+    assert_nothing_left(tmp_path, {"ckpt"})
+
+
+def test_doctor_names_reshard_for_a_resume_at_another_world_size(trained, capsys):
+    checkpoint, _ = trained("zero3")
+    trainer_args = ["--", "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(checkpoint.parent)]
+    assert main(["doctor", "--accelerate-config", "zero3", "--gpus", "4", *trainer_args]) == 1
+    out = capsys.readouterr().out
+    assert "error [resume-world-size]" in out and f"shardscope reshard {checkpoint} OUT" in out
+    assert "saved by 2 ZeRO ranks and this run has 4" in out and "load_universal" in out
+    main(["doctor", "--accelerate-config", "zero3", "--gpus", "2", *trainer_args])  # the world size that saved it
+    assert "resume-world-size" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where, protocol", [("model", 2), ("optim", 2), ("optim", 4)])
+def test_reshard_never_runs_planted_code(tmp_path, capsys, where, protocol):
+    """A ZeRO file whose pickle calls exec (protocol 4 hides it from torch's static scan, so the weights_only
+    loads forced inside DeepSpeed's converter must refuse it): one line, exit 2, nothing ran, nothing written."""
+    import pickle
+
+    from test_hostile_input import Planted, zero_checkpoint
+
+    marker = tmp_path / "marker"
+    checkpoint = zero_checkpoint(tmp_path, **{where: pickle.dumps(Planted(marker), protocol=protocol)})
+    assert main(["reshard", str(checkpoint), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert_nothing_left(tmp_path, {"ckpt"})
+
+
+def test_tied_embeddings_are_written_once_and_reload_tied(tmp_path):
+    """In process: a tied Llama's weights saved as accelerate saves FSDP's SHARDED_STATE_DICT ({"model": ...},
+    both names present); the export drops the tied copy as save_pretrained does and the reload ties it back."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from shardscope.tiny import make_causal_lm
+
+    model = make_causal_lm(tmp_path / "base", "llama", tie_word_embeddings=True)
+    generator = torch.Generator().manual_seed(0)
+    state = {k: v + torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ckpt" / "pytorch_model_fsdp_0"), no_dist=True)
+    out = export(tmp_path / "ckpt", tmp_path / "out", str(tmp_path / "base"), max_shard_size=TIGHT // 20)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in weight_map and "model.embed_tokens.weight" in weight_map
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_every_command_in_docs_checkpoints_parses():
+    """docs/checkpoints.md's commands: shardscope's through its own parser, the recipe's arguments through the
+    recipe's parser (flags as written; the YAML they name is the user's own)."""
+    import re
+    import shlex
+
+    from test_first_hour import recipe_parser
+
+    from shardscope.cli import build_parser
+
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [shlex.split(line, comments=True) for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    shardscope = [argv for argv in commands if argv[:1] == ["shardscope"]]
+    assert {argv[1] for argv in shardscope} == {"reshard", "export", "doctor"}
+    for argv in shardscope:
+        build_parser().parse_args(argv[1:])  # an unknown flag or a missing positional exits here
+    launches = [argv for argv in commands if argv[:2] == ["accelerate", "launch"]]
+    assert len(launches) == 2
+    for argv in launches:
+        assert (ROOT / argv[argv.index("--config_file") + 1]).is_file()
+        recipe = next(a for a in argv if a.endswith(".py"))
+        flags = argv[argv.index(recipe) + 1:]
+        flags = flags[2:] if flags[:1] == ["--config"] else flags  # my.yaml: the user's own
+        recipe_parser(ROOT / recipe).parse(flags)

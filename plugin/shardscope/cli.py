@@ -13,7 +13,8 @@ from .errors import UsageError
 # Each command -> the module that defines `register(subparsers)` for it; each registered parser sets
 # `func(args) -> int`. A run imports only its own command's module (`plan` does not import doctor's).
 COMMANDS = {"configs": "configs_cli", "plan": "plan_cli", "fit": "fit_cli", "compare": "compare",
-            "report": "compare", "doctor": "doctor", "export": "export", "preflight": "preflight"}
+            "report": "compare", "doctor": "doctor", "export": "checkpoint.export",
+            "reshard": "checkpoint.reshard", "preflight": "preflight"}
 
 DESCRIPTION = """\
 Pick, check and measure a distributed-training strategy (DDP, FSDP, DeepSpeed ZeRO, tensor parallel)
@@ -28,6 +29,7 @@ examples:
   shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp zero3 -- --config my.yaml
   shardscope report runs/ddp runs/zero3                 # tables and plots from finished runs
   shardscope export output/checkpoint-100 model_out     # sharded checkpoint -> from_pretrained folder
+  shardscope reshard output/checkpoint-100 ckpt_any     # a checkpoint that resumes at another world size
   shardscope preflight --nnodes 2 --node-rank 0 --master-addr node0  # before the first multi-node run
 
 `shardscope COMMAND --help` gives each command's options."""

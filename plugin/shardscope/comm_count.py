@@ -6,7 +6,7 @@ API (`dist.all_reduce`, ... as FSDP1, FSDP2 and DeepSpeed ZeRO use it), DDP's C+
 `ProcessGroup::allreduce` calls `c10d::allreduce_` through the dispatcher; no Python wrapper or comm
 hook is needed, and a comm hook could only be registered once, before the first backward), and
 DTensor's functional collectives (`_c10d_functional.*`, tensor parallelism). Like torch's
-`CommDebugMode`, the mode hands operators on tensor subclasses back (`NotImplemented`) so DTensor
+`CommDebugMode`, the mode hands operators on DTensors back (`NotImplemented`) so DTensor
 desugars them into the collectives it really issues; unlike it, it also records sizes and group sizes.
 The profiler's record names were the alternative: they carry no dtype, and list arguments (every
 `c10d::allreduce_`) have no shapes there. A Python dispatch mode slows every operator, so it runs on
@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .guard import Instrument, WarnOnce
@@ -50,7 +51,6 @@ KIND_OF = {
 }
 NOT_COLLECTIVES = {"wait_tensor", "wait", "_wrap_tensor_autograd"}  # waits and wrappers of collectives counted
 FIELDS = ("calls", "bytes", "sent_bytes")
-PLAIN = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's own: subclasses without a dispatch of their own
 SUMMARY_KEYS = ("comm", "comm_sent_bytes_per_step", "comm_padded_tokens")  # per rank, from `from_fields`
 # Flat per-rank figures for the callback's one cross-rank all_gather (NaN where not counted).
 RANK_FIELDS = (*(f"comm_{kind}_{field}" for kind in KINDS for field in FIELDS), "comm_sent_bytes_per_step",
@@ -122,8 +122,10 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if any(getattr(t, "__torch_dispatch__", PLAIN) is not PLAIN for t in types):
-            return NotImplemented  # let DTensor (and other subclasses) desugar into the collectives it issues
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor desugars into the collectives it issues. Only DTensor, as torch's CommDebugMode: handed back,
+            # the FakeTensors of DTensor's sharding propagation (FSDP2's clip_grad_norm_) find no handler at all.
+            return NotImplemented
         if func.namespace in NAMESPACES:
             self._count(func, args, kwargs)
         return func(*args, **kwargs)

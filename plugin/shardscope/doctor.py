@@ -251,6 +251,7 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
                                                ("fsdp_config", fsdp)) if path is not None]
     if trainer is not None:
         ran.append(f"Trainer arguments ({source})")
+        findings += check_resume(trainer, world, source)
 
     if inputs.accelerate_config is None and environment:
         findings += check_default_config()
@@ -315,6 +316,14 @@ def diagnose(inputs: Inputs, validate: bool = True, ran: list | None = None, env
             notes.append("model checks skipped: no --model (and no model_name_or_path in the arguments)")
         notes.append("fit check skipped: needs --model, --gpus and --gpu or --gpu-memory")
     return _dedupe(findings), notes
+
+
+def check_resume(trainer: dict, world: int | None, source: str) -> list[Finding]:
+    """`resume_from_checkpoint` saved by ZeRO at another world size: the reshard step named."""
+    from .checkpoint.resume import resume_problem
+
+    problem = resume_problem(trainer.get("resume_from_checkpoint"), world) if world else None
+    return [Finding("resume-world-size", source, "resume_from_checkpoint", *problem)] if problem else []
 
 
 def check_files(path: Path, kind: str) -> list[Finding]:

@@ -38,6 +38,7 @@ RULES = {  # code -> level
     "hostfile-ssh": "notice",    # `deepspeed --hostfile` needs ssh (and pdsh for several hosts) from here
     "master-env": "warning",     # MASTER_ADDR/MASTER_PORT exported here, ignored for the yaml's values
     "net-interface": "notice",   # NCCL_/GLOO_SOCKET_IFNAME names no interface of this machine
+    "resume-world-size": "error",  # a ZeRO checkpoint resumed at another world size (checkpoint.resume)
 }
 LEVELS = ("error", "warning", "notice")
 

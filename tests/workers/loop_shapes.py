@@ -213,6 +213,7 @@ def fsdp2_loop(ctx, out, profiled):
     def step(batch):
         loss = model(**batch).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DTensor norms: sharding propagation on FakeTensors
         optimizer.step()
         optimizer.zero_grad()
         return loss

@@ -21,6 +21,11 @@ class Unreachable(Exception):
     """The store's host could not be reached, or stopped answering, before the deadline."""
 
 
+def deadline_in(seconds: float) -> float:
+    """The deadline `seconds` from now, on the clock every wait here reads (time.monotonic)."""
+    return time.monotonic() + seconds
+
+
 def wait_for_port(host: str, port: int, deadline: float) -> bool:
     """Poll a TCP connection to host:port until it is accepted or the deadline passes (quietly: torch's own
     client retries log a C++ error per attempt)."""
@@ -91,12 +96,12 @@ def finish(store, me: int, joined: list[int], outcome: dict | None, wait_s: floa
     try:
         if me == 0:
             store.set(key("outcome"), json.dumps(outcome))
-            end = time.monotonic() + GRACE_S
+            end = deadline_in(GRACE_S)
             for member in joined:
                 if member != 0 and not poll(store, key("done", member), end):
                     break
             return outcome
-        if not poll(store, key("outcome"), time.monotonic() + wait_s):
+        if not poll(store, key("outcome"), deadline_in(wait_s)):
             return None
         outcome = json.loads(store.get(key("outcome")))
         store.set(key("done", me), "1")
