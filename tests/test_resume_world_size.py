@@ -3,10 +3,9 @@
 For ZeRO-2, ZeRO-3 and FSDP2 (SHARDED_STATE_DICT, i.e. DCP) a 2-rank run trains STEPS steps and saves
 checkpoint-SAVE_AT (one launch each); `shardscope reshard` turns it into a checkpoint for any world size
 (DeepSpeed's universal format; DCP checked and copied); the resumes are separate launches at the same global
-batch (GLOBAL = ranks x per-device batch): ZeRO-2 on 1 rank, ZeRO-3 on 4, FSDP2 on 1 and on 4. Seven launches,
-not nine: the two DeepSpeed stages load the universal format by different code (stage3.py's own loader vs the
-ZeRO-1/2 fragment mapping), and each is run once, shrinking for ZeRO-2 and growing for ZeRO-3; FSDP2 goes both
-ways because DCP's resharding plans differ when the saved chunks must be split (4 ranks) or joined (1 rank).
+batch (GLOBAL = ranks x per-device batch): each strategy on 1 rank and on 4 (nine launches). The two DeepSpeed stages
+load the universal format by different code (stage3.py's own loader vs the ZeRO-1/2 fragment mapping), and DCP's
+resharding plans differ when the saved chunks must be split (4 ranks) or joined (1 rank): each way is run.
 
 Checks: each resumed run really ran at its world size and strategy; its losses for steps SAVE_AT+1..STEPS equal
 the uninterrupted 2-rank run's (TOLERANCE); the Adam moments it holds at train begin (gathered on every rank by
@@ -35,7 +34,7 @@ STRATEGIES = {  # name -> (shipped accelerate config, launcher flags, distribute
     "zero3": ("zero3", [], "DEEPSPEED", "DeepSpeedEngine"),
     "fsdp2": ("fsdp_full_shard", ["--fsdp_state_dict_type", "SHARDED_STATE_DICT"], "FSDP", "FSDPLlamaForCausalLM"),
 }
-RESUMES = [("zero2", 1), ("zero3", 4), ("fsdp2", 1), ("fsdp2", 4)]
+RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 
 
 def recipe_args(assets, ranks, *extra):
