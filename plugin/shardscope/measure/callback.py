@@ -72,7 +72,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self._flops_model, self._trainer, self._pending = None, None, {}
         self.warn_once = WarnOnce()
 
-    # --- Trainer events (each also wrapped by `_never_raises`) --------------------------------------------
+    # --- Trainer events (each also wrapped by `never_raises`) ---------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
         with self._guard("callback order"):
             self._run_before_reporters()
