@@ -484,8 +484,11 @@ def test_planner_doc_cases_are_what_plan_prints(capsys):
     assert [r[0].strip() for r in rows] == list(cases)
     for case, states, total, fits in rows:
         strategy, model, *flags = cases[case.strip()]
-        assert cli.main(["plan", "--model", model, "--gpu", "A100-80", *flags, "--json"]) in (0, 1)
-        row = next(r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == strategy)
+        # exit 0 in every case: something fits (on one A100-80, the offload rows; elsewhere sharding)
+        assert cli.main(["plan", "--model", model, "--gpu", "A100-80", *flags, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["recommendation"]["strategy"] is not None
+        row = next(r for r in result["rows"] if r["strategy"] == strategy)
         assert (f"{row['model_states_bytes'] / 1e9:.1f}", f"{row['total_bytes'] / 1e9:.1f}",
                 ("no", "yes")[row["fits"]]) == (states.strip(), total.strip(), fits.strip()), case
 

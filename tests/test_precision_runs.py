@@ -30,12 +30,15 @@ BF16 = {  # config -> (strategy in the summary, ZeRO?)
 
 
 def fp16_on_cpu() -> bool:
+    """What DeepSpeed's CPU accelerator asks (`is_fp16_supported`): oneDNN's fp16 check. A torch built without
+    oneDNN, or without that check, has no fp16 on CPU; any error of the check itself is a broken probe and fails
+    the collection loudly instead of passing for "no fp16"."""
     import torch
 
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # what DeepSpeed's CPU accelerator asks
-    except Exception:
+    mkldnn = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_is_mkldnn_fp16_supported"):
         return False
+    return bool(mkldnn._is_mkldnn_fp16_supported())
 
 
 @pytest.fixture(scope="module")
