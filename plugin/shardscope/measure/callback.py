@@ -104,9 +104,13 @@ class ShardingProfilerCallback(TrainerCallback):
         self.profiler.begin_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._pending.update(self.profiler.step(pause=control.should_evaluate or control.should_save))
+        # defer: the measuring step's gather is collected at the Trainer's log, after the Trainer's own gather has
+        # brought every rank there, so the first rank to finish its step does not wait in ours
+        self._pending.update(self.profiler.step(pause=control.should_evaluate or control.should_save, defer=True))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.profiler is not None:  # (an evaluation before training logs too)
+            self._pending.update(self.profiler.logged())  # every rank logs (Trainer.log runs on each)
         if self._pending and logs is not None:
             with self._guard("metric logging"):
                 logs.update(self._pending)

@@ -22,7 +22,7 @@ from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
-from .rank_gather import all_gather_figures, gather_objects, log_metrics
+from .rank_gather import Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan, start_gather
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
 from ..state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
@@ -121,7 +121,7 @@ class ShardingProfiler:
         self._throughput, self._state, self._memory, self._precision_probe = (
             Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
         self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
-        self._closed = False
+        self._closed, self._pending = False, None  # _pending: a measurement whose gather step(defer=True) started
         clock = time.perf_counter
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
         self._counts = StepCounts()
@@ -181,14 +181,15 @@ class ShardingProfiler:
             self._counts.add_batch(counted if samples is None else samples, tokens, flops)
 
     @never_raises(default=dict)
-    def step(self, batch=None, tokens: int | None = None, samples: int | None = None, *, pause: bool = False) -> dict:
-        """Close one optimizer step (call it after `optimizer.step()`). `batch`: the dict fed to the model or a
-        list of the step's micro-batches; `tokens=` / `samples=` override what is counted from it. `pause=True`
-        leaves the time until the next `begin_step()` or training forward out (evaluation, checkpointing).
-        Returns the metrics measured at this step ({} on steps that do not measure)."""
+    def step(self, batch=None, tokens=None, samples=None, *, pause: bool = False, defer: bool = False) -> dict:
+        """Close one optimizer step (call it after `optimizer.step()`). `batch`: the dict fed to the model or a list of
+        the step's micro-batches; `tokens=` / `samples=` (ints) override what is counted from it. `pause=True` leaves
+        the time until the next `begin_step()` or training forward out (evaluation, checkpointing). Returns the metrics
+        measured at this step ({} if none); `defer=True` leaves their gather running (`logged()` returns them)."""
         if self._closed:
             self.warn_once("closed", "step() after close(): nothing more is measured")
             return {}
+        metrics = self.logged()  # a deferred measurement not collected since
         for micro in (batch if isinstance(batch, list) else [] if batch is None else [batch]):
             self.add_batch(micro)
         instrumented = self._sampled.end() or self._step_peak is not None
@@ -203,10 +204,22 @@ class ShardingProfiler:
                 self._windows("add_batch", *counted)
             self._windows("step_end", pause_after=pause, count=not instrumented)
         self.global_step += 1
-        metrics = {}
         if self._is_measure_step(self.global_step):
-            metrics = self._measure_and_log()
+            self._measure_and_log()
+            metrics.update({} if defer else self.logged())
         self._begin(sampled=not pause)  # after evaluation or a save: at the next begin_step (or training forward)
+        return metrics
+
+    @never_raises(default=dict)
+    def logged(self) -> dict:
+        """The metrics of a measurement `step(defer=True)` left pending ({} when none), its gather awaited; also sent
+        through `accelerator.log` when an accelerator is given."""
+        pending, self._pending, metrics = self._pending, None, {}
+        with self.guard("metric logging"):
+            if pending is not None:
+                metrics = log_metrics(self._complete_all(pending), self._tp)
+            if self.accelerator is not None and metrics:
+                self.accelerator.log(metrics, step=pending.step)
         return metrics
 
     @never_raises()
@@ -215,10 +228,11 @@ class ShardingProfiler:
         rank 0; returns its path there. A second call does nothing."""
         if self._closed:
             return None
+        self.logged()  # a measurement's gather still pending: completed on every rank before the next collective
         self._closed = True
         self._sampled.end(keep=False)  # a timer started for a step that never ran
         self._end_step_peak(keep=False)  # a step begun and never closed is not measured
-        ranks = self._measure_all_ranks(self._run)
+        ranks = self._complete_all(self._measure_rank(self._run))
         with self.guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
         extra, statuses = [{}] * len(ranks), [self._statuses()] * len(ranks)
@@ -336,21 +350,23 @@ class ShardingProfiler:
         return out
 
     # --- Measuring ---------------------------------------------------------------------------------------------
-    def _measure_and_log(self) -> dict:
-        ranks = self._measure_all_ranks(self._interval)  # guarded inside, collective
-        metrics = {}
-        with self.guard("metric logging"):
-            metrics = log_metrics(ranks, self._tp)
-            if self.accelerator is not None and metrics:
-                self.accelerator.log(metrics, step=self.global_step)
+    def _measure_and_log(self) -> None:
+        """Measure this rank and start the exchange with every rank (`logged()` completes it)."""
+        self._pending = self._measure_rank(self._interval)  # guarded inside, collective
         with self.guard("throughput"):
             self._interval.reset()
         with self.guard("peak memory"):
             reset_peak(self._device)
-        return metrics
 
-    def _measure_all_ranks(self, window: ThroughputWindow) -> list[dict]:
-        """Measure this rank, then exchange with every rank (one collective, called on all ranks)."""
+    def _complete_all(self, gathered: Gathered) -> list[dict]:
+        """Every rank's reported figures, once the exchange completes (this rank's alone where it failed)."""
+        ranks = [gathered.local]
+        with self.guard("cross-rank gather"):
+            ranks = gathered.result()
+        return list(map(self._complete_or_empty, ranks))
+
+    def _measure_rank(self, window: ThroughputWindow) -> Gathered:
+        """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
         fields = self._fields
         mine = dict.fromkeys(fields, math.nan)
         with self.guard("model-state bytes"):
@@ -377,13 +393,12 @@ class ShardingProfiler:
         with self.guard("throughput"):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
-                        tokens=_float(totals.tokens), flops=_float(totals.flops))
-            mine.update({f"step_time_{k}": _float(v) for k, v in step_time_summary(window.durations).items()})
+                        tokens=as_float(totals.tokens), flops=as_float(totals.flops))
+            mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields())
-        gathered = [mine]
         with self.guard("cross-rank gather"):
-            gathered = all_gather_figures(mine, self._device, fields)
-        return [self._complete_or_empty(rank) for rank in gathered]
+            return start_gather(mine, self.global_step, self._device, fields)
+        return Gathered(mine, self.global_step, ranks=[mine])
 
     def _complete_or_empty(self, rank: dict) -> dict:
         with self.guard("reported figures"):
@@ -392,20 +407,20 @@ class ShardingProfiler:
 
     def _complete(self, rank: dict) -> dict:
         """Turn one rank's raw counts into reported figures."""
-        out = {k: _int_or_none(rank[k]) for k in COUNTED_BYTES}
-        out["frozen_models"] = {name: _int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
+        out = {k: int_or_none(rank[k]) for k in COUNTED_BYTES}
+        out["frozen_models"] = {name: int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
-        out["peak_memory_bytes"] = _int_or_none(rank["peak_memory_bytes"])
+        out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
         out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
         with self._memory:
             out.update(peak_reported(rank))
-        totals = WindowTotals(rank["samples"], _none_if_nan(rank["tokens"]), _none_if_nan(rank["flops"]),
+        totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
-        out["throughput"] = {**rates(totals, self._peak), "samples": _int_or_none(totals.samples),
-                             "tokens": _int_or_none(totals.tokens), "seconds": totals.seconds,
+        out["throughput"] = {**rates(totals, self._peak), "samples": int_or_none(totals.samples),
+                             "tokens": int_or_none(totals.tokens), "seconds": totals.seconds,
                              "flops_convention": FLOPS_CONVENTION}
-        step_time = {k: _none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
+        step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
         out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
         out.update(self._sampled.complete(rank))
         return out
@@ -583,17 +598,3 @@ def _device_of(accelerator, module) -> torch.device:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _float(value) -> float:
-    if value is None:
-        return math.nan
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def _none_if_nan(value):
-    return None if value is None or math.isnan(value) else value
-
-
-def _int_or_none(value):
-    return None if value is None or math.isnan(value) else int(value)

@@ -1,8 +1,10 @@
 """Per-rank figures exchanged between ranks: one all_gather per measurement, and the cross-rank metrics logged.
 
-Every rank calls these at the same step (collectives); without a process group they return this rank's alone.
+Every rank starts these at the same step (collectives); without a process group they return this rank's alone.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -13,16 +15,35 @@ REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "frozen_models_byte
            "peak_tensor_bytes", "tokens_per_s", "tflops_per_device", "mfu")
 
 
-def all_gather_figures(values: dict, device: torch.device, fields) -> list[dict]:
-    """Every rank's `values` (same keys everywhere), via one all_gather; just ours when not distributed."""
+class Gathered:
+    """An all_gather of per-rank figures in flight (`start_gather`); `result()` waits for it (once) and returns every
+    rank's figures. `local`: this rank's own, `step`: the optimizer step they were measured at."""
+
+    __slots__ = ("local", "step", "fields", "sent", "tensor", "work", "ranks")
+
+    def __init__(self, local: dict, step: int, fields=(), sent=None, tensor=None, work=None, ranks=None):
+        self.local, self.step, self.fields, self.ranks = local, step, fields, ranks
+        self.sent, self.tensor, self.work = sent, tensor, work  # both tensors held until the gather completes
+
+    def result(self) -> list[dict]:
+        if self.ranks is None:
+            self.work.wait()
+            flat, n = self.tensor.tolist(), len(self.fields)
+            self.ranks = [dict(zip(self.fields, flat[i:i + n])) for i in range(0, len(flat), n)]
+        return self.ranks
+
+
+def start_gather(values: dict, step: int, device: torch.device, fields) -> Gathered:
+    """Every rank's `values` (same keys everywhere) via one all_gather, started without waiting (the caller waits in
+    `result()`, so a rank that arrives first need not idle here); just ours when not distributed."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [values]
+        return Gathered(values, step, ranks=[values])
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     mine = torch.tensor([float(values[k]) for k in fields], dtype=torch.float64, device=on)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    return [dict(zip(fields, t.tolist())) for t in gathered]
+    out = mine.new_empty(dist.get_world_size() * len(fields))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    return Gathered(values, step, fields, mine, out, gather(out, mine, async_op=True))
 
 
 def gather_objects(mine) -> list:
@@ -49,3 +70,18 @@ def log_metrics(ranks: list[dict], tp: int = 1) -> dict:
         if reduced[f"global_{key}"] is not None:
             metrics[f"{PREFIX}{key}"] = reduced[f"global_{key}"]
     return metrics
+
+
+# A figure not measured on a rank travels as NaN (every rank sends the same fields); reading one back:
+def as_float(value) -> float:
+    if value is None:
+        return math.nan
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def none_if_nan(value):
+    return None if value is None or math.isnan(value) else value
+
+
+def int_or_none(value):
+    return None if value is None or math.isnan(value) else int(value)
