@@ -217,7 +217,7 @@ class ShardingProfiler:
         pending, self._pending, metrics = self._pending, None, {}
         with self.guard("metric logging"):
             if pending is not None:
-                metrics = log_metrics(self._complete_all(pending), self._tp)
+                metrics = log_metrics(self._complete_all(pending, summary=False), self._tp)
             if self.accelerator is not None and metrics:
                 self.accelerator.log(metrics, step=pending.step)
         return metrics
@@ -358,12 +358,12 @@ class ShardingProfiler:
         with self.guard("peak memory"):
             reset_peak(self._device)
 
-    def _complete_all(self, gathered: Gathered) -> list[dict]:
+    def _complete_all(self, gathered: Gathered, summary: bool = True) -> list[dict]:
         """Every rank's reported figures, once the exchange completes (this rank's alone where it failed)."""
         ranks = [gathered.local]
         with self.guard("cross-rank gather"):
             ranks = gathered.result()
-        return list(map(self._complete_or_empty, ranks))
+        return [self._complete_or_empty(rank, summary) for rank in ranks]
 
     def _measure_rank(self, window: ThroughputWindow) -> Gathered:
         """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
@@ -400,13 +400,13 @@ class ShardingProfiler:
             return start_gather(mine, self.global_step, self._device, fields)
         return Gathered(mine, self.global_step, ranks=[mine])
 
-    def _complete_or_empty(self, rank: dict) -> dict:
+    def _complete_or_empty(self, rank: dict, summary: bool) -> dict:
         with self.guard("reported figures"):
-            return self._complete(rank)
+            return self._complete(rank, summary)
         return {key: None for key in (*COMPONENTS, "peak_memory_bytes")} | {"throughput": {}}
 
-    def _complete(self, rank: dict) -> dict:
-        """Turn one rank's raw counts into reported figures."""
+    def _complete(self, rank: dict, summary: bool = True) -> dict:
+        """Turn one rank's raw counts into reported figures (`summary=False`: those the logs reduce, no more)."""
         out = {k: int_or_none(rank[k]) for k in COUNTED_BYTES}
         out["frozen_models"] = {name: int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
         frozen = [v for v in out["frozen_models"].values() if v is not None]
@@ -414,15 +414,17 @@ class ShardingProfiler:
         out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
         out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
         with self._memory:
-            out.update(peak_reported(rank))
+            out.update(peak_reported(rank) if summary else
+                       {"peak_tensor_bytes": int_or_none(rank["peak_tensor_bytes"])})
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = {**rates(totals, self._peak), "samples": int_or_none(totals.samples),
                              "tokens": int_or_none(totals.tokens), "seconds": totals.seconds,
                              "flops_convention": FLOPS_CONVENTION}
-        step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
-        out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
-        out.update(self._sampled.complete(rank))
+        if summary:
+            step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
+            out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
+            out.update(self._sampled.complete(rank))
         return out
 
     # --- Set-up ------------------------------------------------------------------------------------------------
@@ -549,9 +551,7 @@ class ShardingProfiler:
         return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
 
     def _summary(self, ranks: list[dict], instruments: list[dict]) -> dict:
-        device = self._device.type
-        if device == "cuda":
-            device = torch.cuda.get_device_name(self._device)
+        device = torch.cuda.get_device_name(self._device) if self._device.type == "cuda" else self._device.type
         precision = self._precision_ranks or [{}] * len(ranks)
         return {
             "shardscope_version": __version__,

@@ -37,11 +37,12 @@ def start_gather(values: dict, step: int, device: torch.device, fields) -> Gathe
     """Every rank's `values` (same keys everywhere) via one all_gather, started without waiting (the caller waits in
     `result()`, so a rank that arrives first need not idle here); just ours when not distributed."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
         return Gathered(values, step, ranks=[values])
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     mine = torch.tensor([float(values[k]) for k in fields], dtype=torch.float64, device=on)
-    out = mine.new_empty(dist.get_world_size() * len(fields))
+    out = mine.new_empty(world * len(fields))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     return Gathered(values, step, fields, mine, out, gather(out, mine, async_op=True))
 
