@@ -27,6 +27,15 @@ LOSS_RTOL = 1e-4
 # (8: 1, 2, 4, 8), so the next larger micro-batch can need up to twice the activations; at least half the
 # budget measured leaves both, and still rules out a micro-batch 1 chosen out of caution (see the budget below).
 MIN_USED = 0.5
+# The budget, stated: micro-batch 4 (half the naive 8) fits it, 8 does not. By hand for the tiny Llama of
+# `make_sft_assets` (P = 134,464 parameters in 21 tensors; hidden 64, 2 layers, vocab 408), DDP, fp32 AdamW, 96
+# tokens, micro-batch 4 and 2 accumulation steps (`hand_need` below):
+#   states       4 B weights + 4 B gradients carried from the first micro-batch + 8 B moments, x P,
+#                + AdamW's 4 B step per tensor                                     = 2,151,508 B
+#   activations  2 layers x 96 tokens x 4 x 64 hidden x 34 x 4 B / 2 (Korthikanti et al. 2022, per layer)
+#                + 4 x 96 x 408 vocab x 4 B (the fp32 logits)                      = 3,969,024 B
+#   6,120,532 B / (1 - HEADROOM) = 6,800,591 B, + 2% margin                         -> 6,940,000 B
+BUDGET = 6_940_000
 
 
 def plan(spec, micro, checkpointing=False):
@@ -38,18 +47,26 @@ def plan(spec, micro, checkpointing=False):
     return next(r for r in estimate(spec, setup)["rows"] if r["strategy"] == "ddp")
 
 
+def hand_need(model, micro) -> int:
+    """The peak of DDP, fp32 AdamW at `micro` x SEQ tokens (GLOBAL / RANKS per rank), by the formula above."""
+    config, params = model.config, list(model.parameters())
+    elements, h, layers = sum(p.numel() for p in params), config.hidden_size, config.num_hidden_layers
+    carried = 4 * elements if GLOBAL // (RANKS * micro) > 1 else 0  # gradients an earlier micro-batch left
+    activations = layers * SEQ * micro * h * 34 * 4 // 2 + micro * SEQ * config.vocab_size * 4
+    return 12 * elements + carried + 4 * len(params) + activations
+
+
 @pytest.fixture(scope="module")
 def fit_case(sft_assets):
-    """The budget: just enough for half the naive micro-batch without checkpointing (by the planner), so the
-    naive setting (micro-batch 8, no accumulation) is ruled out and micro-batch 1 would waste most of it."""
-    from transformers import AutoConfig
+    """BUDGET, and the planner's rows for the naive micro-batch (8, no accumulation) and for micro-batch 1."""
+    from transformers import AutoModelForCausalLM
 
     from shardscope.model.spec import spec_from_config
 
-    spec = spec_from_config(AutoConfig.from_pretrained(sft_assets["model"]))
-    half = plan(spec, NAIVE_MICRO // 2)
-    budget = int(half["peak_bytes"] / (1 - HEADROOM) * 1.02)
-    return {"spec": spec, "budget": budget, "naive": plan(spec, NAIVE_MICRO), "micro1": plan(spec, 1)}
+    model = AutoModelForCausalLM.from_pretrained(sft_assets["model"])
+    spec = spec_from_config(model.config)
+    return {"spec": spec, "budget": BUDGET, "naive": plan(spec, NAIVE_MICRO), "half": plan(spec, NAIVE_MICRO // 2),
+            "micro1": plan(spec, 1), "need": {micro: hand_need(model, micro) for micro in (NAIVE_MICRO // 2, NAIVE_MICRO)}}
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +85,12 @@ def launched(fit_case, sft_assets, tmp_path_factory):
 
 
 def test_budget_rules_out_the_naive_setting(fit_case):
-    usable = fit_case["budget"] * (1 - HEADROOM)
-    assert fit_case["naive"]["peak_bytes"] > usable  # what the run would do unfitted
-    assert fit_case["micro1"]["peak_bytes"] < MIN_USED * fit_case["budget"]  # micro-batch 1 would waste it
+    usable = BUDGET * (1 - HEADROOM)
+    need = fit_case["need"]  # the derivation above, from the model's own counts
+    assert need[NAIVE_MICRO // 2] == 6_120_532 and need[NAIVE_MICRO // 2] <= usable < need[NAIVE_MICRO]
+    assert fit_case["half"]["peak_bytes"] == need[NAIVE_MICRO // 2]  # the planner's formula path, by hand
+    assert fit_case["naive"]["peak_bytes"] > usable  # the planner agrees: what the run would do unfitted
+    assert fit_case["micro1"]["peak_bytes"] < MIN_USED * BUDGET  # micro-batch 1 would waste it
 
 
 def test_every_rank_applies_rank0_decision(launched, fit_case):
