@@ -16,9 +16,11 @@ from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
 from shardscope.plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
 
+
 def calibrate(paths, base):
     """What `--calibrate PATH ...` does: read each path, then calibrate `base`."""
     return calibrate_figures(measured_figures(paths), base)
+
 
 SPEC = SimpleNamespace(kind="text", vocab_size=0, hidden_size=8, untied_embedding_params=0, params_total=10 ** 6,
                        num_layers=2)
@@ -30,8 +32,10 @@ FIG = Figures(flops_per_s=1e12, bus_bytes_per_s=dict.fromkeys(KINDS, 1e9), netwo
                   ("flops_per_s", "bus_bytes_per_s", "hidden_share", "optimizer_s_per_param", "overhead_s"), "test"))
 MESH = {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
 
+
 def row(strategy, comm, shard=4):
     return {"strategy": strategy, "comm": comm, "mesh": MESH, "shard_degree": shard}
+
 
 def test_parts_by_hand():
     setup = Setup(gpus_per_node=4, micro_batch=2, grad_accum_steps=3, seq_len=10)
@@ -51,6 +55,7 @@ def test_parts_by_hand():
     # over the network 1 s: 0.25 s exposed, and of the 0.75 s hidden all that the compute cannot cover
     assert across["step_time_parts"]["exposed_comm"] == pytest.approx(0.25 + (0.75 - compute))
 
+
 def summary(strategy="ddp", accumulation=2, checkpointing=False):
     """A two-rank summary whose figures are worked out by hand in `test_calibration_from_a_summary`."""
     breakdown = {"forward_s": 0.2, "backward_s": 0.4, "optimizer_s": 0.1, "comm_s": 0.3, "exposed_comm_s": 0.05,
@@ -64,10 +69,12 @@ def summary(strategy="ddp", accumulation=2, checkpointing=False):
             {"dp_replicate": 1, "dp_shard": 2, "tp": 1},
             "model": {"params_total": 10 ** 6, "trainable_params": 10 ** 6}, "ranks": [rank, dict(rank)]}
 
+
 def write_run(folder, doc):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "shardscope_summary.json").write_text(json.dumps(doc))
     return folder
+
 
 def test_calibration_from_a_summary(tmp_path):
     run = write_run(tmp_path / "ddp", summary())
@@ -89,6 +96,7 @@ def test_calibration_from_a_summary(tmp_path):
     assert zero2.hidden_share == FIG.hidden_share  # ZeRO-2 overlaps nothing: no hidden share measured, kept
     assert zero2.optimizer_s_per_param == pytest.approx(0.1 * scale / (10 ** 6 / 2))  # each rank steps half
 
+
 def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):
     a = write_run(tmp_path / "a", summary())
     b_doc = summary()
@@ -107,10 +115,32 @@ def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):
     assert fig.bus_bytes_per_s["all_reduce"] == pytest.approx(6e6 / 0.15)  # the run's, preflight had none
     assert fig.bus_bytes_per_s["reduce_scatter"] == pytest.approx(6e6 / 0.15)  # neither: the slowest measured
 
+
+def test_fit_calibrated_from_a_preflight_file(capsys, tmp_path):
+    """`shardscope fit --calibrate preflight.json`: the preflight's slowest matmul rank and its link bandwidths
+    replace the datasheet figures, each said to be measured on that file."""
+    preflight = tmp_path / "preflight.json"
+    preflight.write_text(json.dumps({"schema_version": 1, "dtype": "bf16", "backend": "nccl",
+                                     "links": [{"kind": kind, "scope": "intra", "size_bytes": 1 << 20,
+                                                "busbw_bytes_per_s": 5e10} for kind in KINDS],
+                                     "compute": [{"rank": 0, "flops_per_s": 2e14}, {"rank": 1, "flops_per_s": 1e14}]}))
+    argv = ["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
+            "--calibrate", str(preflight)]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["calibration"]["flops_per_s"] == {"value": 1e14, "run": str(preflight)}
+    assert {k: v["value"] for k, v in result["calibration"]["bus_bytes_per_s"].items()} == dict.fromkeys(KINDS, 5e10)
+    assert result["assumptions"]["flops_per_s"] == 1e14
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compute: 100 TFLOP/s per rank" in out and f"(measured on {preflight})" in out
+
+
 def plan(capsys, *argv):
     code = main(["plan", *map(str, argv)])
     out, err = capsys.readouterr()
     return code, out, err
+
 
 def test_plan_rows_carry_step_times_and_say_where_figures_come_from(capsys, tmp_path):
     run = write_run(tmp_path / "ddp", summary())
@@ -131,6 +161,7 @@ def test_plan_rows_carry_step_times_and_say_where_figures_come_from(capsys, tmp_
     code, _, err = plan(capsys, *argv, "--calibrate", tmp_path / "nothing")
     assert code == 2 and "--calibrate" in err and err.count("\n") == 1 and "Traceback" not in err
 
+
 def test_fit_ranks_by_the_same_function(capsys, tmp_path):
     run = write_run(tmp_path / "ddp", summary())
     code = main(["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
@@ -149,6 +180,7 @@ def test_fit_ranks_by_the_same_function(capsys, tmp_path):
     assert result["step_time_s"] == pytest.approx(expected["step_time_s"])
     found = search(spec, Setup(gpus_per_node=8, gpu_memory_bytes=80 * 2 ** 30, seq_len=4096), 64, fig)
     assert result["step_time_s"] == min(c.step_time_s for c in found["fitting"])
+
 
 def test_a_run_is_predicted_at_its_own_setup(tmp_path):
     """`predict_run` reads the run's step shape: accumulation 2 doubles the compute, checkpointing adds a third of
