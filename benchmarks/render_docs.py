@@ -8,7 +8,7 @@ A doc marks where a result goes, and this script rewrites what is between the tw
     <!-- results:NAME#PART -->...<!-- /results:NAME#PART -->    the text between `<!-- part:PART -->` and
                                                                 `<!-- /part:PART -->` in that file
 
-A result of one line goes inline (the markers may sit in a sentence), a longer one as a block on lines of its
+A marker in backticks is text, not a marker. A result of one line goes inline (the markers may sit in a sentence), a longer one as a block on lines of its
 own. Relative links in a results file (an image beside it) are rewritten relative to the doc. Run it after a
 benchmark script wrote its results file; tests/test_docs_results.py fails when a doc differs from what this
 renders.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MARKED = re.compile(r"<!-- results:(?P<spec>[\w.-]+(?:#[\w-]+)?) -->(?P<body>.*?)<!-- /results:(?P=spec) -->",
+MARKED = re.compile(r"(?<!`)<!-- results:(?P<spec>[\w.-]+(?:#[\w-]+)?) -->(?P<body>.*?)<!-- /results:(?P=spec) -->",
                     re.S)
 LINK = re.compile(r"(\]\()(?!https?:|#|/)([^)\s]+)(\))")
 
@@ -78,7 +78,7 @@ def render(text: str, doc: Path, results: Path = RESULTS) -> str:
         body = body.strip() if "\n" not in body.strip() else f"\n{body}\n"
         return f"<!-- results:{spec} -->{body}<!-- /results:{spec} -->"
     rendered, count = MARKED.subn(fill, text)
-    if count != text.count("<!-- results:"):
+    if count != len(re.findall(r"(?<!`)<!-- results:", text)):
         raise RenderError("a `<!-- results:NAME -->` marker without its `<!-- /results:NAME -->`")
     return rendered
 
