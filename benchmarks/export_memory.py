@@ -109,7 +109,12 @@ def main(argv=None) -> None:
     parser.add_argument("--shard", default="100MB")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "export_memory.md")
     parser.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS), help="these checkpoints only")
+    parser.add_argument("--quick", action="store_true", help="a tiny ZeRO-3 checkpoint, the baseline and `shardscope "
+                        "export` only: checks the script works, not a result")
     args = parser.parse_args(argv)
+    exporters = dict(list(EXPORTERS.items())[:2]) if args.quick else EXPORTERS
+    if args.quick:
+        args.hidden, args.intermediate, args.layers, args.vocab, args.shard, args.only = 64, 128, 2, 512, "1MB", ["ZeRO-3"]
     work = Path(tempfile.mkdtemp(prefix="export-memory-"))
     sizes = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                  num_attention_heads=8, num_key_value_heads=8)
@@ -122,7 +127,7 @@ def main(argv=None) -> None:
     rows = []
     for name in args.only:
         checkpoint = train(work, name, model)
-        for exporter, code in EXPORTERS.items():
+        for exporter, code in exporters.items():
             if "DeepSpeed" in exporter and not name.startswith("ZeRO"):
                 continue
             peak, seconds = child(code, checkpoint, work / f"out-{len(rows)}", args.shard, model)
@@ -139,7 +144,8 @@ def write(args, rows, weights: int, largest: int) -> None:
     lines = ["# Export: peak host memory beside the checkpoint's size", "",
              f"command: `python benchmarks/export_memory.py --hidden {args.hidden} --intermediate {args.intermediate} "
              f"--layers {args.layers} --vocab {args.vocab} --shard {args.shard}"
-             + ("" if args.only == list(RUNS) else " --only " + " ".join(shlex.quote(n) for n in args.only)) + "`", "",
+             + ("" if args.only == list(RUNS) else " --only " + " ".join(shlex.quote(n) for n in args.only))
+             + (" (--quick: the baseline and shardscope export only)" if args.quick else "") + "`", "",
              f"model: random Llama, {mb(weights)} of fp32 weights (`save_pretrained` folder), largest tensor "
              f"{mb(largest)}; shard size S = {args.shard}; three steps on 2 CPU ranks saved `checkpoint-3`.", "",
              f"machine: {platform.machine()}, {os.cpu_count()} cores; {versions}; peak = VmHWM of the exporting "

@@ -70,7 +70,7 @@ def summary(rows: list[dict], target: str) -> str:
     median = statistics.median(float(r["seconds"]) for r in runs)
     cores = "/".join(sorted({r["nproc"] for r in runs}))
     fresh = sum(r["fresh"] == "yes" for r in runs)
-    freshness = {len(runs): "from a fresh clone", 0: "not from a fresh clone"}.get(fresh, f"{fresh} from a fresh clone")
+    freshness = {len(runs): "from a fresh clone", 0: "the venv already built"}.get(fresh, f"{fresh} from a fresh clone")
     where = (f"one run on a {cores}-core machine" if len(runs) == 1 else
              f"median of {len(runs)} runs on {cores}-core machines") + f", {freshness}"
     if target == "demo":
@@ -109,14 +109,16 @@ def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str,
     return summary(rows, target)
 
 
-def run(target: str, fresh: bool) -> tuple[float, str]:
-    """(wall seconds, output) of `make TARGET` in this checkout, or in a fresh clone of its HEAD."""
+def run(target: str, fresh: bool, installed: bool = False) -> tuple[float, str]:
+    """(wall seconds, output) of `make TARGET` in this checkout, or in a fresh clone of its HEAD; `installed`: take
+    the venv as it is (make's `-o` on its install stamp), e.g. a worktree whose `.venv` links to another's."""
     where = ROOT
     if fresh:
         where = Path(tempfile.mkdtemp(prefix="suite-time-")) / "shardscope"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(where)], check=True)
     start = time.perf_counter()
-    done = subprocess.run(["make", target], cwd=where, capture_output=True, text=True)
+    done = subprocess.run(["make", *(["-o", ".venv/.installed"] if installed else []), target], cwd=where,
+                          capture_output=True, text=True)
     seconds = time.perf_counter() - start
     output = done.stdout + done.stderr
     (Path(tempfile.gettempdir()) / f"suite_time_{target}.log").write_text(output)
@@ -136,13 +138,14 @@ def main(argv=None) -> int:
     rec.add_argument("--date", help="when the run ended, YYYY-MM-DD HH:MM (default: now)")
     go = sub.add_parser("run", help="run `make TARGET`, time it and record it")
     go.add_argument("target", choices=("test", "demo"))
+    go.add_argument("--assume-installed", action="store_true", help="never run the install step (make -o)")
     for each in (rec, go):
         each.add_argument("--fresh-clone", action="store_true", help="the run started from a fresh clone")
         each.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            seconds, log = run(args.target, args.fresh_clone)
+            seconds, log = run(args.target, args.fresh_clone, args.assume_installed)
             line = record(args.out, args.target, args.fresh_clone, seconds, log)
         else:
             line = record(args.out, args.target, args.fresh_clone, args.seconds, args.log.read_text(), args.date)
