@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "suite_time.md"
 SUMMARY = re.compile(r"(?:(\d+) failed, )?(\d+) passed(?:, (\d+) skipped)?(?:, (\d+) \w+)*(?:, (\d+) errors?)?"
                      r" in ([\d.]+)s")
-HEADER = ["| target | date | nproc | fresh clone | passed | skipped | seconds | printed |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+COLUMNS = ("target", "date", "nproc", "load", "fresh", "passed", "skipped", "seconds", "printed")
+HEADER = ["| target | date | nproc | 1-min load at the end | fresh clone | passed | skipped | seconds | printed |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
 
 class RecordError(Exception):
@@ -56,9 +57,8 @@ def read_rows(text: str) -> list[dict]:
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 8 and cells[0] in ("test", "demo"):
-            rows.append(dict(zip(("target", "date", "nproc", "fresh", "passed", "skipped", "seconds", "printed"),
-                                 cells)))
+        if line.startswith("| ") and len(cells) == len(COLUMNS) and cells[0] in ("test", "demo"):
+            rows.append(dict(zip(COLUMNS, cells)))
     return rows
 
 
@@ -85,13 +85,14 @@ def render(rows: list[dict]) -> str:
              "the parts below (benchmarks/render_docs.py).", ""]
     for target in ("test", "demo"):
         lines += [f"<!-- part:{target} -->", summary(rows, target), f"<!-- /part:{target} -->", ""]
-    lines += HEADER + ["| " + " | ".join(r[k] for k in ("target", "date", "nproc", "fresh", "passed", "skipped",
-                                                         "seconds", "printed")) + " |" for r in rows]
+    lines += HEADER + ["| " + " | ".join(r[k] for k in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
-def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str, date: str | None = None) -> str:
-    """Add one run to `out` and rewrite it; returns the target's new summary line."""
+def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str, date: str | None = None,
+           load: str | None = None) -> str:
+    """Add one run to `out` and rewrite it; returns the target's new summary line. `load`: the 1-min load average
+    when the run ended (now, by default: right for `run`; give it with `record` or leave it unknown)."""
     counts = pytest_line(log) if target == "test" else {"passed": "-", "skipped": "-", "printed": "-"}
     if seconds is None:
         if target != "test":
@@ -99,7 +100,8 @@ def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str,
         seconds = counts["seconds"]
     rows = read_rows(out.read_text()) if out.is_file() else []
     rows.append({"target": target, "date": date or datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                 "nproc": str(os.cpu_count()), "fresh": "yes" if fresh else "no", "passed": str(counts["passed"]),
+                 "nproc": str(os.cpu_count()), "load": load or f"{os.getloadavg()[0]:.1f}",
+                 "fresh": "yes" if fresh else "no", "passed": str(counts["passed"]),
                  "skipped": str(counts["skipped"]), "seconds": f"{seconds:.1f}",
                  "printed": str(counts["printed"]).replace("|", "/")})
     sys.path.insert(0, str(ROOT / "plugin"))
@@ -136,6 +138,7 @@ def main(argv=None) -> int:
     rec.add_argument("--target", choices=("test", "demo"), default="test")
     rec.add_argument("--seconds", type=float, help="the run's wall time (a demo log does not say it)")
     rec.add_argument("--date", help="when the run ended, YYYY-MM-DD HH:MM (default: now)")
+    rec.add_argument("--load", default="?", help="the 1-min load average when it ended (default: unknown)")
     go = sub.add_parser("run", help="run `make TARGET`, time it and record it")
     go.add_argument("target", choices=("test", "demo"))
     go.add_argument("--assume-installed", action="store_true", help="never run the install step (make -o)")
@@ -148,7 +151,8 @@ def main(argv=None) -> int:
             seconds, log = run(args.target, args.fresh_clone, args.assume_installed)
             line = record(args.out, args.target, args.fresh_clone, seconds, log)
         else:
-            line = record(args.out, args.target, args.fresh_clone, args.seconds, args.log.read_text(), args.date)
+            line = record(args.out, args.target, args.fresh_clone, args.seconds, args.log.read_text(), args.date,
+                          args.load)
     except RecordError as error:
         print(f"suite_time.py: {error}", file=sys.stderr)
         return 2
