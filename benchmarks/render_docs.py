@@ -4,6 +4,7 @@ docs/*.md and benchmarks/README.md.
 A doc marks where a result goes, and this script rewrites what is between the two markers:
 
     <!-- results:NAME -->...<!-- /results:NAME -->          benchmarks/results/NAME.md, without its `# ` title line
+                                                            (its `##` headings one level down)
     <!-- results:NAME#table -->...<!-- /results:NAME#table -->  the first Markdown table of that file
     <!-- results:NAME#PART -->...<!-- /results:NAME#PART -->    the text between `<!-- part:PART -->` and
                                                                 `<!-- /part:PART -->` in that file
@@ -59,7 +60,8 @@ def result(spec: str, results: Path = RESULTS) -> str:
         if not found:
             raise RenderError(f"{path.name} has no part {part!r}")
         return found.group(1).strip("\n")
-    return re.sub(r"\A# [^\n]*\n", "", text).strip("\n")
+    text = re.sub(r"\A# [^\n]*\n", "", text)
+    return re.sub(r"^(##+) ", r"#\1 ", text, flags=re.M).strip("\n")  # its sections nest under the doc's
 
 
 def rebase_links(text: str, results: Path, doc: Path) -> str:

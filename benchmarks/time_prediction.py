@@ -91,8 +91,14 @@ def section(root: Path) -> list[str]:
             *table([r for r in from_zero3 if r["strategy"] == "ddp"]), ""]
 
 
-def main() -> None:
-    roots = [Path(a) for a in sys.argv[1:]]
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("roots", nargs="*", type=Path, help="folders of runs (default: train them first)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "time_prediction.md")
+    args = parser.parse_args(argv)
+    roots = args.roots
     if not roots:
         roots = [Path(os.environ.get("TMPDIR", "/tmp")) / "time_prediction"]
         train_all(roots[0])
@@ -105,8 +111,7 @@ def main() -> None:
             "from the timed step's breakdown scaled to the median (signed: + predicted more).", ""]
     for root in roots:
         text += section(root)
-    out = ROOT / "benchmarks" / "results" / "time_prediction.md"
-    out.write_text("\n".join(text))
+    args.out.write_text("\n".join(text))
     print("\n".join(text))
 
 

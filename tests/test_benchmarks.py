@@ -124,6 +124,14 @@ def test_planner_figures_are_what_the_planner_gives_now(tmp_path):
         "run `python benchmarks/planner_figures.py` then `python benchmarks/render_docs.py`"
 
 
+def test_published_ratios_are_what_the_time_model_gives_now(tmp_path):
+    """Datasheet predictions (computed, no launch): the committed file is what the script writes today."""
+    out = tmp_path / "published_ratios.md"
+    script("published_ratios").main(["--out", str(out)])
+    assert out.read_text() == (BENCHMARKS / "results" / "published_ratios.md").read_text(), \
+        "run `python benchmarks/published_ratios.py` then `python benchmarks/render_docs.py`"
+
+
 def test_suite_time_keeps_every_run_and_shows_the_median(tmp_path):
     suite_time, part, out = script("suite_time"), script("render_docs").result, tmp_path / "suite_time.md"
     for passed, took in ((1000, 700.0), (1001, 600.0), (1001, 650.0)):

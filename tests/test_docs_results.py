@@ -29,7 +29,7 @@ def test_render_replaces_each_marked_place_and_nothing_else(tmp_path):
     results, doc = tmp_path / "benchmarks" / "results", tmp_path / "docs" / "x.md"
     results.mkdir(parents=True)
     doc.parent.mkdir()
-    (results / "speed.md").write_text("# Speed\n\nIntro.\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n\n![p](p.png)\n")
+    (results / "speed.md").write_text("# Speed\n\n## Intro\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n\n![p](p.png)\n")
     (results / "time.md").write_text("runs...\n<!-- part:summary -->\n3 min 2 s\n<!-- /part:summary -->\n")
     text = ("Took <!-- results:time#summary -->9 s<!-- /results:time#summary --> here, 9 s there.\n"
             "<!-- results:speed#table -->\nold\n<!-- /results:speed#table -->\n"
@@ -37,7 +37,7 @@ def test_render_replaces_each_marked_place_and_nothing_else(tmp_path):
     rendered = render_docs.render(text, doc, results)
     assert rendered == ("Took <!-- results:time#summary -->3 min 2 s<!-- /results:time#summary --> here, 9 s there.\n"
                         "<!-- results:speed#table -->\n| a | b |\n| --- | --- |\n| 1 | 2 |\n"
-                        "<!-- /results:speed#table -->\n<!-- results:speed -->\nIntro.\n\n| a | b |\n| --- | --- |\n"
+                        "<!-- /results:speed#table -->\n<!-- results:speed -->\n### Intro\n\n| a | b |\n| --- | --- |\n"
                         "| 1 | 2 |\n\n![p](../benchmarks/results/p.png)\n<!-- /results:speed -->\n")
     assert render_docs.render(rendered, doc, results) == rendered
     for broken, says in (("<!-- results:nothing --><!-- /results:nothing -->", "no results file"),
