@@ -187,3 +187,13 @@ def test_strategies_cpu_and_peak_agreement_tables_from_one_small_run(tmp_path):
     script("peak_agreement").main([str(tmp_path / "out" / "ddp"), "--out", str(tmp_path / "peak.md")])
     [peak] = table_rows((tmp_path / "peak.md").read_text())
     assert peak[0] == "ddp" and re.fullmatch(r"[+-]\d+\.\d\d%", peak[4]) and (tmp_path / "peak.png").is_file()
+
+
+@pytest.mark.launch
+def test_time_prediction_predicts_a_small_ddp_run(tmp_path):
+    """One launch: DDP at one configuration, calibrated from itself (its prediction is its own median's model)."""
+    out = tmp_path / "time.md"
+    script("time_prediction").main(["--quick", "--work", str(tmp_path / "runs"), "--out", str(out)])
+    [row] = table_rows(out.read_text())
+    assert row[:3] == ["ddp/a1c0", "1", "off"] and all(seconds(c) > 0 for c in row[3:5])
+    assert re.fullmatch(r"[+-]\d+\.\d%( \*\*over 15%\*\*)?", row[6]), row
