@@ -132,12 +132,12 @@ def section(root: Path) -> list[str]:
             *table([r for r in from_zero3 if r["strategy"] == "ddp"]), ""]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", nargs="+", type=Path, help="folders of runs already trained (one section each)")
     parser.add_argument("--small", action="store_true", help="DDP and ZeRO-3, two configurations")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "time_prediction.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     roots = args.runs
     if not roots:
         roots = [Path(tempfile.mkdtemp(prefix="time_prediction-"))]

@@ -41,10 +41,10 @@ def test_the_calibration_run_predicts_itself(runs):
             {k: v for k, v in parts.items() if k != "offload"}, rel=ADDS_UP)
 
 
-def test_the_benchmark_writes_every_run_beside_its_prediction(runs, tmp_path, monkeypatch):
+def test_the_benchmark_writes_every_run_beside_its_prediction(runs, tmp_path):
+    """benchmarks/time_prediction.py at its small size (tests/test_benchmarks.py runs the other scripts)."""
     out = tmp_path / "time_prediction.md"
-    monkeypatch.setattr(sys, "argv", ["time_prediction.py", "--runs", str(runs), "--output", str(out)])
-    bench.main()
+    bench.main(["--runs", str(runs), "--output", str(out)])
     text = out.read_text()
     for row in bench.predictions(runs, "ddp/a1c0"):
         assert f"| {row['name']} | {row['accumulation']} | " in text
