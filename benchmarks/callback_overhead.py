@@ -234,8 +234,9 @@ def main(argv=None):
         started, load_before = time.perf_counter(), os.getloadavg()[0]
         if a.baseline:
             runs, argv = compared(a, argv, tmp)
-            rows = runs["after"][-1]
-            text = f"{ab_table(runs, TARGETS)}\n\nThe last run of this tree:\n\n{table(rows, TARGETS)}"
+            rows = runs["after"][-1]  # the table first (what the docs show), then both codes' runs
+            text = (f"{table(rows, TARGETS)}\n\n(this tree's last run; both codes' runs below)\n\n## Before and after\n\n"
+                    f"<!-- part:before-after -->\n{ab_table(runs, TARGETS)}\n<!-- /part:before-after -->")
         else:
             rows = launched(a, argv, tmp) if a.ranks > 1 else measure(a, f"{tmp}/model", tmp)
             text = table(rows, TARGETS)
