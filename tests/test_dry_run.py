@@ -240,3 +240,43 @@ def test_tp_dry_run_bad_degree_is_one_line(strategy, world, nodes, tp, message):
     with pytest.raises(UsageError) as error:
         dr.dry_run(_tiny_config("mistral"), strategy, world, nodes=nodes, tp=tp)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("strategy, world, nodes", [("fsdp_full_shard", 6, 1), ("fsdp_hybrid_shard", 4, 2),
+                                                    ("tp", 2, 1), ("fsdp_tp", 4, 1), ("hsdp_tp", 8, 2)])
+def test_one_decoder_layer_standing_for_all_counts_what_the_whole_model_does(strategy, world, nodes):
+    """The dry run shards one decoder layer and counts it once per layer: every rank of the whole model,
+    sharded the same way, holds the same bytes (an uneven vocabulary and three layers, so padding shows)."""
+    import torch
+
+    from shardscope.model.spec import meta_model
+
+    config = _tiny_config("mistral")
+    config.num_hidden_layers = 3
+    stand_in = dr._one_layer_model(config, torch.float32)
+    assert stand_in[1:] == ("model.layers", 3) and len(stand_in[0].model.layers) == 1
+    whole = (meta_model(config).to(torch.float32), None, 1)
+    if strategy in dr.TP_STRATEGIES:
+        mesh = dr.tp_mesh_shape(config, strategy, world, nodes, 2)
+    else:
+        mesh = (nodes, world // nodes) if strategy == "fsdp_hybrid_shard" else (world,)
+    for rank in range(world):
+        one, layouts, _ = dr._build_rank(stand_in, config, strategy, rank, mesh, 2)
+        assert one == dr._build_rank(whole, config, strategy, rank, mesh, 2)[0], rank
+        assert sum(layout[-1] for layout in layouts) == 9 * 3 + 3  # tensors: 9 per layer, embedding, norm, head
+
+
+def test_decoder_layers_that_differ_are_all_built():
+    """Qwen2-MoE with `mlp_only_layers=[0]`: the first layer's MLP is dense, the others' are experts, so no
+    layer stands for the rest."""
+    import torch
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, mlp_only_layers=[0])
+    model, layer_list, layers = dr._one_layer_model(config, torch.float32)
+    assert (layer_list, layers, len(model.model.layers)) == (None, 1, 3)
+    result = dr.dry_run(config, "fsdp_full_shard", 4, precision="fp32")
+    assert result.computed_matches_built
+    assert sum(r.params_elements for r in result.ranks) == model_spec(config).params_total

@@ -31,6 +31,10 @@ What is *built* and what is *computed*:
     meta backward is refused (FSDP2 requires materialised parameters to train); its reduce-scatter leaves
     every gradient in the parameter's padded shard.
   This is done as rank 0 and as the last rank (two process-group initialisations), the sample ranks.
+  Decoder layers that hold the same parameters (names, shapes, dtypes, class) are built as one that stands
+  for all of them: FSDP2 shards each layer on its own and the TP plan names layers by pattern, so each of the
+  layer's tensors is counted once per layer (layers that differ, e.g. a dense first layer before MoE ones,
+  are all built).
 - Counted on the built ranks, from the DTensor local shards: params = the bytes of the storage
   behind each `to_local()` (FSDP2 allocates every rank a padded shard of ceil(dim0 / n) rows and
   views the unpadded rows into it, so the storage includes the padding; the same walk as
@@ -162,15 +166,15 @@ def _computed_rank(layouts, rank: int, mesh_shape: tuple, mesh_names: tuple, mom
     coords = dict(zip(mesh_names, reversed(coords)))
     sizes = dict(zip(mesh_names, mesh_shape))
     params = grads = elements = optim = 0
-    for shape, esize, sharding, grad_sharding in layouts:
+    for shape, esize, sharding, grad_sharding, copies in layouts:
         held, stored = _local(shape, sharding, sizes, coords)
-        params += stored * esize
+        params += copies * stored * esize
         if grad_sharding is None:
-            grads += stored * esize
+            grads += copies * stored * esize
         elif grad_sharding is not False:
-            grads += _local(shape, grad_sharding, sizes, coords)[1] * esize
-        elements += held
-        optim += moments * held * esize + (4 if moments else 0)
+            grads += copies * _local(shape, grad_sharding, sizes, coords)[1] * esize
+        elements += copies * held
+        optim += copies * (moments * held * esize + (4 if moments else 0))
     return RankCount(rank, params, grads, optim, elements, built=False)
 
 
@@ -187,13 +191,39 @@ def _meta_backward(model) -> None:
     loss.backward()
 
 
-def _shard_model(config, strategy: str, mesh_shape: tuple, dtype):
-    """The meta model sharded as `strategy` on the current (fake) process group, and the mesh dim names."""
+def _one_layer_model(config, dtype):
+    """(meta model in `dtype`, qualified name of its decoder layers' list or None, how many layers it stands for).
+
+    FSDP2 shards each decoder layer on its own and the TP plan names layers by pattern (`layers.*`), so a rank's
+    bytes of n layers that hold the same parameters (names, shapes, dtypes, class) are n times one layer's: the
+    list keeps its first layer and stands for n. Layers that differ (or no list of them) keep the whole model."""
+    import torch
+
+    model = meta_model(config).to(dtype)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+             and all(type(layer).__name__ in blocks for layer in m)]
+    if not lists:
+        return model, None, 1
+    name, layers = max(lists, key=lambda pair: len(pair[1]))
+    first = _signature(layers[0])
+    if any(_signature(layer) != first for layer in layers[1:]):
+        return model, None, 1
+    count = len(layers)
+    del layers[1:]
+    return model, name, count
+
+
+def _signature(layer) -> tuple:
+    return type(layer), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
+
+
+def _shard_model(model, config, strategy: str, mesh_shape: tuple):
+    """`model` (on the meta device) sharded as `strategy` on the current (fake) process group, and the mesh dim
+    names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-
-    model = meta_model(config).to(dtype)
     if strategy in TP_STRATEGIES:
         from transformers.distributed import DistributedConfig
         from transformers.distributed.utils import TransformersDeviceMesh
@@ -219,35 +249,41 @@ def _shard_model(config, strategy: str, mesh_shape: tuple, dtype):
     return model, names
 
 
-def _build_rank(config, strategy: str, rank: int, mesh_shape: tuple, dtype, moments: int):
-    """Shard the meta model as `rank` under a fake process group; count from its DTensor shards."""
+def _build_rank(template, config, strategy: str, rank: int, mesh_shape: tuple, moments: int):
+    """Shard a copy of the meta model `template` (model, decoder layers' list name, layers it stands for) as `rank`
+    under a fake process group; count from its DTensor shards, the one decoder layer times the layers."""
+    import copy
+
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
-    from ..state_bytes import local_tensor, model_parameters
+    from ..state_bytes import local_tensor
 
+    base, layer_list, layers = template
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(mesh_shape))
     try:
-        model, names = _shard_model(config, strategy, mesh_shape, dtype)
+        model, names = _shard_model(copy.deepcopy(base), config, strategy, mesh_shape)
         tp_alone = strategy == "tp"
         if tp_alone:
             _meta_backward(model)
         params = grads = elements = optim = 0
         layouts = []
-        for p in model_parameters(model):
+        for name, p in model.named_parameters():
+            copies = layers if layer_list is not None and name.startswith(f"{layer_list}.0.") else 1
             local = local_tensor(p)
             stored = local.untyped_storage().nbytes()  # padded shard storage (meta: nbytes, no memory)
-            params += stored
-            elements += local.numel()
+            params += copies * stored
+            elements += copies * local.numel()
             if not tp_alone:
-                grads += stored
+                grads += copies * stored
             elif p.grad is not None:
-                grads += local_tensor(p.grad).untyped_storage().nbytes()
+                grads += copies * local_tensor(p.grad).untyped_storage().nbytes()
             if moments:
                 moment = local_tensor(torch.zeros_like(p))  # what AdamW allocates for exp_avg / exp_avg_sq
-                optim += moments * moment.numel() * moment.element_size() + 4  # + fp32 step
-            layouts.append(_tensor_layout(p, (p.grad if p.grad is not None else False) if tp_alone else None))
+                optim += copies * (moments * moment.numel() * moment.element_size() + 4)  # + fp32 step
+            grad = (p.grad if p.grad is not None else False) if tp_alone else None
+            layouts.append((*_tensor_layout(p, grad), copies))
         return RankCount(rank, params, grads, optim, elements, built=True), layouts, names
     finally:
         dist.destroy_process_group()
@@ -305,9 +341,10 @@ def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: s
         mesh_shape = (nodes, world_size // nodes) if strategy == "fsdp_hybrid_shard" else (world_size,)
         shard_degree = mesh_shape[-1]
     dtype, moments = _dtype(precision), MOMENTS[optimizer]
+    template = _one_layer_model(config, dtype)
     built = {}
     for rank in sorted({0, world_size - 1}):
-        built[rank], layouts, names = _build_rank(config, strategy, rank, mesh_shape, dtype, moments)
+        built[rank], layouts, names = _build_rank(template, config, strategy, rank, mesh_shape, moments)
     ranks = [built.get(r) or _computed_rank(layouts, r, mesh_shape, names, moments) for r in range(world_size)]
     matches = all(asdict(_computed_rank(layouts, r, mesh_shape, names, moments)) == {**asdict(b), "built": False}
                   for r, b in built.items())
