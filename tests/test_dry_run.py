@@ -280,3 +280,30 @@ def test_decoder_layers_that_differ_are_all_built():
     result = dr.dry_run(config, "fsdp_full_shard", 4, precision="fp32")
     assert result.computed_matches_built
     assert sum(r.params_elements for r in result.ranks) == model_spec(config).params_total
+
+
+# ----------------------------------------------------------------------------- the cache
+RUN = """import json, sys
+from shardscope.plan.dry_run import dry_run_all
+from shardscope.plan.mesh import Setup
+out = dry_run_all(sys.argv[1], None, 4, 2, Setup(gpus_per_node=2, nodes=2, tp_size=2))
+files = sorted({m.__file__ for n, m in list(sys.modules.items()) if n.startswith("shardscope.") and m.__file__})
+print(json.dumps({"out": out, "files": files, "heavy": [n for n in ("torch", "transformers") if n in sys.modules]}))
+"""
+
+
+def test_a_warm_dry_run_gives_the_same_rows_importing_neither_torch_nor_transformers(tiny_llama, tmp_path):
+    """The second identical dry run reads the first's rows from the cache: the same rows, no torch; the key
+    hashes the source of every module of the package the cold run used (so an edit to any of them is a miss)."""
+    import json
+
+    env = {**os.environ, "SHARDSCOPE_CACHE": str(tmp_path)}
+    cold, warm = (json.loads(subprocess.run([sys.executable, "-c", RUN, str(tiny_llama)], capture_output=True,
+                                            text=True, env=env, timeout=300, check=True).stdout) for _ in range(2))
+    assert [r["strategy"] for r in cold["out"]["results"]] == [
+        "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "tp", "fsdp_tp", "hsdp_tp", "zero3"]
+    assert warm["out"] == cold["out"]
+    assert cold["heavy"] == ["torch", "transformers"] and warm["heavy"] == []
+    package = os.path.dirname(os.path.dirname(dr.__file__))
+    used = {os.path.relpath(f, package) for f in cold["files"]}
+    assert used - {"__init__.py"} <= set(dr.dry_run_sources())

@@ -6,10 +6,10 @@ import json
 import sys
 from dataclasses import replace
 
-from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, tp_mesh_shape, check_mesh
+from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
 from ..errors import UsageError
 from ..plan.mesh import HEADROOM, Setup
-from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, shipped_source
+from ..model.spec import LORA_DEFAULT_TARGETS, model_spec, shipped_models, shipped_source
 from ..plan.trace_cache import cached_traces_for
 from ..report.peak_section import percent, step_size
 from ..plan.planner import convention_table, estimate, fit_rule
@@ -351,15 +351,7 @@ def dry_run_command(args) -> int:
         raise UsageError(f"--world-size {world} disagrees with --gpus {args.gpus} x --nodes {nodes}")
     check_mesh(world, nodes)  # before anything heavy is imported
     setup = replace(setup_from_args(args), gpus_per_node=world // nodes, nodes=nodes).validate()
-    strategies = args.strategy
-    if not strategies:
-        config = load_model_config(args.model)
-        tp_default = bool(getattr(config, "base_model_tp_plan", None)) and (
-            tp_mesh_shape(config, "fsdp_tp", world, nodes, args.tp)[2] > 1)
-        strategies = [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN)
-                      if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
-                      and (s not in TP_STRATEGIES or tp_default)]
-    out = dry_run_all(args.model, strategies, world, nodes, setup)
+    out = dry_run_all(args.model, args.strategy, world, nodes, setup)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

@@ -62,6 +62,7 @@ partitioned here without allocating its shard. Its row stays the planner's formu
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -69,7 +70,8 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UsageError
 from .formulas import chunk, strategy_row
 from .mesh import check_tp_heads, setup_for_mesh, tp_degree
-from ..model.spec import attention_heads, load_model_config, meta_model, model_spec
+from ..model import cache as spec_cache
+from ..model.spec import attention_heads, config_bytes, load_model_config, meta_model, model_spec, resolve_model
 from ..strategy import TP_STRATEGIES
 
 DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_STRATEGIES)
@@ -81,6 +83,8 @@ NOT_DRY_RUN = {
               "meta-device/fake-process-group path. Shown: the planner's formula only."),
 }
 MOMENTS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}
+OUTPUT_KEYS = ("model", "params_total", "world_size", "nodes", "precision", "optimizer", "results")
+FOUNDATION = ("errors.py", "safe_io.py", "state_bytes.py", "strategy.py", "units.py")  # used by plan/ and model/
 
 
 @dataclass
@@ -383,11 +387,42 @@ def compare_rows(result: DryRun, spec, setup) -> dict:
     return out
 
 
+def default_strategies(config, world_size: int, nodes: int, tp: int | None) -> list[str]:
+    """The FSDP strategies (hybrid only over several nodes), the TP ones when transformers has a TP plan for the
+    model and the TP degree is above 1 (hsdp_tp only over several nodes), and zero3."""
+    tp_default = bool(getattr(config, "base_model_tp_plan", None)) and (
+        tp_mesh_shape(config, "fsdp_tp", world_size, nodes, tp)[2] > 1)
+    return [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN) if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
+            and (s not in TP_STRATEGIES or tp_default)]
+
+
 def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
-    config = load_model_config(model)
+    """`plan --dry-run`'s rows (`strategies` None: `default_strategies`), from `model/cache.py` when this config.json,
+    request, library versions and the code that computes them were dry-run before (then neither torch nor
+    transformers is imported; `seconds` is the build's that the cache recorded)."""
+    source = config_bytes(model)
+    request = json.dumps([strategies, world_size, nodes, asdict(setup)], sort_keys=True, default=str)
+    key = spec_cache.cache_key(source, dry_run_sources(), "dry run", resolve_model(model), request) if source else None
+    cached = spec_cache.load(key) if key else None
+    if isinstance(cached, dict) and tuple(cached) == OUTPUT_KEYS and isinstance(cached["results"], list):
+        return cached
+    out = _dry_run_all(load_model_config(model), strategies, world_size, nodes, setup)
+    if key:
+        spec_cache.store(key, out)
+    return out
+
+
+def dry_run_sources() -> tuple[str, ...]:
+    """The package's files a dry run's rows are computed by (its layers plan/ and model/, and the foundation
+    modules they use), named from the package root: the cache key hashes their source."""
+    return (*sorted(str(path.relative_to(spec_cache.PACKAGE)) for layer in ("plan", "model")
+                    for path in (spec_cache.PACKAGE / layer).glob("*.py")), *FOUNDATION)
+
+
+def _dry_run_all(config, strategies, world_size: int, nodes: int, setup) -> dict:
     spec = model_spec(config)
     results = []
-    for strategy in strategies:
+    for strategy in strategies or default_strategies(config, world_size, nodes, setup.tp_size):
         if strategy in NOT_DRY_RUN:
             row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes))
             results.append({"strategy": strategy, "dry_run": None, "note": NOT_DRY_RUN[strategy],
@@ -407,5 +442,7 @@ def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup) -> d
                         "built_ranks": [r.rank for r in result.ranks if r.built],
                         **compare_rows(result, spec, setup),
                         "per_rank": [dict(asdict(r)) for r in result.ranks]})
-    return {"model": spec.name, "params_total": spec.params_total, "world_size": world_size, "nodes": nodes,
-            "precision": setup.precision, "optimizer": setup.optimizer, "results": results}
+    out = {"model": spec.name, "params_total": spec.params_total, "world_size": world_size, "nodes": nodes,
+           "precision": setup.precision, "optimizer": setup.optimizer, "results": results}
+    assert tuple(out) == OUTPUT_KEYS
+    return out
