@@ -10,7 +10,8 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.errors import UsageError
-from shardscope.fit.search import divisors, flops_per_token, hardware, search
+from shardscope.fit.search import divisors, search
+from shardscope.plan.time_model import flops_per_token, hardware
 from shardscope.plan.mesh import Setup
 from shardscope.model.spec import spec_from_count
 from shardscope.plan.planner import estimate, usable_bytes
@@ -164,7 +165,8 @@ def recipe_parser():
 
 
 @pytest.mark.parametrize("strategy,extra", [("ddp", []), ("zero3", []), ("fsdp_tp", []),
-                                            ("fsdp_hybrid_shard", ["--nodes", 2]), ("zero2_offload", [])])
+                                            ("fsdp_hybrid_shard", ["--nodes", 2]),
+                                            ("zero2_offload", ["--cpu-memory", "2TB"])])
 def test_output_files_load_in_accelerate_and_the_recipe(capsys, tmp_path, tiny, strategy, extra):
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -173,7 +175,8 @@ def test_output_files_load_in_accelerate_and_the_recipe(capsys, tmp_path, tiny, 
     result = json.loads(out)
     assert code == 0 and result["strategy"] == strategy
     config = load_config_from_file(result["files"]["accelerate_config"])
-    assert config.num_processes == 4 * (2 if extra else 1) and config.num_machines == (2 if extra else 1)
+    nodes = 2 if "--nodes" in extra else 1
+    assert config.num_processes == 4 * nodes and config.num_machines == nodes
     if strategy == "fsdp_tp":
         assert config.parallelism_config["parallelism_config_tp_size"] == result["tp"] > 1
     parser = recipe_parser()

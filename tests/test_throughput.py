@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from shardscope.measure.throughput import FlopsModel, ThroughputWindow, WindowTotals, batch_counts, peak_flops, rates
+from shardscope.measure.throughput import FlopsModel, ThroughputWindow, WindowTotals, batch_counts, rates
+from shardscope.units import peak_flops
 
 
 class FakeClock:

@@ -95,3 +95,28 @@ def gpu_memory(name: str) -> int:
         raise UsageError(f"unknown GPU '{name}' (known: {', '.join(GPUS)}; or give --gpu-memory 80GiB)")
     return GPUS[key][0] * 2 ** 30
 
+
+# Dense (not 2:4-sparse) peak tensor-core TFLOP/s per device, from NVIDIA's datasheets.
+# Matched against torch.cuda.get_device_name() in order: first key contained in the name wins.
+PEAK_TFLOPS = {
+    "h100 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "h100 pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    "h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM5 ("H100 80GB HBM3")
+    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "v100": {"fp16": 125.0, "fp32": 15.7},
+}
+
+
+def peak_flops(device_name: str | None, dtype: str, overrides: dict | None = None) -> float | None:
+    """Dense peak FLOP/s for `device_name` at `dtype`, or None when unknown (then MFU is omitted)."""
+    if not device_name:
+        return None
+    name = device_name.lower()
+    for key, per_dtype in {**(overrides or {}), **PEAK_TFLOPS}.items():
+        if key.lower() in name:
+            tflops = per_dtype.get(dtype) if isinstance(per_dtype, dict) else per_dtype
+            return None if tflops is None else tflops * 1e12
+    return None

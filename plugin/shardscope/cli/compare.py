@@ -10,6 +10,7 @@ from ..errors import UsageError
 from ..report.compare import (CPU_LAUNCHER_ARGS, LOG_FILE, no_summary_reason, outcome, cpu_launch_problem,
                               launch, launch_command, launcher_config, write_report)
 from ..summary import SUMMARY_FILE
+from .step_time import add_calibrate_argument, measured_figures
 
 
 def register(subparsers) -> None:
@@ -35,6 +36,8 @@ def register(subparsers) -> None:
     rep.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     rep.add_argument("--output", type=Path, default=Path("shardscope_report"))
     rep.set_defaults(func=report_command)
+    for parser in (cmp, rep):
+        add_calibrate_argument(parser, " (default: the first run)")
 
 
 def compare_command(args) -> int:
@@ -45,6 +48,7 @@ def compare_command(args) -> int:
     names = [Path(c).stem if Path(c).is_file() else c.replace("/", "_") for c in args.configs]
     if len(set(names)) != len(names):
         raise UsageError(f"--configs names a run twice: {' '.join(args.configs)}")
+    measured = measured_figures(args.calibrate) if args.calibrate else None  # bad input: before any launch
     configs = [launcher_config(c, args.launcher) for c in args.configs]  # all resolved before the first launch
     extra = shlex.split(args.launcher_args)
     import torch
@@ -65,8 +69,9 @@ def compare_command(args) -> int:
             reason = no_summary_reason(code, (run_dir / LOG_FILE).read_text(errors="replace"))
             print(f"[{i}/{len(configs)}] {name}: failed after {seconds:.1f} s: {reason}", flush=True)
         run_dirs.append(run_dir)
-    return outcome(write_report(run_dirs, args.output_dir), args.output_dir)
+    return outcome(write_report(run_dirs, args.output_dir, measured), args.output_dir)
 
 
 def report_command(args) -> int:
-    return outcome(write_report(args.run_dirs, args.output), args.output)
+    measured = measured_figures(args.calibrate) if args.calibrate else None
+    return outcome(write_report(args.run_dirs, args.output, measured), args.output)

@@ -5,14 +5,16 @@ import json
 from pathlib import Path
 
 from ..errors import UsageError
-from ..fit.search import Hardware, alternatives, below_model_states, hardware, larger_micro_batch, nothing_fits, search
-from ..plan.mesh import Setup
+from ..fit.search import alternatives, below_model_states, host_lines, larger_micro_batch, nothing_fits, search
 from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, resolve_model, shipped_models, spec_from_config
-from .plan import add_hardware_arguments, memory_from_args
+from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
+from ..plan.time_model import Figures, describe as describe_figures, hardware
 from ..plan.trace import tracer
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
+from .plan import add_hardware_arguments, memory_from_args
+from .step_time import add_calibrate_argument, figures
 
 ACCELERATE_FILE, TRAINING_FILE, RESULT_FILE = "accelerate_config.yaml", "training_args.yaml", "fit.json"
 MULTINODE_CONFIGS = {"ddp": "ddp_multinode", "zero3": "zero3_multinode"}
@@ -47,6 +49,7 @@ def register(subparsers) -> None:
     sm.add_argument("--network-bandwidth", type=float, default=25.0, help="GB/s per GPU across nodes (default 25)")
     sm.add_argument("--pcie-bandwidth", type=float, help="GB/s per GPU to the host, for offload")
     sm.add_argument("--micro-step-overhead-ms", type=float, default=5.0, help="fixed cost per micro-batch (default 5)")
+    add_calibrate_argument(sm)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable")
     out.add_argument("--output-dir", help=f"write {ACCELERATE_FILE}, {TRAINING_FILE} (a recipe --config) and "
@@ -55,7 +58,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=fit_command)
 
 
-def setup_and_hardware(args) -> tuple[Setup, Hardware]:
+def setup_and_hardware(args) -> tuple[Setup, object]:
     """Validate the cheap inputs (before any model is read)."""
     memory, cpu_memory = memory_from_args(args)
     if memory is None:
@@ -80,9 +83,14 @@ def setup_and_hardware(args) -> tuple[Setup, Hardware]:
                   cpu_memory_bytes=cpu_memory).validate()
     gbs = {k: getattr(args, k) * 1e9 if getattr(args, k) is not None else None
            for k in ("nvlink_bandwidth", "network_bandwidth", "pcie_bandwidth")}
-    hw = hardware(args.gpu, args.precision, args.peak_tflops, mfu=args.mfu,
-                  nvlink_bytes_per_s=gbs["nvlink_bandwidth"], network_bytes_per_s=gbs["network_bandwidth"],
-                  pcie_bytes_per_s=gbs["pcie_bandwidth"], micro_step_overhead_s=args.micro_step_overhead_ms / 1e3)
+    try:
+        hw = hardware(args.gpu, args.precision, args.peak_tflops, mfu=args.mfu,
+                      nvlink_bytes_per_s=gbs["nvlink_bandwidth"], network_bytes_per_s=gbs["network_bandwidth"],
+                      pcie_bytes_per_s=gbs["pcie_bandwidth"], micro_step_overhead_s=args.micro_step_overhead_ms / 1e3)
+    except UsageError:
+        if not args.calibrate:  # measured figures stand in for a datasheet the table lacks
+            raise
+        hw = None
     return setup, hw
 
 
@@ -97,22 +105,25 @@ def fit_command(args) -> int:
     else:
         spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)
-    found = search(spec, setup, args.global_batch, hw, allowed, traces)
+    fig, record = figures(hw, args.calibrate)
+    found = search(spec, setup, args.global_batch, fig, allowed, traces)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(below)
     if not found["fitting"]:
-        line = nothing_fits(spec, setup, found, allowed, traces)
-        print(json.dumps({"strategy": None, "reason": line}) if args.json else line)
+        lines = [nothing_fits(spec, setup, found, allowed, traces), *host_lines(found["host"])]
+        print(json.dumps({"strategy": None, "reason": lines[0], "reasons": lines}) if args.json else "\n".join(lines))
         return 1
-    result = fit_result(spec, setup, hw, found, args, traces)
+    result = fit_result(spec, setup, fig, found, args, traces, hw)
+    if record:
+        result["calibration"] = record
     if args.output_dir:
         result["files"] = write_files(result, args, spec, setup)
     print(json.dumps(result, indent=1) if args.json else format_fit(result))
     return 0
 
 
-def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args, traces=None) -> dict:
+def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None, hw=None) -> dict:
     winner = found["fitting"][0]
     usable = usable_bytes(setup)
     out = {key: getattr(winner, key) for key in ("strategy", "per_device_train_batch_size",
@@ -126,18 +137,21 @@ def fit_result(spec, setup: Setup, hw: Hardware, found: dict, args, traces=None)
         "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
                                f", checkpointing {'on' if c.gradient_checkpointing else 'off'}"}
-                        for name, c in sorted(found["smallest"].items()) if name not in fitting},
+                        for name, c in sorted(found["smallest"].items())
+                        if name not in fitting and name not in found["host"]},  # host-blocked: their own list
         "larger_micro_batch": larger_micro_batch(spec, setup, winner, args.global_batch, traces=traces),
         "model": {**found["model"], "source": args.model or f"--params {args.params}"},
         "setup": {"gpus_per_node": setup.gpus_per_node, "nodes": setup.nodes, "world_size": setup.world_size,
                   "precision": setup.precision, "optimizer": setup.optimizer, "lora_rank": setup.lora_rank,
                   "tokens_per_sample": found["tokens_per_sample"], "seq_len": setup.seq_len,
                   "image_size": setup.image_size},
-        "assumptions": {**{k: v for k, v in vars(hw).items()}, "headroom": setup.headroom,
+        "assumptions": {**(vars(hw) if hw else {"gpu": args.gpu or "GPU"}), **vars(fig), "headroom": setup.headroom,
                         "memory": "planner peak_bytes per GPU (formulas.Row.peak_bytes) <= usable = GPU memory x "
                                   "(1 - headroom) (planner.usable_bytes)",
-                        "text": hw.describe()},
+                        "text": describe_figures(fig)},
         "notes": found["notes"],
+        "offload_host_memory": {name: {**h, "why": line} for (name, h), line in
+                                zip(sorted(found["host"].items()), host_lines(found["host"]))},
     })
     return out
 
@@ -251,9 +265,8 @@ def format_fit(r: dict) -> str:
         "headroom (planner.usable_bytes); a candidate fits when the planner's peak_bytes is at most that",
         "",
         f"winner: {describe(r)}",
-        f"  step {r['step_time_s']:.3g} s = max(compute {step['compute_s']:.3g}, sharding comm "
-        f"{step['sharding_comm_s']:.3g}) + tp comm {step['tp_comm_s']:.3g} + offload {step['offload_s']:.3g} + "
-        f"overhead {step['overhead_s']:.3g}",
+        f"  step {r['step_time_s']:.3g} s = " + " + ".join(f"{k.replace('_', ' ')} {v:.3g}"
+                                                      for k, v in step["step_time_parts"].items()),
     ]
     if r["alternatives"]:
         lines += ["", "next best (the best of each other strategy):"]
@@ -261,6 +274,8 @@ def format_fit(r: dict) -> str:
     if r["not_fitting"]:
         lines += ["", "does not fit (smallest planned peak per GPU):  " + ", ".join(
             f"{name} {gb(v['smallest_peak_bytes'])} GB" for name, v in r["not_fitting"].items())]
+    if r["offload_host_memory"]:
+        lines += ["", "offload left out (host memory):", *(f"  {h['why']}" for h in r["offload_host_memory"].values())]
     if r["larger_micro_batch"]:
         lines += ["", "global batch: " + r["larger_micro_batch"]["note"]]
     lines += ["", *(f"note: {n}" for n in r["notes"])] if r["notes"] else []

@@ -6,16 +6,18 @@ import json
 import sys
 from dataclasses import replace
 
-from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
 from ..errors import UsageError
-from ..plan.mesh import HEADROOM, Setup
 from ..model.spec import LORA_DEFAULT_TARGETS, model_spec, shipped_models, shipped_source
+from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
+from ..plan.mesh import HEADROOM, Setup
+from ..plan.planner import convention_table, estimate, fit_rule
+from ..plan.time_model import hardware
 from ..plan.trace_cache import cached_traces_for
 from ..report.peak_section import percent, step_size
-from ..plan.planner import convention_table, estimate, fit_rule
 from ..report.plan_vs_run import plan_vs_run
 from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from ..units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
+from .step_time import add_calibrate_argument, annotate_rows, figures, format_step_times
 
 CONVENTIONS = ("rule-of-thumb-12",)
 OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
@@ -239,6 +241,7 @@ def build_parser(subparsers):
     tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     tr.add_argument("--fp32-grads", action="store_true", help="DeepSpeed grad_accum_dtype fp32 (18 B/param)")
     tr.add_argument("--micro-batch", type=int, default=1)
+    tr.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (the step time's micro-batches)")
     tr.add_argument("--seq-len", type=int, default=2048)
     tr.add_argument("--image-size", type=int, help="vision models: overrides the config's image size")
     tr.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
@@ -262,6 +265,7 @@ def build_parser(subparsers):
                      help="print the 12 B/param rule of thumb (2 + 2 + 8, no fp32 master copy) beside the "
                           "planner's 16 B/param, per ZeRO stage")
     out.add_argument("--compare", metavar="SUMMARY_JSON", help="planned vs measured, from the callback's summary")
+    add_calibrate_argument(out)
     p.set_defaults(func=plan_command)
     return p
 
@@ -273,13 +277,22 @@ def register(subparsers) -> None:
 def setup_from_args(args) -> Setup:
     memory, cpu_memory = memory_from_args(args)
     return Setup(gpus_per_node=args.gpus, nodes=args.nodes, gpu_memory_bytes=memory, precision=args.precision,
-                 optimizer=args.optimizer, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                 optimizer=args.optimizer, micro_batch=args.micro_batch, grad_accum_steps=args.grad_accum,
+                 seq_len=args.seq_len,
                  image_size=args.image_size, activation_checkpointing=args.checkpointing,
                  attention=args.attention, lora_rank=args.lora_rank,
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
                  fp32_grads=args.fp32_grads, headroom=args.headroom, prefer=args.prefer, tp_size=args.tp,
                  reference_model=args.reference_model,
                  cpu_memory_bytes=cpu_memory).validate()
+
+
+def datasheet_hardware(gpu, precision):
+    """`time_model.hardware` for a known GPU name, else None (no datasheet step time)."""
+    try:
+        return hardware(gpu, precision) if gpu else None
+    except UsageError:
+        return None
 
 
 def plan_command(args) -> int:
@@ -317,7 +330,11 @@ def plan_command(args) -> int:
     result = estimate(spec, setup, traces)
     if note:
         result["notes"].append(note)
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    fig, record = figures(datasheet_hardware(args.gpu, args.precision), args.calibrate)
+    annotate_rows(result, spec, setup, fig)
+    if record:
+        result["calibration"] = record
+    print(json.dumps(result, indent=1) if args.json else "\n".join([format_table(result), *format_step_times(result)]))
     nothing_fits = setup.gpu_memory_bytes is not None and not result["recommendation"]["strategy"]
     return 1 if nothing_fits else 0  # 1: nothing fits the GPUs given (the table says by how much)
 

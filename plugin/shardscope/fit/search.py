@@ -2,150 +2,29 @@
 
 Every candidate keeps `micro_batch * grad_accum * data-parallel size == global batch` exactly; it is
 kept when the planner's `peak_bytes` fits `planner.usable_bytes` (the memory left after the stated
-headroom) and ranked by a predicted step time (`step_time`, every assumption in `Hardware`):
+headroom) and, for offload, its CPU bytes fit the host memory given; it is ranked by the step-time model
+`plan` shares (`time_model.step_time`: compute, exposed communication, optimizer, offload, overhead),
+on datasheet figures (`time_model.Hardware`, `time_model.datasheet_figures`) or figures measured on runs
+(`plan.calibration`).
 
-    compute   = global_batch * tokens * flops_per_token / (world * peak_flops * mfu)
-                flops_per_token = 6 * N_trained + 4 * N_frozen + 12 * layers * hidden * tokens
-                (+ 2 * N + 4 * layers * hidden * tokens with activation checkpointing: the forward again)
-                N = parameters in matrix multiplies (an untied input embedding is a lookup, left out)
-    sharding  = the planner's comm_bytes_per_step for data-parallel / sharding collectives, over NVLink
-                inside a node or the network when the group spans nodes; overlapped with compute
-    tp        = tensor-parallel all-reduces over NVLink; on the critical path (added)
-    offload   = PCIe traffic of the offloaded states + the CPU optimizer step (added)
-    overhead  = grad_accum * micro_step_overhead_s (kernel launches, Python, per forward/backward)
-    step      = max(compute, sharding) + tp + offload + overhead
-
-Nothing here imports torch or transformers; the FLOP/s table is `throughput.PEAK_TFLOPS` (read lazily).
+Nothing here imports torch or transformers.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UsageError
-from ..plan.mesh import Setup, valid_tp_degrees
 from ..model.spec import ModelSpec
+from ..plan.mesh import Setup, valid_tp_degrees
 from ..plan.planner import TIERS, estimate, usable_bytes
+from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb
 
-OFFLOAD = ("zero2_offload", "zero3_offload", "fsdp_offload")
-TP_LINK_TERMS = ("tp_all_reduce", "tp_logits_all_gather")  # inside a TP group: one node
-NODE_LOCAL = ("fsdp_hybrid_shard", "hsdp_tp")  # their gathers / reduce-scatters stay inside a node
-# Per GPU, GB/s one direction (datasheets): NVLink (or PCIe where the card has none) and its PCIe link.
-LINKS = {
-    "A100": (300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),
-    "H100-NVL": (300, 64, "NVLink bridge 600 GB/s both directions; PCIe 5.0 x16"),
-    "H100": (450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
-    "H200": (450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
-    "V100": (150, 16, "NVLink 2 300 GB/s both directions; PCIe 3.0 x16"),
-    "T4": (16, 16, "no NVLink: PCIe 3.0 x16"),
-}
-PCIE4 = (32, 32, "no NVLink: PCIe 4.0 x16")  # L4, L40S, A10, A10G, RTX cards
 # Equal predicted times: the planner's decision-tree order (fsdp first within a tier), zero1 beside zero2.
 TIE_ORDER = [s for tier in TIERS for s in sorted(tier, key=lambda s: family(s) != "fsdp")]
 TIE_ORDER.insert(TIE_ORDER.index("zero2") + 1, "zero1")
 TIE_ORDER += [s for s in STRATEGIES if s not in TIE_ORDER]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the step-time model assumes about the machine (all printed, all in --json)."""
-
-    gpu: str
-    peak_flops: float                 # dense peak FLOP/s at the training dtype
-    peak_source: str
-    mfu: float = 0.40                 # fraction of that peak the matmuls reach
-    nvlink_bytes_per_s: float = 450e9
-    network_bytes_per_s: float = 25e9  # per GPU across nodes (200 Gb/s InfiniBand HDR per GPU)
-    pcie_bytes_per_s: float = 32e9
-    cpu_adam_params_per_s: float = 1e9  # CPU optimizer step, per rank (DeepSpeedCPUAdam order of magnitude)
-    micro_step_overhead_s: float = 0.005
-    link_source: str = ""
-
-    def describe(self) -> list[str]:
-        return [f"compute: dense peak {self.peak_flops / 1e12:g} TFLOP/s ({self.peak_source}) at MFU {self.mfu:.0%}; "
-                "flops/token = 6 x trained + 4 x frozen matmul params + 12 x layers x hidden x tokens, "
-                "+ one forward again (2 x params + 4 x layers x hidden x tokens) with checkpointing",
-                f"links per GPU, one direction: {self.nvlink_bytes_per_s / 1e9:g} GB/s inside a node (NVLink, or PCIe "
-                f"without it), "
-                f"network {self.network_bytes_per_s / 1e9:g} GB/s across nodes, PCIe {self.pcie_bytes_per_s / 1e9:g} "
-                f"GB/s for offload ({self.link_source or 'given'})",
-                "communication: the planner's ring-collective bytes per step (comm_bytes_per_step); data-parallel "
-                "and sharding collectives overlap compute, tensor-parallel all-reduces and offload copies do not",
-                f"offload: CPU optimizer step at {self.cpu_adam_params_per_s / 1e9:g} G params/s per rank",
-                f"overhead: {self.micro_step_overhead_s * 1e3:g} ms per micro-batch (launches, Python), so fewer, "
-                "larger micro-batches win when memory allows"]
-
-
-def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, **overrides) -> Hardware:
-    """The stated assumptions for a GPU name (`units.GPUS`); `peak_tflops` where the table has none."""
-    from ..measure.throughput import peak_flops  # the dense peak table has one home
-
-    dtype = {"fp32": "fp32", "fp16-mixed": "fp16"}.get(precision, "bf16")
-    name = gpu or "unknown GPU"
-    if peak_tflops is not None:
-        peak, source = peak_tflops * 1e12, "--peak-tflops"
-    else:
-        peak = peak_flops((gpu or "").replace("-", " "), dtype)
-        source = f"{name} datasheet, {dtype}"
-        if peak is None:
-            raise UsageError(f"no dense peak FLOP/s known for {name} at {dtype}: give --peak-tflops "
-                             "(the step-time ranking needs it), or --gpu with a known GPU")
-    key = next((k for k in LINKS if k in (gpu or "").upper().replace(" ", "-")), None)  # "NVIDIA H100 NVL" too
-    nvlink, pcie, link_source = LINKS[key] if key else PCIE4 if gpu else (450, 64, "unknown GPU: H100 links assumed")
-    values = dict(gpu=name, peak_flops=peak, peak_source=source, nvlink_bytes_per_s=nvlink * 1e9,
-                  pcie_bytes_per_s=pcie * 1e9, link_source=link_source)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Hardware(**values)
-
-
-# ----------------------------------------------------------------------------- step time
-def flops_per_token(spec: ModelSpec, model: dict, tokens: int, checkpointing: bool) -> float:
-    """Model FLOPs per token (formula in the module docstring); `model` is `estimate`'s "model" entry."""
-    embedding = spec.untied_embedding_params
-    base = max(spec.params_total - embedding, 0)
-    trained = model["trainable_params"] if model["trainable_params"] != model["params_total"] else base
-    frozen = base if trained != base else 0
-    attention = 12 * spec.num_layers * spec.hidden_size * tokens
-    total = 6 * trained + 4 * frozen + attention
-    if checkpointing:
-        total += 2 * (trained + frozen) + attention / 3
-    return total
-
-
-def step_time(row: dict, spec: ModelSpec, model: dict, setup: Setup, tokens: int, global_batch: int,
-              hw: Hardware) -> dict:
-    """Predicted seconds per optimizer step of one planner row, by part (see the module docstring)."""
-    fpt = flops_per_token(spec, model, tokens, setup.activation_checkpointing)
-    compute = global_batch * tokens * fpt / (setup.world_size * hw.peak_flops * hw.mfu)
-    strategy, sharding, tp = row["strategy"], 0.0, 0.0
-    for term, nbytes in row["comm"].items():
-        if term in TP_LINK_TERMS:
-            tp += nbytes / hw.nvlink_bytes_per_s
-        elif setup.nodes == 1 or (strategy in NODE_LOCAL and term != "grad_all_reduce"):
-            sharding += nbytes / hw.nvlink_bytes_per_s
-        else:
-            sharding += nbytes / hw.network_bytes_per_s
-    offload = offload_seconds(strategy, row, model, setup, hw)
-    overhead = setup.grad_accum_steps * hw.micro_step_overhead_s
-    total = max(compute, sharding) + tp + offload + overhead
-    return {"step_time_s": total, "compute_s": compute, "sharding_comm_s": sharding,
-            "exposed_sharding_comm_s": max(0.0, sharding - compute), "tp_comm_s": tp, "offload_s": offload,
-            "overhead_s": overhead, "flops_per_token": fpt}
-
-
-def offload_seconds(strategy: str, row: dict, model: dict, setup: Setup, hw: Hardware) -> float:
-    """PCIe copies per step + the CPU optimizer step over this rank's trainable shard s(T):
-    zero2_offload: A grads down + params up once (s(T) x (A x g + p)); zero3_offload, fsdp_offload:
-    the parameter shard up for every forward and backward and the grads down, A x s(P) x (2p + g)."""
-    if strategy not in OFFLOAD:
-        return 0.0
-    n, A = row["shard_degree"], setup.grad_accum_steps
-    p = row["per_param"]["weights"]
-    g = row["per_param"]["grads"]
-    t_shard, p_shard = model["trainable_params"] / n, model["params_total"] / n
-    copies = t_shard * (A * g + p) if strategy == "zero2_offload" else A * p_shard * (2 * p + g)
-    return copies / hw.pcie_bytes_per_s + t_shard / hw.cpu_adam_params_per_s
 
 
 # ----------------------------------------------------------------------------- search
@@ -206,11 +85,12 @@ def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None) -> tuple[
     return [r for r in result["rows"] if r["strategy"] in names], result
 
 
-def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allowed=STRATEGIES,
+def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES,
            traces=None) -> dict:
     """Every (strategy, micro-batch, checkpointing, accumulation) that keeps `global_batch` exactly;
     fitting ones sorted by predicted step time. Larger micro-batches of a (mesh, checkpointing) are not
     tried once none of its strategies fits (activations grow with the micro-batch)."""
+    fig = hw if isinstance(hw, Figures) else datasheet_figures(hw)
     if usable_bytes(setup) is None:
         raise UsageError("give --gpu NAME or --gpu-memory SIZE: fit needs the memory per GPU")
     if global_batch < 1:
@@ -218,7 +98,7 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
     groups = strategy_groups(spec, setup, allowed)
     if not groups:
         raise UsageError(f"no strategy to search on this setup (--strategy {', '.join(allowed)})")
-    fitting, smallest, skipped, tokens, model = [], {}, [], 0, None
+    fitting, smallest, skipped, tokens, model, host = [], {}, [], 0, None, {}
     for tp_size, names, dp in groups:
         if global_batch % dp:
             skipped.append((names, dp))
@@ -232,8 +112,11 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
                 tokens, model = result["activations"]["tokens_per_sample"], result["model"]
                 any_fit = False
                 for row in rows:
-                    cand = candidate(row, spec, model, trial, tokens, global_batch, hw)
-                    if cand.fits:
+                    cand = candidate(row, spec, model, trial, tokens, fig)
+                    if gpu_fits(cand, trial) and not host_fits(cand, trial):
+                        keep_least_host(host, cand, trial)
+                        any_fit = True
+                    elif cand.fits:
                         fitting.append(cand)
                         any_fit = True
                     best = smallest.get(row["strategy"])
@@ -246,11 +129,49 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware, allow
     fitting.sort(key=lambda c: c.key)
     notes = [f"{', '.join(names)} left out: --global-batch {global_batch} is not a multiple of their data-parallel "
              f"size {dp} (nearest: {nearest_multiples(global_batch, dp)})" for names, dp in skipped]
-    return {"fitting": fitting, "smallest": smallest, "tokens_per_sample": tokens, "model": model, "notes": notes}
+    return {"fitting": fitting, "smallest": smallest, "tokens_per_sample": tokens, "model": model, "notes": notes,
+            "host": host}
 
 
-def candidate(row: dict, spec, model, setup: Setup, tokens: int, global_batch: int, hw: Hardware) -> Candidate:
-    step = step_time(row, spec, model, setup, tokens, global_batch, hw)
+# ----------------------------------------------------------------------------- host memory
+def host_bytes_per_node(cand: Candidate, setup: Setup) -> int:
+    """The planner's CPU bytes of an offload candidate on one node (formulas.Row.cpu_bytes x GPUs per node)."""
+    return cand.cpu_bytes * setup.gpus_per_node
+
+
+def gpu_fits(cand: Candidate, setup: Setup) -> bool:
+    return cand.peak_bytes <= usable_bytes(setup)
+
+
+def host_fits(cand: Candidate, setup: Setup) -> bool:
+    """An offload candidate is kept only when `--cpu-memory` is given and holds its CPU bytes per node."""
+    if cand.strategy not in OFFLOAD:
+        return True
+    return setup.cpu_memory_bytes is not None and host_bytes_per_node(cand, setup) <= setup.cpu_memory_bytes
+
+
+def keep_least_host(host: dict, cand: Candidate, setup: Setup) -> None:
+    """Per offload strategy that fits the GPU but not the host rule: its least host memory per node."""
+    need = host_bytes_per_node(cand, setup)
+    if cand.strategy not in host or need < host[cand.strategy]["cpu_bytes_per_node"]:
+        host[cand.strategy] = {"cpu_bytes_per_node": need, "peak_bytes": cand.peak_bytes,
+                               "cpu_memory_bytes": setup.cpu_memory_bytes}
+
+
+def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
+    """One line per offload strategy left out for host memory: what it needs, and `bound`, what was given."""
+    lines = []
+    for name, h in sorted(host.items()):
+        need = f"{name} fits the GPU ({gb(h['peak_bytes'])} GB) but needs {gb(h['cpu_bytes_per_node'])} GB of host " \
+               "memory per node (offloaded states, planner cpu_bytes x GPUs per node)"
+        given = h["cpu_memory_bytes"]
+        lines.append(need + (f": more than {bound} {gb(given)} GB" if given is not None else
+                             ": not a candidate without --cpu-memory SIZE (the host RAM per node)"))
+    return lines
+
+
+def candidate(row: dict, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
+    step = step_time(row, spec, model, setup, tokens, fig)
     return Candidate(row["strategy"], setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
                      row["mesh"]["tp"], row["mesh"], row["peak_bytes"], bool(row["fits"]), step["step_time_s"],
                      step, row["cpu_bytes"], row["model_states_bytes"])
@@ -277,14 +198,15 @@ def why_lost(cand: Candidate, winner: Candidate) -> str:
             return (f"same predicted time; {winner.strategy} comes first in the planner's order (fewer "
                     "collectives or simpler set-up)")
         return "same predicted time; fewer micro-batches per step come first"
-    parts = {"compute_s": "compute" + (" (checkpointing recomputes the forward: +33% matmul FLOPs)"
-                                       if cand.gradient_checkpointing and not winner.gradient_checkpointing else ""),
-             "exposed_sharding_comm_s": "sharding collectives not hidden behind compute",
-             "tp_comm_s": "tensor-parallel all-reduces on the critical path",
-             "offload_s": "offload copies over PCIe and the CPU optimizer step",
-             "overhead_s": f"{cand.gradient_accumulation_steps} micro-batches per step instead of "
-                           f"{winner.gradient_accumulation_steps} (per-micro-batch overhead)"}
-    worst = max(parts, key=lambda k: cand.step[k] - winner.step[k])
+    parts = {"compute": "compute" + (" (checkpointing recomputes the forward: +33% matmul FLOPs)"
+                                     if cand.gradient_checkpointing and not winner.gradient_checkpointing else ""),
+             "exposed_comm": "communication not hidden behind compute",
+             "optimizer": "the optimizer step over more parameters per rank",
+             "offload": "offload copies over PCIe and the CPU optimizer step",
+             "overhead": f"{cand.gradient_accumulation_steps} micro-batches per step instead of "
+                         f"{winner.gradient_accumulation_steps} (per-micro-batch overhead)"}
+    mine, best = cand.step["step_time_parts"], winner.step["step_time_parts"]
+    worst = max(parts, key=lambda k: mine[k] - best[k])
     return f"+{delta / winner.step_time_s:.1%} step time ({delta:.3g} s): {parts[worst]}"
 
 
@@ -304,7 +226,8 @@ def alternatives(fitting: list[Candidate], count: int = 4) -> list[dict]:
 def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=None) -> str:
     """One line naming the smallest need and what would meet it: more GPUs, offload, shorter sequences."""
     usable = usable_bytes(setup)
-    best = min(found["smallest"].values(), key=lambda c: c.peak_bytes)
+    others = [c for name, c in found["smallest"].items() if name not in found["host"]]  # host-blocked: own line
+    best = min(others or found["smallest"].values(), key=lambda c: c.peak_bytes)
     ways = []
     more = more_gpus(spec, setup, allowed, traces=traces)
     if more:
@@ -320,8 +243,10 @@ def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=Non
         if seq >= 64:
             ways.append(f"--seq-len {seq}")
     how = ("; it would fit with " + ", or ".join(ways)) if ways else "; no more GPUs, offload or shorter sequence found"
-    return (f"nothing fits in {gb(usable)} GB usable per GPU ({setup.headroom:.0%} headroom kept): the smallest need "
-            f"is {gb(best.peak_bytes)} GB ({best.strategy}, micro-batch 1, checkpointing on){how}")
+    kept = " and the host memory" if found["host"] else ""
+    return (f"nothing fits in {gb(usable)} GB usable per GPU ({setup.headroom:.0%} headroom kept){kept}: the smallest "
+            f"GPU need{' of the rest' if found['host'] else ''} is {gb(best.peak_bytes)} GB ({best.strategy}, "
+            f"micro-batch 1, checkpointing on){how}")
 
 
 def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None) -> str | None:
@@ -330,7 +255,7 @@ def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None) -> str
         trial = replace(setup, micro_batch=1, grad_accum_steps=1, activation_checkpointing=True, tp_size=tp_size)
         rows, _ = rows_for(spec, trial, group, traces)
         for row in rows:
-            if row["fits"]:
+            if row["fits"] and (row["strategy"] not in OFFLOAD or trial.cpu_memory_bytes is not None):
                 return row["strategy"]
     return None
 

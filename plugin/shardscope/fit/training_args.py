@@ -18,11 +18,12 @@ import logging
 import os
 
 from ..errors import UsageError
-from .search import below_model_states, hardware, nothing_fits, search
 from ..plan.mesh import HEADROOM, Setup
 from ..plan.planner import usable_bytes
+from ..plan.time_model import hardware
 from ..strategy import STRATEGIES, configured_precision, num_nodes, strategy_of_config, tp_strategy
 from ..units import as_int, gb, parse_size
+from .search import below_model_states, host_lines, nothing_fits, search
 
 logger = logging.getLogger("shardscope")
 FIT_ATTRIBUTE = "shardscope_fit"  # the copy's attribute the profiler reads into the summary's `fit`
@@ -90,6 +91,13 @@ def local_budget(device, memory_budget) -> int:
     return int(free + torch.cuda.memory_reserved(device))
 
 
+def available_host_memory() -> int:
+    """This node's available RAM (psutil, which accelerate already depends on): the offload candidates' bound."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def run_strategy(args, model) -> tuple[str, dict | None, dict]:
     """The planner's name of the strategy the Trainer will build from these arguments and the launcher's
     environment, the tensor-parallel mesh if any, and Setup overrides (FSDP version)."""
@@ -140,7 +148,8 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
     setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=budget, precision=precision,
                   optimizer=OPTIMIZERS.get(str(getattr(args.optim, "value", args.optim)), "adamw"),
                   seq_len=seq_len or 0, image_size=image_size, headroom=headroom,
-                  tp_size=mesh["tp"] if mesh else None, **lora, **extra).validate()
+                  tp_size=mesh["tp"] if mesh else None, cpu_memory_bytes=available_host_memory(), **lora,
+                  **extra).validate()
     gpu = None
     if str(args.device).startswith("cuda"):
         import torch
@@ -158,7 +167,8 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         raise UsageError(f"fit_training_args: memory_budget {gb(budget)} GB: " + below.replace(
             "every strategy searched", f"this run's strategy ({strategy})"))
     if not found["fitting"]:
-        raise UsageError("fit_training_args: " + nothing_fits(spec, setup, found, (strategy,), traces))
+        reasons = [nothing_fits(spec, setup, found, (strategy,), traces), *host_lines(found["host"], "this node's available RAM")]
+        raise UsageError("fit_training_args: " + "; ".join(reasons))
     best, usable = found["fitting"][0], usable_bytes(setup)
     return {"budget_bytes": budget, "per_device_train_batch_size": best.per_device_train_batch_size,
             "gradient_accumulation_steps": best.gradient_accumulation_steps,

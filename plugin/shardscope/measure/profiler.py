@@ -28,8 +28,9 @@ from ..state_bytes import base_optimizer, count_state, forget, held_gradients, z
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
+from ..units import peak_flops
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
-                         peak_flops, rates, step_time_summary)
+                         rates, step_time_summary)
 
 logger = logging.getLogger("shardscope")
 

@@ -1,6 +1,6 @@
 """From the measured rows to findings: links below half their expected speed, the slowest node pair, stragglers.
 
-Expected link speed (GPU runs only) is the fit model's (`fit.hardware`: NVLink or PCIe per GPU inside a node,
+Expected link speed (GPU runs only) is the step-time model's (`plan.time_model.hardware`: NVLink or PCIe per GPU inside a node,
 the network per GPU across nodes), compared with the bus bandwidth at the largest size measured when that is
 at least COMPARED_FROM (smaller messages never approach a link's speed). Without a
 GPU nothing is expected; a group (or node pair) below half the median of its peers is still named when there
@@ -19,7 +19,7 @@ def expected_links(gpu: str | None) -> dict | None:
     """{"intra", "inter", "source"} bytes/s per GPU, one direction, from the fit model's table; None on CPU."""
     if not gpu:
         return None
-    from ..fit.search import hardware
+    from ..plan.time_model import hardware
 
     hw = hardware(gpu, "bf16", peak_tflops=0.0)  # only the link figures are read here
     return {"intra": hw.nvlink_bytes_per_s, "inter": hw.network_bytes_per_s, "pair": hw.network_bytes_per_s,

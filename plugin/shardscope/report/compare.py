@@ -37,7 +37,7 @@ from ..configs import resolve_config
 from ..errors import UsageError
 from ..safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from ..summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
-from . import peak_section as peak_report
+from . import peak_section as peak_report, time_prediction
 from .time_section import markdown_lines, plot_time, row_facts
 
 # Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
@@ -340,6 +340,7 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines.append("")
     lines += markdown_lines(runs, human_bytes)
+    lines += time_prediction.markdown_lines(runs)
     lines += peak_report.markdown_lines(runs)
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
@@ -407,13 +408,15 @@ def plot_throughput(runs: list[dict], path):
     plt.close(fig)
 
 
-def write_report(run_dirs: list[Path], output: Path) -> list[dict]:
+def write_report(run_dirs: list[Path], output: Path, measured: list[tuple[str, dict]] | None = None) -> list[dict]:
     """Collect the runs, then write output/memory.png, throughput.png, time.png, peak.png, report.json and, last,
-    report.md; each file atomically (a reader sees the old file or the new one). Returns the rows."""
+    report.md; each file atomically (a reader sees the old file or the new one). Returns the rows. `measured`:
+    the step-time model's figures [(source, figures)] from --calibrate (default: the first run's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     runs = collect(run_dirs)
+    time_prediction.attach(runs, measured)
     if output.exists() and not output.is_dir() or output.is_symlink() and not output.exists():
         raise UsageError(f"--output '{output}' is {'a file' if output.exists() else 'a dangling symlink'}, "
                          "not a folder")

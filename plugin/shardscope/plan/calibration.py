@@ -1,0 +1,128 @@
+"""`--calibrate RUN_DIR|preflight.json ...`: the step-time model's machine figures, measured.
+
+From a run folder's shardscope_summary.json (mean over ranks; the timed step's `time_breakdown` parts
+scaled by median plain step / timed step, so the profiler's own cost is spread over the parts):
+    flops_per_s            = training FLOPs per step per rank (`throughput`: TFLOP/s x window seconds / steps,
+                             + 1/3 for the recomputed forward with checkpointing) / (forward_s + backward_s)
+    bus_bytes_per_s[kind]  = sent bytes per step of all counted collectives (`comm`) / comm_s, for each kind run
+                             (kinds under 1% of the sent bytes left out)
+    hidden_share[kind]     = (comm_s - exposed_comm_s) / (comm_s x the overlapped kinds' share of sent bytes),
+                             for each kind the strategy runs beside compute (`time_model.overlapped`), at most 1
+    optimizer_s_per_param  = optimizer_s / (trainable params / (dp_shard x tp))
+    overhead_s             = (data_wait_s + other_s) / gradient_accumulation_steps
+From a preflight's measurements (`from_links`, given `preflight.calibration.calibration_from_preflight`'s
+record by the command line, which reads the file): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth
+per kind inside a node; the slowest across-node bandwidth as the network.
+A figure several runs give is taken from the first run given that has it; a collective kind no run issued
+takes the slowest measured kind's bandwidth and hidden share (the same link; sent bytes per second are
+comparable across kinds under the ring convention); figures no run measured stay datasheet.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import UsageError
+from ..safe_io import load_json
+from ..summary import SUMMARY_FILE
+from .time_model import Figures, overlapped
+
+TERM_OF_KIND = {"all_reduce": "grad_all_reduce", "all_gather": "param_all_gather",
+                "reduce_scatter": "grad_reduce_scatter"}
+PER_KIND = ("bus_bytes_per_s", "hidden_share")
+MINOR = 0.01  # kinds below this share of a run's sent bytes get no figure of their own
+
+
+def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures, dict]:
+    """`base` with the figures `measured` [(source, figures)] gave, the first source first; and the `calibration`
+    record {figure: {value, run}} (per collective kind for bandwidth and hidden share)."""
+    record: dict = {}
+    for source, figures in measured:
+        for name, value in figures.items():
+            if name in PER_KIND:
+                for kind, v in value.items():
+                    record.setdefault(name, {}).setdefault(kind, {"value": v, "run": str(source)})
+            else:
+                record.setdefault(name, {"value": value, "run": str(source)})
+    changes, sources = {}, dict(base.sources)
+    for name, entry in record.items():
+        if name in PER_KIND:  # a kind no run issued crosses the same link: the measured kinds' slowest figure
+            least = min(e["value"] for e in entry.values())
+            changes[name] = {**dict.fromkeys(getattr(base, name), least), **{k: e["value"] for k, e in entry.items()}}
+            runs = sorted({e["run"] for e in entry.values()})
+            missing = sorted(set(getattr(base, name)) - set(entry))
+            sources[name] = "measured on " + ", ".join(runs) + (
+                f" ({', '.join(missing)}: as {', '.join(sorted(entry))})" if missing else "")
+        else:
+            changes[name] = entry["value"]
+            sources[name] = f"measured on {entry['run']}"
+    return replace(base, **changes, sources=sources), record
+
+
+def run_figures(path) -> dict:
+    """The figures a run folder's summary (or the summary file itself) measured."""
+    path = Path(path)
+    summary = path / SUMMARY_FILE if path.is_dir() else path
+    return from_summary(load_json(summary, "run summary"), summary)
+
+
+def from_links(doc: dict) -> dict:
+    """Figures from a preflight's measurements (`calibration_from_preflight`'s record)."""
+    out = {}
+    if doc["matmul_flops_per_s"]:
+        out["flops_per_s"] = min(doc["matmul_flops_per_s"].values())
+    intra = {k: v["intra"] for k, v in doc["link_bytes_per_s"].items() if "intra" in v}
+    if intra:
+        out["bus_bytes_per_s"] = intra
+    inter = [v["inter"] for v in doc["link_bytes_per_s"].values() if "inter" in v]
+    if inter:
+        out["network_bytes_per_s"] = min(inter)
+    return out
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def from_summary(doc, where) -> dict:
+    """Figures from a summary (formulas in the module docstring); a summary without them: one UsageError line."""
+    try:
+        ranks = [r for r in doc["ranks"] if r.get("time_breakdown") and r.get("step_time_s")]
+        if not ranks:
+            raise UsageError(f"--calibrate {where}: no rank has both 'time_breakdown' and 'step_time_s' (profile "
+                             "with a timed step and more than one plain step)")
+        part = {k: mean(r["time_breakdown"][k] * r["step_time_s"]["median"] / r["time_breakdown"]["step_s"]
+                        for r in ranks) for k in ranks[0]["time_breakdown"]}
+        accumulation = int(doc.get("gradient_accumulation_steps") or 1)
+        out = {"overhead_s": (part["data_wait_s"] + part["other_s"]) / accumulation}
+        flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_time_s"]["steps"]
+                 for r in ranks if (r.get("throughput") or {}).get("tflops_per_device")]
+        if flops and part["forward_s"] + part["backward_s"] > 0:
+            recompute = 4 / 3 if (ranks[0].get("peak_step") or {}).get("gradient_checkpointing") else 1
+            out["flops_per_s"] = mean(flops) * recompute / (part["forward_s"] + part["backward_s"])
+        out.update(comm_figures(doc["strategy"], ranks, part))
+        mesh = doc.get("mesh") or {}
+        shard = (mesh.get("dp_shard") or 1) * (mesh.get("tp") or 1)
+        trainable = doc["model"].get("trainable_params") or doc["model"]["params_total"]
+        out["optimizer_s_per_param"] = part["optimizer_s"] / (trainable / shard)
+        return out
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        raise UsageError(f"--calibrate {where}: malformed summary ({type(error).__name__}: {error})") from None
+
+
+def comm_figures(strategy: str, ranks: list, part: dict) -> dict:
+    """Bus bandwidth per kind run, and the hidden share of the kinds this strategy overlaps."""
+    sent = {k: mean((r.get("comm") or {}).get(k, {}).get("sent_bytes", 0) for r in ranks) for k in TERM_OF_KIND}
+    total = sum(sent.values())
+    sent = {k: v for k, v in sent.items() if v > MINOR * total}  # a profiler's or logger's few bytes say nothing
+    if not sent or part["comm_s"] <= 0:
+        return {}
+    total = sum(sent.values())
+    out = {"bus_bytes_per_s": dict.fromkeys(sent, total / part["comm_s"])}
+    hideable = [k for k in sent if overlapped(strategy, TERM_OF_KIND[k])]
+    if hideable:
+        share = sum(sent[k] for k in hideable) / total
+        hidden = (part["comm_s"] - part["exposed_comm_s"]) / (part["comm_s"] * share)
+        out["hidden_share"] = dict.fromkeys(hideable, max(0.0, min(1.0, hidden)))
+    return out

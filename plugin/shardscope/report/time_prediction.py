@@ -1,0 +1,140 @@
+"""A profiled run's step time, predicted (`time_model.step_time` at the run's own setup) beside measured.
+
+The run's setup comes from its summary: the model (`model.name_or_path`, read as `plan --model` reads it, else
+its parameter count), the strategy (`strategy.strategy_from_summary`), world size and nodes, precision, and the
+step shape the profiler recorded (`peak_step`: micro-batch, sequence length, checkpointing) with
+`gradient_accumulation_steps`. Measured: the mean over ranks of `step_time_s` {median, p10, p90}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UsageError
+from ..model.spec import model_spec
+from ..plan.calibration import calibrate, run_figures
+from ..plan.mesh import Setup
+from ..plan.planner import estimate
+from ..plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
+from ..safe_io import load_json
+from ..strategy import strategy_from_summary
+from ..summary import SUMMARY_FILE
+
+EXPLAINED = 0.02  # a prediction within 2% of the median has nothing to explain
+PRECISION = {"fp32": "fp32", "fp16": "fp16-mixed", "fp16-mixed": "fp16-mixed", "bf16-pure": "bf16-pure"}
+
+
+def run_setup(doc: dict, where) -> tuple:
+    """(spec, setup, strategy) of a summary's run."""
+    strategy = strategy_from_summary(doc)
+    step = (doc["ranks"][0].get("peak_step") or {}) if doc.get("ranks") else {}
+    if strategy is None or not step.get("micro_batch"):
+        raise UsageError(f"{where}: no strategy the planner knows or no recorded step shape ('peak_step')")
+    name = doc["model"].get("name_or_path")
+    try:
+        spec = model_spec(name) if name and Path(name).exists() else model_spec(None,
+                                                                               params=doc["model"]["params_total"])
+    except UsageError:
+        spec = model_spec(None, params=doc["model"]["params_total"])
+    nodes = int(doc.get("num_nodes") or 1)
+    setup = Setup(gpus_per_node=int(doc["world_size"]) // nodes, nodes=nodes,
+                  precision=PRECISION.get(str(doc.get("precision")), "bf16-mixed"), micro_batch=int(step["micro_batch"]),
+                  seq_len=int(step.get("seq_len") or 2048), grad_accum_steps=int(doc.get("gradient_accumulation_steps") or 1),
+                  activation_checkpointing=bool(step.get("gradient_checkpointing"))).validate()
+    return spec, setup, strategy
+
+
+def measured(doc: dict) -> dict | None:
+    """Mean over ranks of the median, p10 and p90 plain step (None: not measured)."""
+    times = [r["step_time_s"] for r in doc.get("ranks") or [] if r.get("step_time_s")]
+    if not times:
+        return None
+    return {k: sum(t[k] for t in times) / len(times) for k in ("median", "p10", "p90")}
+
+
+def predict_run(path, fig: Figures) -> dict:
+    """{run, strategy, accumulation, checkpointing, predicted_s, parts, measured {median, p10, p90}, error} of a run."""
+    path = Path(path)
+    doc = load_json(path / SUMMARY_FILE if path.is_dir() else path, "run summary")
+    spec, setup, strategy = run_setup(doc, path)
+    planned = estimate(spec, setup)
+    row = next(r for r in planned["rows"] if r["strategy"] == strategy)
+    predicted = step_time(row, spec, planned["model"], setup, planned["activations"]["tokens_per_sample"], fig)
+    real = measured(doc)
+    error = (predicted["step_time_s"] - real["median"]) / real["median"] if real else None
+    return {"run": str(path), "strategy": strategy, "accumulation": setup.grad_accum_steps,
+            "checkpointing": setup.activation_checkpointing, "predicted_s": predicted["step_time_s"],
+            "parts": predicted["step_time_parts"], "measured": real, "error": error,
+            "measured_parts": measured_parts(doc)}
+
+
+def measured_parts(doc: dict) -> dict | None:
+    """The timed step's breakdown in the model's parts, scaled to the median plain step (mean over ranks)."""
+    ranks = [r for r in doc.get("ranks") or [] if r.get("time_breakdown") and r.get("step_time_s")]
+    if not ranks:
+        return None
+    out = dict.fromkeys(PARTS, 0.0)
+    for r in ranks:
+        b, scale = r["time_breakdown"], r["step_time_s"]["median"] / r["time_breakdown"]["step_s"] / len(ranks)
+        out["compute"] += (b["forward_s"] + b["backward_s"]) * scale
+        out["exposed_comm"] += b["exposed_comm_s"] * scale
+        out["optimizer"] += b["optimizer_s"] * scale
+        out["overhead"] += (b["data_wait_s"] + b["other_s"]) * scale
+    return out
+
+
+def explaining_part(prediction: dict) -> str | None:
+    """The part whose predicted-minus-measured difference is largest, signed ("compute +0.1 s": predicted more),
+    None when nothing to explain (no breakdown, or within EXPLAINED of the measured median)."""
+    real = prediction.get("measured_parts")
+    if not real or prediction.get("error") is None or abs(prediction["error"]) < EXPLAINED:
+        return None
+    part = max(PARTS, key=lambda p: abs(prediction["parts"][p] - real[p]))
+    return f"{part} {prediction['parts'][part] - real[part]:+.2g} s"
+
+
+def attach(runs: list[dict], measured: list[tuple[str, dict]] | None = None) -> None:
+    """`report`/`compare`: each run row that finished gets `predicted_step` (`predict_run`), the model calibrated
+    on `measured` [(source, figures)] (the user's --calibrate) or else on the first run that finished."""
+    done = [r for r in runs if r.get("status") == "ok" and r.get("dir")]
+    if not done and not measured:
+        return
+    try:
+        measured = measured or [(str(done[0]["dir"]), run_figures(done[0]["dir"]))]
+    except UsageError as error:  # the first run has no timed step: every row says so, the report goes on
+        for r in done:
+            r["predicted_step"] = {"error": str(error)}
+        return
+    fig, _ = calibrate(measured, datasheet_figures(hardware("H100", "bf16-mixed")))
+    sources = [source for source, _ in measured]
+    for r in done:
+        try:
+            r["predicted_step"] = {**predict_run(r["dir"], fig), "calibrated_from": sources}
+        except (UsageError, StopIteration, KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            # a summary the report could read but the model cannot use: said in its row, the report goes on
+            r["predicted_step"] = {"error": f"not predicted ({type(error).__name__}: {error or 'no planner row'})"}
+
+
+def markdown_lines(runs: list[dict]) -> list[str]:
+    """Predicted beside measured step time per run, and the part that explains the difference."""
+    rows = [r for r in runs if r.get("predicted_step")]
+    if not rows:
+        return []
+    source = next((r["predicted_step"]["calibrated_from"] for r in rows if "calibrated_from" in r["predicted_step"]),
+                  None)
+    lines = ["## Step time: predicted beside measured", "",
+             f"The step-time model (docs/fit.md) at each run's own setup, calibrated from {', '.join(source or ['-'])} "
+             "(`--calibrate` to choose); measured: the median plain step (p10-p90). The part named is the one whose "
+             "prediction is furthest from the run's timed step breakdown (scaled to the median).", "",
+             "| run | predicted | measured median | p10-p90 | error | part that explains it |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["predicted_step"]
+        if "error" in p and "predicted_s" not in p:
+            lines.append(f"| {r['run']} | - | - | - | - | {p['error']} |")
+            continue
+        m = p["measured"]
+        real = f"{m['median']:.3g} s" if m else "-"
+        spread = f"{m['p10']:.3g}-{m['p90']:.3g} s" if m else "-"
+        error = f"{p['error']:+.1%}" if p["error"] is not None else "-"
+        lines.append(f"| {r['run']} | {p['predicted_s']:.3g} s | {real} | {spread} | {error} | "
+                     f"{explaining_part(p) or '-'} |")
+    return lines + [""]

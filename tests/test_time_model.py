@@ -1,0 +1,203 @@
+"""The step-time model and its calibration, against hand-computed values (no launches)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from shardscope.cli import main
+from shardscope.cli.step_time import measured_figures
+from shardscope.fit.search import search
+from shardscope.model.spec import spec_from_count
+from shardscope.plan.calibration import calibrate as calibrate_figures
+from shardscope.plan.mesh import Setup
+from shardscope.plan.planner import estimate
+from shardscope.plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
+
+
+def calibrate(paths, base):
+    """What `--calibrate PATH ...` does: read each path, then calibrate `base`."""
+    return calibrate_figures(measured_figures(paths), base)
+
+
+SPEC = SimpleNamespace(kind="text", vocab_size=0, hidden_size=8, untied_embedding_params=0, params_total=10 ** 6,
+                       num_layers=2)
+MODEL = {"params_total": 10 ** 6, "trainable_params": 10 ** 6}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+FIG = Figures(flops_per_s=1e12, bus_bytes_per_s=dict.fromkeys(KINDS, 1e9), network_bytes_per_s=1e8,
+              hidden_share=dict.fromkeys(KINDS, 0.75), optimizer_s_per_param=1e-9, overhead_s=0.01,
+              pcie_bytes_per_s=1e9, cpu_adam_params_per_s=1e9, sources=dict.fromkeys(
+                  ("flops_per_s", "bus_bytes_per_s", "hidden_share", "optimizer_s_per_param", "overhead_s"), "test"))
+MESH = {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
+
+
+def row(strategy, comm, shard=4):
+    return {"strategy": strategy, "comm": comm, "mesh": MESH, "shard_degree": shard}
+
+
+def test_parts_by_hand():
+    setup = Setup(gpus_per_node=4, micro_batch=2, grad_accum_steps=3, seq_len=10)
+    compute = 2 * 3 * 10 * (6 * 10 ** 6 + 12 * 2 * 8 * 10) / 1e12  # samples x tokens x flops/token / FLOP/s
+    zero2 = step_time(row("zero2", {"grad_all_reduce": 4e9, "param_all_gather": 1e9}), SPEC, MODEL, setup, 10, FIG)
+    assert zero2["step_time_parts"] == pytest.approx({"compute": compute, "exposed_comm": 5.0,  # nothing hidden
+                                                      "optimizer": 10 ** 6 / 4 * 1e-9, "offload": 0.0,
+                                                      "overhead": 0.03})
+    ddp = step_time(row("ddp", {"grad_all_reduce": 4e9}, shard=1), SPEC, MODEL, setup, 10, FIG)
+    # 25% of 4 s exposed; the hidden 3 s exceed the compute, so the rest of them is exposed too
+    assert ddp["step_time_parts"]["exposed_comm"] == pytest.approx(1.0 + (3.0 - compute))
+    assert ddp["step_time_s"] == pytest.approx(sum(ddp["step_time_parts"].values()))
+    tp = step_time(row("fsdp_tp", {"tp_all_reduce": 2e9}), SPEC, MODEL, setup, 10, FIG)
+    assert tp["step_time_parts"]["exposed_comm"] == pytest.approx(2.0)  # tensor-parallel: never hidden
+    slow_link = replace(setup, nodes=2)
+    across = step_time(row("zero3", {"param_all_gather": 1e8}), SPEC, MODEL, slow_link, 10, FIG)
+    # over the network 1 s: 0.25 s exposed, and of the 0.75 s hidden all that the compute cannot cover
+    assert across["step_time_parts"]["exposed_comm"] == pytest.approx(0.25 + (0.75 - compute))
+
+
+def summary(strategy="ddp", accumulation=2, checkpointing=False):
+    """A two-rank summary whose figures are worked out by hand in `test_calibration_from_a_summary`."""
+    breakdown = {"forward_s": 0.2, "backward_s": 0.4, "optimizer_s": 0.1, "comm_s": 0.3, "exposed_comm_s": 0.05,
+                 "data_wait_s": 0.02, "other_s": 0.03, "step_s": 0.8}
+    rank = {"time_breakdown": breakdown, "step_time_s": {"median": 0.4, "p10": 0.39, "p90": 0.41, "steps": 10},
+            "throughput": {"tflops_per_device": 0.003, "seconds": 4.0},
+            "comm": {"all_reduce": {"calls": 3, "bytes": 6e6, "sent_bytes": 6e6}},
+            "peak_step": {"gradient_checkpointing": checkpointing}}
+    return {"strategy": strategy, "gradient_accumulation_steps": accumulation, "world_size": 2,
+            "mesh": {"dp_replicate": 2, "dp_shard": 1, "tp": 1} if strategy == "ddp" else
+            {"dp_replicate": 1, "dp_shard": 2, "tp": 1},
+            "model": {"params_total": 10 ** 6, "trainable_params": 10 ** 6}, "ranks": [rank, dict(rank)]}
+
+
+def write_run(folder, doc):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "shardscope_summary.json").write_text(json.dumps(doc))
+    return folder
+
+
+def test_calibration_from_a_summary(tmp_path):
+    run = write_run(tmp_path / "ddp", summary())
+    fig, record = calibrate([run], FIG)
+    scale = 0.4 / 0.8  # median plain step / timed step
+    assert fig.flops_per_s == pytest.approx(0.003e12 * 4.0 / 10 / ((0.2 + 0.4) * scale))
+    assert fig.bus_bytes_per_s["all_reduce"] == pytest.approx(6e6 / (0.3 * scale))
+    assert fig.hidden_share["all_reduce"] == pytest.approx((0.3 - 0.05) / 0.3)
+    assert fig.optimizer_s_per_param == pytest.approx(0.1 * scale / 10 ** 6)  # DDP: every rank steps all
+    assert fig.overhead_s == pytest.approx((0.02 + 0.03) * scale / 2)
+    # a kind the run did not issue crosses the same link: the measured kind's figures
+    assert fig.bus_bytes_per_s["all_gather"] == fig.bus_bytes_per_s["all_reduce"]
+    assert fig.hidden_share["reduce_scatter"] == fig.hidden_share["all_reduce"]
+    assert record["flops_per_s"]["run"] == str(run) and record["bus_bytes_per_s"]["all_reduce"]["run"] == str(run)
+    assert fig.sources["flops_per_s"] == f"measured on {run}"
+    checkpointed, _ = calibrate([write_run(tmp_path / "ckpt", summary(checkpointing=True))], FIG)
+    assert checkpointed.flops_per_s == pytest.approx(fig.flops_per_s * 4 / 3)  # the forward again
+    zero2, _ = calibrate([write_run(tmp_path / "zero2", summary("zero2"))], FIG)
+    assert zero2.hidden_share == FIG.hidden_share  # ZeRO-2 overlaps nothing: no hidden share measured, kept
+    assert zero2.optimizer_s_per_param == pytest.approx(0.1 * scale / (10 ** 6 / 2))  # each rank steps half
+
+
+def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):
+    a = write_run(tmp_path / "a", summary())
+    b_doc = summary()
+    b_doc["ranks"] = [{**r, "step_time_s": {**r["step_time_s"], "median": 0.8}} for r in b_doc["ranks"]]
+    b = write_run(tmp_path / "b", b_doc)
+    first, record = calibrate([a, b], FIG)
+    assert record["overhead_s"]["run"] == str(a) and first.overhead_s == pytest.approx(0.05 * 0.5 / 2)
+    preflight = tmp_path / "preflight.json"
+    preflight.write_text(json.dumps({"schema_version": 1, "dtype": "bf16", "backend": "nccl",
+                                     "links": [{"kind": "all_gather", "scope": "intra", "size_bytes": 1 << 20,
+                                                "busbw_bytes_per_s": 5e10}],
+                                     "compute": [{"rank": 0, "flops_per_s": 2e14}, {"rank": 1, "flops_per_s": 1e14}]}))
+    fig, record = calibrate([preflight, a], FIG)
+    assert fig.flops_per_s == 1e14 and record["flops_per_s"]["run"] == str(preflight)  # the slowest rank
+    assert fig.bus_bytes_per_s["all_gather"] == 5e10
+    assert fig.bus_bytes_per_s["all_reduce"] == pytest.approx(6e6 / 0.15)  # the run's, preflight had none
+    assert fig.bus_bytes_per_s["reduce_scatter"] == pytest.approx(6e6 / 0.15)  # neither: the slowest measured
+
+
+def test_fit_calibrated_from_a_preflight_file(capsys, tmp_path):
+    """`shardscope fit --calibrate preflight.json`: the preflight's slowest matmul rank and its link bandwidths
+    replace the datasheet figures, each said to be measured on that file."""
+    preflight = tmp_path / "preflight.json"
+    preflight.write_text(json.dumps({"schema_version": 1, "dtype": "bf16", "backend": "nccl",
+                                     "links": [{"kind": kind, "scope": "intra", "size_bytes": 1 << 20,
+                                                "busbw_bytes_per_s": 5e10} for kind in KINDS],
+                                     "compute": [{"rank": 0, "flops_per_s": 2e14}, {"rank": 1, "flops_per_s": 1e14}]}))
+    argv = ["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
+            "--calibrate", str(preflight)]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["calibration"]["flops_per_s"] == {"value": 1e14, "run": str(preflight)}
+    assert {k: v["value"] for k, v in result["calibration"]["bus_bytes_per_s"].items()} == dict.fromkeys(KINDS, 5e10)
+    assert result["assumptions"]["flops_per_s"] == 1e14
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compute: 100 TFLOP/s per rank" in out and f"(measured on {preflight})" in out
+
+
+def plan(capsys, *argv):
+    code = main(["plan", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_rows_carry_step_times_and_say_where_figures_come_from(capsys, tmp_path):
+    run = write_run(tmp_path / "ddp", summary())
+    argv = ["--params", "7e9", "--gpus", 8, "--gpu", "H100", "--seq-len", 4096, "--grad-accum", 2]
+    code, out, _ = plan(capsys, *argv, "--json")
+    datasheet = json.loads(out)
+    assert code == 0 and "calibration" not in datasheet
+    for r in datasheet["rows"]:
+        assert set(r["step_time_parts"]) == set(PARTS)
+        assert r["step_time_s"] == pytest.approx(sum(r["step_time_parts"].values()))
+    code, out, _ = plan(capsys, *argv, "--calibrate", run, "--json")
+    calibrated = json.loads(out)
+    assert calibrated["calibration"]["optimizer_s_per_param"]["run"] == str(run)
+    ddp = next(r for r in calibrated["rows"] if r["strategy"] == "ddp")
+    assert ddp["step_time_parts"]["overhead"] == pytest.approx(2 * (0.02 + 0.03) * 0.5 / 2)  # accumulation 2
+    code, out, _ = plan(capsys, *argv, "--calibrate", run)
+    assert f"measured on {run}" in out and "predicted step time (micro-batch 1, accumulation 2)" in out
+    code, _, err = plan(capsys, *argv, "--calibrate", tmp_path / "nothing")
+    assert code == 2 and "--calibrate" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_fit_ranks_by_the_same_function(capsys, tmp_path):
+    run = write_run(tmp_path / "ddp", summary())
+    code = main(["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
+                 "--calibrate", str(run), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["calibration"]["flops_per_s"]["run"] == str(run)
+    fig, _ = calibrate([run], datasheet_figures(hardware("H100", "bf16-mixed")))
+    spec = spec_from_count(7e9)
+    trial = Setup(gpus_per_node=8, gpu_memory_bytes=80 * 2 ** 30, seq_len=4096,
+                  micro_batch=result["per_device_train_batch_size"],
+                  grad_accum_steps=result["gradient_accumulation_steps"],
+                  activation_checkpointing=result["gradient_checkpointing"])
+    planned = estimate(spec, trial)
+    r = next(r for r in planned["rows"] if r["strategy"] == result["strategy"])
+    expected = step_time(r, spec, planned["model"], trial, planned["activations"]["tokens_per_sample"], fig)
+    assert result["step_time_s"] == pytest.approx(expected["step_time_s"])
+    found = search(spec, Setup(gpus_per_node=8, gpu_memory_bytes=80 * 2 ** 30, seq_len=4096), 64, fig)
+    assert result["step_time_s"] == min(c.step_time_s for c in found["fitting"])
+
+
+def test_a_run_is_predicted_at_its_own_setup(tmp_path):
+    """`predict_run` reads the run's step shape: accumulation 2 doubles the compute, checkpointing adds a third of
+    the training FLOPs (8N + 16 L h s instead of 6N + 12 L h s), the overhead counts micro-batches."""
+    from shardscope.report.time_prediction import predict_run
+
+    def run(name, accumulation, checkpointing):
+        doc = summary(accumulation=accumulation, checkpointing=checkpointing)
+        doc["model"]["name_or_path"] = str(tmp_path / "gone")  # no folder: the parameter count gives the shapes
+        doc["precision"] = "fp32"
+        for rank in doc["ranks"]:
+            rank["peak_step"].update(micro_batch=2, seq_len=64)
+        return predict_run(write_run(tmp_path / name, doc), FIG)
+
+    base, double, recompute = run("a1", 1, False), run("a2", 2, False), run("c1", 1, True)
+    assert double["parts"]["compute"] == pytest.approx(2 * base["parts"]["compute"])
+    assert recompute["parts"]["compute"] == pytest.approx(4 / 3 * base["parts"]["compute"])
+    assert double["parts"]["overhead"] == pytest.approx(2 * FIG.overhead_s)
+    assert base["measured"]["median"] == 0.4 and base["error"] == pytest.approx(base["predicted_s"] / 0.4 - 1)
+    assert (base["strategy"], double["accumulation"], recompute["checkpointing"]) == ("ddp", 2, True)
