@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UsageError
 from .formulas import chunk, strategy_row
-from .mesh import check_tp_heads, setup_for_mesh, tp_degree
+from .mesh import LibraryKnobs, check_tp_heads, setup_for_mesh, tp_degree
 from ..model import cache as spec_cache
 from ..model.spec import attention_heads, config_bytes, load_model_config, meta_model, model_spec, resolve_model
 from ..strategy import TP_STRATEGIES
@@ -366,14 +366,14 @@ def check_mesh(world_size: int, nodes: int) -> None:
 
 
 # ----------------------------------------------------------------------------- beside the planner
-def compare_rows(result: DryRun, spec, setup) -> dict:
-    """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup."""
+def compare_rows(result: DryRun, spec, setup, knobs: LibraryKnobs | None = None) -> dict:
+    """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup (FSDP2)."""
     if result.strategy in TP_STRATEGIES:
         r, s, t = result.mesh
         _, row_setup = setup_for_mesh(setup, {"dp_replicate": r, "dp_shard": s, "tp": t})
     else:
-        row_setup = replace(setup, gpus_per_node=result.gpus_per_node, nodes=result.nodes, fsdp_version=2)
-    row = strategy_row(result.strategy, spec, row_setup)
+        row_setup = replace(setup, gpus_per_node=result.gpus_per_node, nodes=result.nodes)
+    row = strategy_row(result.strategy, spec, row_setup, knobs=replace(knobs or LibraryKnobs(), fsdp_version=2))
     planned = {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
                "optimizer_bytes": row.optimizer_bytes, "model_states_bytes": row.model_states_bytes}
     heaviest = max(result.ranks, key=lambda r: (r.model_states_bytes, -r.rank))
@@ -396,17 +396,19 @@ def default_strategies(config, world_size: int, nodes: int, tp: int | None) -> l
             and (s not in TP_STRATEGIES or tp_default)]
 
 
-def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
+def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup,
+                knobs: LibraryKnobs | None = None) -> dict:
     """`plan --dry-run`'s rows (`strategies` None: `default_strategies`), from `model/cache.py` when this config.json,
     request, library versions and the code that computes them were dry-run before (then neither torch nor
     transformers is imported; `seconds` is the build's that the cache recorded)."""
     source = config_bytes(model)
-    request = json.dumps([strategies, world_size, nodes, asdict(setup)], sort_keys=True, default=str)
+    knobs = knobs or LibraryKnobs()
+    request = json.dumps([strategies, world_size, nodes, asdict(setup), asdict(knobs)], sort_keys=True, default=str)
     key = spec_cache.cache_key(source, dry_run_sources(), "dry run", resolve_model(model), request) if source else None
     cached = spec_cache.load(key) if key else None
     if isinstance(cached, dict) and tuple(cached) == OUTPUT_KEYS and isinstance(cached["results"], list):
         return cached
-    out = _dry_run_all(load_model_config(model), strategies, world_size, nodes, setup)
+    out = _dry_run_all(load_model_config(model), strategies, world_size, nodes, setup, knobs)
     if key:
         spec_cache.store(key, out)
     return out
@@ -419,12 +421,13 @@ def dry_run_sources() -> tuple[str, ...]:
                     for path in (spec_cache.PACKAGE / layer).glob("*.py")), *FOUNDATION)
 
 
-def _dry_run_all(config, strategies, world_size: int, nodes: int, setup) -> dict:
+def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: LibraryKnobs) -> dict:
     spec = model_spec(config)
     results = []
     for strategy in strategies or default_strategies(config, world_size, nodes, setup.tp_size):
         if strategy in NOT_DRY_RUN:
-            row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes))
+            row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes),
+                               knobs=knobs)
             results.append({"strategy": strategy, "dry_run": None, "note": NOT_DRY_RUN[strategy],
                             "planned": {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
                                         "optimizer_bytes": row.optimizer_bytes,
@@ -440,7 +443,7 @@ def _dry_run_all(config, strategies, world_size: int, nodes: int, setup) -> dict
                         "mesh_dim_names": list(result.mesh_dim_names), "tp": result.tp, "dtype": result.dtype,
                         "seconds": round(result.seconds, 3), "computed_matches_built": result.computed_matches_built,
                         "built_ranks": [r.rank for r in result.ranks if r.built],
-                        **compare_rows(result, spec, setup),
+                        **compare_rows(result, spec, setup, knobs),
                         "per_rank": [dict(asdict(r)) for r in result.ranks]})
     out = {"model": spec.name, "params_total": spec.params_total, "world_size": world_size, "nodes": nodes,
            "precision": setup.precision, "optimizer": setup.optimizer, "results": results}
