@@ -15,6 +15,8 @@ config and modeling modules, FSDP2, the fake process group, transformers' TP ent
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/dry_run_speed.py --vs-import 5 --before /tmp/main/plugin \\
         --out benchmarks/results/dry_run_vs_import.md
+
+`--quick` checks the script works (one small case; with `--vs-import`, Llama-2-7B on 2 ranks): not a result.
 """
 from __future__ import annotations
 
@@ -36,22 +38,25 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 CASES = [("llama-2-70b", "fsdp_tp", 64, 8, 8), ("llama-2-70b", "hsdp_tp", 64, 8, 8)] + [
     (model, "fsdp_full_shard", world, 1, None) for model in ("llama-2-7b", "mistral-7b", "llama-2-70b")
     for world in (8, 64, 512)]
+QUICK = [("llama-2-7b", "fsdp_full_shard", 8, 1, None)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the table here (Markdown)")
     parser.add_argument("--vs-import", type=int, metavar="N", help="the whole command against the imports, N times")
     parser.add_argument("--before", help="with --vs-import: another checkout's plugin folder, timed as 'before'")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="one small case: checks the script works")
+    args = parser.parse_args(argv)
     if args.vs_import:
-        return vs_import(args.vs_import, args.out, args.before)
-    configs = {model: load_model_config(model) for model, *_ in CASES}
+        return vs_import(args.vs_import, args.out, args.quick, args.before)
+    cases = QUICK if args.quick else CASES
+    configs = {model: load_model_config(model) for model, *_ in cases}
     dr.dry_run(configs["llama-2-7b"], "fsdp_full_shard", 8)  # warm-up: imports and model classes
     lines = [f"`plan --dry-run` per case, after a warm-up (load average {os.getloadavg()[0]:.1f} on "
              f"{os.cpu_count()} CPU(s))", "", "| model | strategy | ranks | nodes | tp | wall s | CPU s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for model, strategy, world, nodes, tp in CASES:
+    for model, strategy, world, nodes, tp in cases:
         wall, cpu = time.perf_counter(), time.process_time()
         result = dr.dry_run(configs[model], strategy, world, nodes=nodes, tp=tp)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -62,12 +67,13 @@ def main() -> None:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
 
-def vs_import(repeats: int, out: str | None, before: str | None) -> None:
+def vs_import(repeats: int, out: str | None, quick: bool = False, before: str | None = None) -> None:
     import statistics
     import subprocess
     import sys
     import tempfile
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from plan_startup import timed
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "plugin"),
@@ -82,8 +88,13 @@ def vs_import(repeats: int, out: str | None, before: str | None) -> None:
             "the imports a build needs": ([sys.executable, "-c", BUILD_IMPORTS], env)}
     if before:
         arms["before: plan --dry-run 70B, 64 ranks"] = (plan, {**env, "PYTHONPATH": before})
-    for cmd, arm_env in arms.values():
-        subprocess.run(cmd, env=arm_env, capture_output=True, check=True)  # page cache; the rows cached
+    if quick:  # two processes: the import and the cheapest dry run
+        arms = {"import torch, transformers": arms["import torch, transformers"],
+                "plan --dry-run 7B, 2 ranks, --strategy fsdp_full_shard": (
+                    [*plan[:5], "llama-2-7b", "--gpus", "2", "--dry-run", "--strategy", "fsdp_full_shard"], env)}
+    else:
+        for cmd, arm_env in arms.values():
+            subprocess.run(cmd, env=arm_env, capture_output=True, check=True)  # page cache; the rows cached
     times = {arm: [] for arm in arms}
     for _ in range(repeats):
         for arm, (cmd, arm_env) in arms.items():

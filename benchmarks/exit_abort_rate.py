@@ -74,6 +74,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="runs per arm")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arms", nargs="+", choices=("plain", "profiled"), default=["plain", "profiled"],
+                        help="one arm alone checks the script works (one launch per run), not a result")
     args = parser.parse_args(argv)
     from shardscope.recipes.tiny import make_causal_lm
 
@@ -82,7 +84,7 @@ def main(argv=None) -> None:
         make_causal_lm(tmp / "model", "llama")
         script = tmp / "user_script.py"
         script.write_text(USER_SCRIPT)
-        aborts = {"plain": 0, "profiled": 0}
+        aborts = dict.fromkeys(args.arms, 0)
         for _ in range(args.runs):
             for arm in aborts:
                 aborts[arm] += run_once(script, tmp / "model", arm, tmp / "out")
@@ -92,7 +94,8 @@ def main(argv=None) -> None:
              f"{os.cpu_count()} CPU(s))", "", "| arm | runs | aborted after finishing | 95% upper bound of the rate |",
              "| --- | --- | --- | --- |"]
     lines += [f"| {arm} | {args.runs} | {n} | {upper_bound(n, args.runs):.1%} |" for arm, n in aborts.items()]
-    lines += ["", "command: `python benchmarks/exit_abort_rate.py --runs {}`".format(args.runs)]
+    arms = "" if len(args.arms) == 2 else " --arms " + " ".join(args.arms)
+    lines += ["", f"command: `python benchmarks/exit_abort_rate.py --runs {args.runs}{arms}`"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

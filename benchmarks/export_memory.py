@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,7 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
@@ -107,20 +108,26 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--shard", default="100MB")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "export_memory.md")
-    args = parser.parse_args()
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS), help="these checkpoints only")
+    parser.add_argument("--quick", action="store_true", help="a tiny ZeRO-3 checkpoint, the baseline and `shardscope "
+                        "export` only: checks the script works, not a result")
+    args = parser.parse_args(argv)
+    exporters = dict(list(EXPORTERS.items())[:2]) if args.quick else EXPORTERS
+    if args.quick:
+        args.hidden, args.intermediate, args.layers, args.vocab, args.shard, args.only = 64, 128, 2, 512, "1MB", ["ZeRO-3"]
     work = Path(tempfile.mkdtemp(prefix="export-memory-"))
     sizes = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                  num_attention_heads=8, num_key_value_heads=8)
     model = work / "model"
-    subprocess.run([sys.executable, "-c", f"from shardscope.tiny import make_causal_lm; "
+    subprocess.run([sys.executable, "-c", f"from shardscope.recipes.tiny import make_causal_lm; "
                     f"make_causal_lm({str(model)!r}, 'llama', vocab_size={args.vocab}, **{sizes!r})"],
                    env=cpu_env(), check=True, cwd=ROOT)
     weights = folder_bytes(model) - sum(p.stat().st_size for p in model.glob("*.json"))
     largest = 4 * args.vocab * args.hidden  # the embedding (and the untied lm_head), fp32
     rows = []
-    for name in RUNS:
+    for name in args.only:
         checkpoint = train(work, name, model)
-        for exporter, code in EXPORTERS.items():
+        for exporter, code in exporters.items():
             if "DeepSpeed" in exporter and not name.startswith("ZeRO"):
                 continue
             peak, seconds = child(code, checkpoint, work / f"out-{len(rows)}", args.shard, model)
@@ -136,7 +143,9 @@ def write(args, rows, weights: int, largest: int) -> None:
     versions = ", ".join(f"{p} {md.version(p)}" for p in ("torch", "transformers", "deepspeed", "safetensors"))
     lines = ["# Export: peak host memory beside the checkpoint's size", "",
              f"command: `python benchmarks/export_memory.py --hidden {args.hidden} --intermediate {args.intermediate} "
-             f"--layers {args.layers} --vocab {args.vocab} --shard {args.shard}`", "",
+             f"--layers {args.layers} --vocab {args.vocab} --shard {args.shard}"
+             + ("" if args.only == list(RUNS) else " --only " + " ".join(shlex.quote(n) for n in args.only))
+             + (" (--quick: the baseline and shardscope export only)" if args.quick else "") + "`", "",
              f"model: random Llama, {mb(weights)} of fp32 weights (`save_pretrained` folder), largest tensor "
              f"{mb(largest)}; shard size S = {args.shard}; three steps on 2 CPU ranks saved `checkpoint-3`.", "",
              f"machine: {platform.machine()}, {os.cpu_count()} cores; {versions}; peak = VmHWM of the exporting "

@@ -14,6 +14,8 @@ sys), one run each:
   comes up (killed at the launch helper's 8 s timeout).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/failure_speed.py --out benchmarks/results/failure_speed.md
+
+`--quick` runs the first two cases only (no recipe, no launch): a check that the script works, not a result.
 """
 from __future__ import annotations
 
@@ -76,10 +78,11 @@ def bad_launch(out: Path, **kwargs):
     return run
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the table here (Markdown)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="the first two cases only (checks the script)")
+    args = parser.parse_args(argv)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "plugin")}
     online = {**{k: v for k, v in cpu_env().items() if k != "HF_HUB_OFFLINE"},
               "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}  # a hub that answers nothing, on loopback
@@ -103,6 +106,7 @@ def main() -> None:
                         launcher_flags=["--rdzv_conf", "timeout=3"], timeout=40)),
             ("2-node launch, no main node, killed at 8 s", bad_launch(tmp / "alone", machine_ranks=[1], timeout=8)),
         ]
+        cases = cases[:2] if args.quick else cases
         lines = [f"Bad input, one run each (1-min load average {os.getloadavg()[0]:.1f} at the start, on "
                  f"{os.cpu_count()} CPU(s))", "", "| case | wall s | CPU s | outcome |", "| --- | --- | --- | --- |"]
         for name, action in cases:

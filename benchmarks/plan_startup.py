@@ -6,7 +6,8 @@ Arms: `import` (the yardstick), `imports a cold plan needs` (the floor of a cold
 config and modeling modules, torch's FakeTensorMode and MemTracker, and nothing run), `plan cold` (an empty spec
 cache: the model is counted on the meta device and its step traced on fake tensors), `plan warm` (the spec cache
 holds the model and the traces), and, with `--before PLUGIN_DIR`, `plan before` (another checkout's package,
-e.g. main before a change, on an empty cache).
+e.g. main before a change, on an empty cache). `--quick` runs the import and warm arms once: a check that the
+script works, not a result.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/plan_startup.py --model llama-2-7b --repeats 5 \\
         --before /tmp/main/plugin --out benchmarks/results/plan_startup.md
@@ -45,13 +46,16 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--before", help="plugin folder of another checkout, timed as 'plan before'")
     parser.add_argument("--out", help="also write the table here (Markdown)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="the import and warm arms once (checks the script)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.before = 1, None
     base = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "plugin"))
     plan = [sys.executable, "-m", "shardscope", "plan", "--model", args.model, "--gpus", "8", "--gpu", "H100"]
     warm_cache = tempfile.mkdtemp(prefix="plan-startup-warm-")
@@ -64,6 +68,8 @@ def main() -> None:
             "imports a cold plan needs": ([sys.executable, "-c", FLOOR, config], lambda: base),
             "plan cold (empty cache)": (plan, lambda: {**base, "SHARDSCOPE_CACHE": tempfile.mkdtemp()}),
             "plan warm (cached spec)": (plan, lambda: {**base, "SHARDSCOPE_CACHE": warm_cache})}
+    if args.quick:
+        arms = {name: arm for name, arm in arms.items() if not name.startswith(("imports", "plan cold"))}
     if args.before:
         arms["plan before (empty cache)"] = (plan, lambda: {**base, "PYTHONPATH": args.before,
                                                             "SHARDSCOPE_CACHE": tempfile.mkdtemp()})

@@ -1,5 +1,7 @@
-"""The benchmarks: the overhead benchmark runs end to end and writes its table (no timing thresholds); every
-script is documented with its results; and timings live there, not in the test suite."""
+"""The benchmarks: each script runs at a small size and writes its results file in the expected format, into
+tmp_path (no timing thresholds: a figure is a positive number, not a bound); every script is documented with its
+results; and timings live there, not in the test suite."""
+import importlib.util
 import math
 import os
 import re
@@ -7,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "callback_overhead.py"
 # A clock read in a test means a timed assertion; tests/launch.py's launch timeout is a harness bound, not a claim.
 CLOCKS = re.compile(r"perf_counter|process_time|monotonic|time\.time\(|getrusage")
@@ -50,3 +55,136 @@ def test_no_test_reads_a_clock():
              if path.name != Path(__file__).name
              for n, line in enumerate(path.read_text().splitlines(), 1) if CLOCKS.search(line)]
     assert found == []
+
+
+def script(name: str):
+    """A benchmark script as a module, to run its main() in this process."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every data row of the Markdown tables in `text` (header and rule rows left out)."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    rule = [set(line) <= set("|-: ") for line in lines]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for i, line in enumerate(lines)
+            if not rule[i] and not (i + 1 < len(lines) and rule[i + 1])]
+
+
+def seconds(cell: str) -> float:
+    value = float(cell.rstrip("sx").replace(",", ""))
+    assert math.isfinite(value) and value >= 0, cell
+    return value
+
+
+def test_dry_run_speed_writes_its_table_and_the_import_comparison(tmp_path):
+    module = script("dry_run_speed")
+    module.main(["--quick", "--out", str(tmp_path / "cases.md")])
+    [row] = table_rows((tmp_path / "cases.md").read_text())
+    assert row[:5] == ["llama-2-7b", "fsdp_full_shard", "8", "1", "-"] and all(seconds(c) for c in row[5:])
+    module.main(["--quick", "--vs-import", "1", "--out", str(tmp_path / "vs.md")])
+    rows = table_rows((tmp_path / "vs.md").read_text())
+    assert [r[0] for r in rows] == ["import torch, transformers", "plan --dry-run 7B, 2 ranks, --strategy fsdp_full_shard"]
+    assert rows[0][3:] == ["1.00x", "1.00x"] and all(seconds(c) > 0 for r in rows for c in r[1:])
+
+
+def test_plan_speed_writes_a_row_per_model(tmp_path, monkeypatch):
+    from shardscope.model.spec import model_spec
+
+    monkeypatch.setenv("SHARDSCOPE_CACHE", "off")  # the script turns the cache off; put it back afterwards
+    script("plan_speed").main(["--models", "llama-2-7b", "--out", str(tmp_path / "speed.md")])
+    [row] = table_rows((tmp_path / "speed.md").read_text())
+    assert row[:2] == ["llama-2-7b", f"{model_spec('llama-2-7b').params_total:,}"]
+    assert all(seconds(c) > 0 for c in row[2:4])
+
+
+def test_plan_startup_writes_its_ratios_to_the_import(tmp_path):
+    script("plan_startup").main(["--quick", "--model", "llama-2-7b", "--out", str(tmp_path / "startup.md")])
+    rows = table_rows((tmp_path / "startup.md").read_text())
+    assert [r[0] for r in rows] == ["import torch, transformers", "plan warm (cached spec)"]
+    assert rows[0][3:] == ["1.00", "1.00"] and all(seconds(c) > 0 for c in rows[1][1:3])
+
+
+def test_failure_speed_writes_the_refusals_it_timed(tmp_path):
+    script("failure_speed").main(["--quick", "--out", str(tmp_path / "failures.md")])
+    rows = table_rows((tmp_path / "failures.md").read_text())
+    assert [r[0] for r in rows] == ["YAML anchor bomb (in-process)",
+                                    "plan --dry-run --world-size 10 --nodes 4 (fresh process)"]
+    assert "anchor bomb" in rows[0][3] and rows[1][3].startswith("exit 2: shardscope: error: world size 10")
+    assert all(seconds(c) > 0 for r in rows for c in r[1:3])
+
+
+def test_planner_figures_are_what_the_planner_gives_now(tmp_path):
+    """The figures docs/planner.md quotes are computed: the committed file is what the script writes today."""
+    out = tmp_path / "planner_figures.md"
+    assert script("planner_figures").main(["--out", str(out)]) == 0
+    assert out.read_text() == (BENCHMARKS / "results" / "planner_figures.md").read_text(), \
+        "run `python benchmarks/planner_figures.py` then `python benchmarks/render_docs.py`"
+
+
+def test_published_ratios_are_what_the_time_model_gives_now(tmp_path):
+    """Datasheet predictions (computed, no launch): the committed file is what the script writes today."""
+    out = tmp_path / "published_ratios.md"
+    script("published_ratios").main(["--out", str(out)])
+    assert out.read_text() == (BENCHMARKS / "results" / "published_ratios.md").read_text(), \
+        "run `python benchmarks/published_ratios.py` then `python benchmarks/render_docs.py`"
+
+
+def test_suite_time_keeps_every_run_and_shows_the_median(tmp_path):
+    suite_time, part, out = script("suite_time"), script("render_docs").result, tmp_path / "suite_time.md"
+    for passed, took in ((1000, 700.0), (1001, 600.0), (1001, 650.0)):
+        log = tmp_path / "make_test.log"
+        log.write_text(f"...\n{passed} passed, 1 skipped, 14 warnings in {took}s (0:11:40)\nrc 0\n")
+        assert suite_time.main(["record", str(log), "--fresh-clone", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert len([r for r in table_rows(text) if r[0] == "test"]) == 3
+    assert part("suite_time#test", tmp_path) == (
+        "1,001 passed, 1 skipped in 10 min 50 s (median of 3 runs on "
+        f"{os.cpu_count()}-core machines, from a fresh clone)")
+    assert part("suite_time#demo", tmp_path).startswith("not recorded yet")
+    assert suite_time.main(["record", str(log), "--target", "demo", "--seconds", "301", "--out", str(out)]) == 0
+    assert part("suite_time#demo", tmp_path).startswith("5 min 1 s (one run on a ")
+    log.write_text("2 failed, 998 passed in 700.0s\n")
+    assert suite_time.main(["record", str(log), "--out", str(out)]) == 2
+    assert len(table_rows(out.read_text())) == 4  # the failed run is not recorded
+
+
+@pytest.mark.launch
+def test_exit_abort_rate_counts_a_profiled_run(tmp_path):
+    """One launch: the profiled arm (the plain one is the same launch without the profiler)."""
+    out = tmp_path / "aborts.md"
+    script("exit_abort_rate").main(["--runs", "1", "--arms", "profiled", "--out", str(out)])
+    [row] = table_rows(out.read_text())
+    assert row[:2] == ["profiled", "1"] and row[2] in ("0", "1") and 0 < float(row[3].rstrip("%")) <= 100
+    assert "--runs 1 --arms profiled`" in out.read_text()
+
+
+@pytest.mark.launch
+def test_export_memory_measures_each_exporter_of_a_small_checkpoint(tmp_path):
+    out = tmp_path / "export.md"
+    module = script("export_memory")
+    module.main(["--quick", "--out", str(out)])
+    rows = table_rows(out.read_text())
+    assert [r[2] for r in rows] == list(module.EXPORTERS)[:2]
+    assert all(r[0] == "ZeRO-3" and seconds(r[3].removesuffix(" MB")) > 0 for r in rows)
+
+
+@pytest.mark.launch
+def test_strategies_cpu_and_peak_agreement_tables_from_one_small_run(tmp_path):
+    """One launch for two scripts: strategies_cpu.sh at one strategy and 4 steps, then peak_agreement.py reading
+    that run's folder (its --launch path is compare's launcher, which tests/test_compare.py runs)."""
+    env = {**os.environ, "CONFIGS": "ddp", "STEPS": "4", "SKIP": "1", "RESULT": str(tmp_path / "strategies.md"),
+           "IMG": str(tmp_path / "img"), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(BENCHMARKS / "strategies_cpu.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(r for r in table_rows((tmp_path / "strategies.md").read_text()) if r[0] == "ddp")
+    assert row[-1] == "ok" and seconds(row[1].split()[0]) > 0 and int(row[4]) >= 1
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
+        "strategies_cpu_memory.png", "strategies_cpu_throughput.png", "strategies_cpu_time.png"]
+    script("peak_agreement").main([str(tmp_path / "out" / "ddp"), "--out", str(tmp_path / "peak.md")])
+    [peak] = table_rows((tmp_path / "peak.md").read_text())
+    assert peak[0] == "ddp" and re.fullmatch(r"[+-]\d+\.\d\d%", peak[4]) and (tmp_path / "peak.png").is_file()
+

@@ -177,7 +177,7 @@ def test_readme_names_the_extensions_folder_the_makefile_sets():
 # --- The README and docs stay true: every command in their shell blocks parses, the cheap ones run ----------
 
 DOCS = ["README.md", "docs/planner.md", "docs/compare.md", "docs/doctor.md", "docs/cluster.md", "docs/precision.md",
-        "docs/fit.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md",
+        "docs/fit.md", "docs/configs.md", "docs/summary.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md",
         "ds_configs/README.md", "fsdp_configs/README.md", "SECURITY.md"]
 PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "python3", "make", "pytest", "export")
 # Inputs that stand for the user's own (a hub id, a folder, a finished run): offline here they must end in
