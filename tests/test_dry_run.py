@@ -253,7 +253,7 @@ def test_one_decoder_layer_standing_for_all_counts_what_the_whole_model_does(str
 
     config = _tiny_config("mistral")
     config.num_hidden_layers = 3
-    stand_in = dr._one_layer_model(config, torch.float32)
+    stand_in = dr.one_layer_model(config, torch.float32)
     assert stand_in[1:] == ("model.layers", 3) and len(stand_in[0].model.layers) == 1
     whole = (meta_model(config).to(torch.float32), None, 1)
     if strategy in dr.TP_STRATEGIES:
@@ -275,7 +275,7 @@ def test_decoder_layers_that_differ_are_all_built():
     config = Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, mlp_only_layers=[0])
-    model, layer_list, layers = dr._one_layer_model(config, torch.float32)
+    model, layer_list, layers = dr.one_layer_model(config, torch.float32)
     assert (layer_list, layers, len(model.model.layers)) == (None, 1, 3)
     result = dr.dry_run(config, "fsdp_full_shard", 4, precision="fp32")
     assert result.computed_matches_built

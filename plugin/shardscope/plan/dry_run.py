@@ -195,7 +195,7 @@ def _meta_backward(model) -> None:
     loss.backward()
 
 
-def _one_layer_model(config, dtype):
+def one_layer_model(config, dtype):
     """(meta model in `dtype`, qualified name of its decoder layers' list or None, how many layers it stands for).
 
     FSDP2 shards each decoder layer on its own and the TP plan names layers by pattern (`layers.*`), so a rank's
@@ -321,12 +321,13 @@ def tp_mesh_shape(config, strategy: str, world_size: int, nodes: int, tp: int | 
 
 
 def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: str = "bf16-mixed",
-            optimizer: str = "adamw", tp: int | None = None) -> DryRun:
+            optimizer: str = "adamw", tp: int | None = None, models: dict | None = None) -> DryRun:
     """The per-rank model-state bytes of `strategy` on `world_size` ranks over `nodes` nodes.
 
     `tp` (tp / fsdp_tp / hsdp_tp): the tensor-parallel degree; default as the planner's (`tp`: the
     world size; otherwise gcd(GPUs per node, attention heads, KV heads)). The mesh is then
-    tp: (1, 1, t); fsdp_tp: (1, world / t, t); hsdp_tp: (nodes, GPUs per node / t, t)."""
+    tp: (1, 1, t); fsdp_tp: (1, world / t, t); hsdp_tp: (nodes, GPUs per node / t, t). `models`: this config's
+    `one_layer_model` by dtype, shared by calls on the same config (filled here)."""
     import torch.distributed as dist
 
     if strategy not in DRY_RUN_STRATEGIES:
@@ -345,10 +346,12 @@ def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: s
         mesh_shape = (nodes, world_size // nodes) if strategy == "fsdp_hybrid_shard" else (world_size,)
         shard_degree = mesh_shape[-1]
     dtype, moments = _dtype(precision), MOMENTS[optimizer]
-    template = _one_layer_model(config, dtype)
+    models = {} if models is None else models
+    if dtype not in models:
+        models[dtype] = one_layer_model(config, dtype)
     built = {}
     for rank in sorted({0, world_size - 1}):
-        built[rank], layouts, names = _build_rank(template, config, strategy, rank, mesh_shape, moments)
+        built[rank], layouts, names = _build_rank(models[dtype], config, strategy, rank, mesh_shape, moments)
     ranks = [built.get(r) or _computed_rank(layouts, r, mesh_shape, names, moments) for r in range(world_size)]
     matches = all(asdict(_computed_rank(layouts, r, mesh_shape, names, moments)) == {**asdict(b), "built": False}
                   for r, b in built.items())
@@ -422,8 +425,7 @@ def dry_run_sources() -> tuple[str, ...]:
 
 
 def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: LibraryKnobs) -> dict:
-    spec = model_spec(config)
-    results = []
+    spec, results, models = model_spec(config), [], {}
     for strategy in strategies or default_strategies(config, world_size, nodes, setup.tp_size):
         if strategy in NOT_DRY_RUN:
             row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes),
@@ -437,7 +439,7 @@ def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: 
         if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
             world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
         result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
-                         setup.tp_size if strategy != "tp" else world)
+                         setup.tp_size if strategy != "tp" else world, models)
         results.append({"strategy": strategy, "world_size": world, "nodes": where,
                         "shard_degree": result.shard_degree, "mesh": list(result.mesh),
                         "mesh_dim_names": list(result.mesh_dim_names), "tp": result.tp, "dtype": result.dtype,
