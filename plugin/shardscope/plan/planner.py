@@ -13,7 +13,8 @@ from .trace import regime_for
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size
 
-__all__ = ["Setup", "LibraryKnobs", "model_spec", "strategy_row", "estimate", "plan_dict", "recommend", "convention_table"]
+__all__ = ["Setup", "LibraryKnobs", "model_spec", "strategy_row", "estimate", "plan_dict", "recommend",
+           "convention_table"]
 
 TIERS = (("ddp",), ("fsdp_shard_grad_op", "zero2"), ("fsdp_hybrid_shard",), ("fsdp_full_shard", "zero3"),
          ("hsdp_tp",), ("tp",), ("fsdp_tp",), ("zero2_offload",), ("fsdp_offload", "zero3_offload"))
@@ -123,7 +124,8 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None, knobs: L
     act_tp = activation_bytes(spec, setup, t) if t else None
     traces = traces or {}
     rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
-                         traces.get(regime_for(s, setup.precision)), knobs=knobs, mesh=mesh) for s, mesh in meshes.items()]
+                         traces.get(regime_for(s, setup.precision)), knobs=knobs, mesh=mesh)
+            for s, mesh in meshes.items()]
     for row in rows:
         row.fits = fits(row, setup)
     tp_info = _tp_facts(spec, setup, t, act_tp, c) if t else None
