@@ -274,8 +274,8 @@ def test_doctor_and_plan_agree_on_fits_near_the_edge(tiny_llama, capsys):
     setup = Setup(precision="bf16-mixed", micro_batch=1, seq_len=2048)  # doctor's defaults without Trainer arguments
     traces, note = cached_traces_for(model, setup)
     assert note is None
-    formula, traced = (next(r["peak_bytes"] for r in estimate(model_spec(model), setup, t)["rows"]
-                            if r["strategy"] == "ddp") for t in (None, traces))
+    formula, traced = (next(r.peak_bytes for r in estimate(model_spec(model), setup, t)["rows"]
+                            if r.strategy == "ddp") for t in (None, traces))
     for usable in (min(formula, traced), max(formula, traced) - 1):  # the formula fits exactly one of the two
         memory = int(usable / (1 - HEADROOM)) + 1
         assert main(["plan", "--model", model, "--gpu-memory", str(memory), "--json"]) in (0, 1)

@@ -43,8 +43,8 @@ def test_fitting_candidates_are_the_planners_rows():
     for c in found["fitting"][:6]:
         trial = replace(base, micro_batch=c.per_device_train_batch_size, grad_accum_steps=c.gradient_accumulation_steps,
                         activation_checkpointing=c.gradient_checkpointing, tp_size=c.tp if c.tp > 1 else None)
-        row = next(r for r in estimate(SPEC, trial)["rows"] if r["strategy"] == c.strategy and r["mesh"] == c.mesh)
-        assert row["peak_bytes"] == c.peak_bytes <= usable and row["fits"]
+        row = next(r for r in estimate(SPEC, trial)["rows"] if r.strategy == c.strategy and r.mesh == c.mesh)
+        assert row.peak_bytes == c.peak_bytes <= usable and row.fits
 
 
 def test_winner_is_not_cautious():
@@ -130,7 +130,7 @@ def test_kept_global_batch_says_when_a_larger_micro_batch_would_fit(capsys):
     global batch with micro-batch 1 and names the nearest global batches that allow a larger one."""
     def fits(micro):
         row = estimate(spec_from_count(7e9), setup(micro_batch=micro))["rows"]  # what --params 7B plans
-        return next(r for r in row if r["strategy"] == "fsdp_full_shard")["fits"]
+        return next(r for r in row if r.strategy == "fsdp_full_shard").fits
 
     assert fits(2) and not fits(7)  # the case under test, by the planner's own figures
     code, out, _ = fit(capsys, *PARAMS, "--global-batch", 56, "--strategy", "fsdp_full_shard", "--json")

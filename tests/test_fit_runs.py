@@ -35,7 +35,7 @@ def plan(spec, micro, checkpointing=False):
 
     setup = Setup(gpus_per_node=RANKS, precision="fp32", seq_len=SEQ, micro_batch=micro,
                   grad_accum_steps=GLOBAL // (RANKS * micro), activation_checkpointing=checkpointing)
-    return next(r for r in estimate(spec, setup)["rows"] if r["strategy"] == "ddp")
+    return next(r for r in estimate(spec, setup)["rows"] if r.strategy == "ddp")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def fit_case(sft_assets):
 
     spec = spec_from_config(AutoConfig.from_pretrained(sft_assets["model"]))
     half = plan(spec, NAIVE_MICRO // 2)
-    budget = int(half["peak_bytes"] / (1 - HEADROOM) * 1.02)
+    budget = int(half.peak_bytes / (1 - HEADROOM) * 1.02)
     return {"spec": spec, "budget": budget, "naive": plan(spec, NAIVE_MICRO), "micro1": plan(spec, 1)}
 
 
@@ -69,8 +69,8 @@ def launched(fit_case, sft_assets, tmp_path_factory):
 
 def test_budget_rules_out_the_naive_setting(fit_case):
     usable = fit_case["budget"] * (1 - HEADROOM)
-    assert fit_case["naive"]["peak_bytes"] > usable  # what the run would do unfitted
-    assert fit_case["micro1"]["peak_bytes"] < MIN_USED * fit_case["budget"]  # micro-batch 1 would waste it
+    assert fit_case["naive"].peak_bytes > usable  # what the run would do unfitted
+    assert fit_case["micro1"].peak_bytes < MIN_USED * fit_case["budget"]  # micro-batch 1 would waste it
 
 
 def test_every_rank_applies_rank0_decision(launched, fit_case):
