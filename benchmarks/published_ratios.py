@@ -41,7 +41,7 @@ def predicted(model: str, gpu: str, gpus: int, seq: int, micro: int, accumulatio
     setup = Setup(gpus_per_node=gpus, seq_len=seq, micro_batch=micro, grad_accum_steps=accumulation,
                   activation_checkpointing=checkpointing).validate()
     planned = estimate(spec, setup)
-    row = next(r for r in planned["rows"] if r["strategy"] == strategy)
+    row = next(r for r in planned["rows"] if r.strategy == strategy)
     return step_time(row, spec, planned["model"], setup, planned["activations"]["tokens_per_sample"],
                      datasheet_figures(hardware(gpu, "bf16-mixed")))
 

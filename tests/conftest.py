@@ -1,6 +1,7 @@
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,33 +15,55 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "comparison", "trained", "trl_runs", "fsdp2_run"}
 
 
+# Launching fixtures defined here, session-scoped, by the runs they share: several test files use them.
+SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs"}
+HERE = Path(__file__).parent
+GROUPS = {f"{HERE.name}/{path.name}": group for path in sorted(HERE.glob("test_*.py"))
+          for name, group in SHARED_RUNS.items() if name in path.read_text()}
+
+
+def scope(nodeid: str) -> str:
+    """The unit one xdist worker runs whole: a test file, or the group of files sharing a launched run."""
+    file = nodeid.split("::", 1)[0]
+    return GROUPS.get(file, file)
+
+
+def scope_seconds(nodeids) -> dict[str, float]:
+    """Each scope's seconds in a recorded run (tests/file_seconds.json, scripts/file_seconds.py), a new file the
+    median file's."""
+    recorded = json.loads((HERE / "file_seconds.json").read_text())
+    median = sorted(recorded.values())[len(recorded) // 2]
+    seconds: dict[str, float] = {}
+    for file in {nodeid.split("::", 1)[0] for nodeid in nodeids}:
+        seconds[scope(file)] = seconds.get(scope(file), 0.0) + recorded.get(Path(file).name, median)
+    return seconds
+
+
 def pytest_collection_modifyitems(items):
+    """Mark the launch tests; order the scopes longest first (xdist hands them out in this order, so the last ones
+    are short and both workers finish together), tests inside a scope as written."""
     for item in items:
         if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.launch)
-
-
-# Launching fixtures defined here, session-scoped, by the runs they share: several test files use them.
-SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs"}
+    seconds = scope_seconds(item.nodeid for item in items)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds[scope(item.nodeid)], scope(item.nodeid), order[id(item)]))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs two pytest-xdist workers: a 2-rank launch leaves a core idle about a third of its time.
     Fixtures are per worker, so tests that share a launched run must run on one worker: each test file goes to one
-    worker whole (module-scoped runs), and every file that uses a fixture of SHARED_RUNS joins that fixture's group."""
-    from pathlib import Path
-
+    worker whole (module-scoped runs), and every file that uses a fixture of SHARED_RUNS joins that fixture's group.
+    Scopes go out in the collection's order (longest first, pytest_collection_modifyitems), not xdist's default
+    of the most tests first."""
     from xdist.scheduler import LoadScopeScheduling
 
-    here = Path(__file__).parent
-    groups = {f"{here.name}/{path.name}": group for path in sorted(here.glob("test_*.py"))
-              for name, group in SHARED_RUNS.items() if name in path.read_text()}
+    config.option.loadscopereorder = False
 
     class SharedRunScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:  # what xdist's own loadfile and loadgroup override
-            file = nodeid.split("::", 1)[0]
-            return groups.get(file, file)
+            return scope(nodeid)
 
     return SharedRunScheduling(config, log)
 

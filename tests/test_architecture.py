@@ -179,6 +179,65 @@ def test_plan_from_a_count_imports_neither_torch_nor_transformers():
 
 
 # --- pure pieces ---------------------------------------------------------------------------------
+def _stays(spec, setup, knobs=None) -> list[tuple[str, list[str]]]:
+    """The modules the run being planned stays in, walked from `estimate`: each function of the package entered
+    for the first time with the run among its arguments (a `Setup`, its `LibraryKnobs`, or a row's `FamilyRow`), in
+    order, the consecutive ones of one module a stay. The run's own methods (`Setup.validate`, `world_size`) read
+    it where it is: they are not a move."""
+    from shardscope.plan.formulas import FamilyRow
+    from shardscope.plan.mesh import LibraryKnobs, Setup
+    from shardscope.plan.planner import estimate
+
+    own = {getattr(m, "fget", m).__code__ for cls in (Setup, LibraryKnobs) for m in vars(cls).values()
+           if hasattr(getattr(m, "fget", m), "__code__")}
+    entered, order = set(), []
+
+    def profile(frame, event, arg):
+        code, module = frame.f_code, frame.f_globals.get("__name__", "")
+        if event != "call" or code in entered or code in own or not module.startswith("shardscope."):
+            return
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if any(isinstance(frame.f_locals.get(n), (Setup, LibraryKnobs, FamilyRow)) for n in names):
+            entered.add(code)
+            order.append((module, code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        estimate(spec, setup, knobs=knobs)
+    finally:
+        sys.setprofile(None)
+    stays = []
+    for module, name in order:
+        if stays and stays[-1][0] == module:
+            stays[-1][1].append(name)
+        else:
+            stays.append((module, [name]))
+    return stays
+
+
+@pytest.mark.parametrize("case", ["count, 2 nodes", "model, LoRA, FSDP1 and a ZeRO bucket", "MoE, one GPU"])
+def test_the_run_being_planned_returns_to_a_module_it_left_at_most_twice(case):
+    """Issue 31: walked from `estimate`, the run went formulas <-> mesh <-> planner, returning to a module it had
+    left 5 times; it now goes down once (the rows' meshes, their bytes) and comes back up to choose."""
+    from shardscope.model.spec import model_spec
+    from shardscope.plan.mesh import LibraryKnobs, Setup
+
+    gpu = 80 * 2 ** 30
+    spec, setup, knobs = {
+        "count, 2 nodes": (model_spec(None, params=7e9), Setup(gpus_per_node=8, nodes=2, gpu_memory_bytes=gpu), None),
+        "model, LoRA, FSDP1 and a ZeRO bucket": (
+            model_spec("llama-3-8b"), Setup(gpus_per_node=4, gpu_memory_bytes=gpu, lora_rank=8, tp_size=2),
+            LibraryKnobs(fsdp_version=1, bucket_elements=10 ** 6, zero_overlap_comm=True)),
+        "MoE, one GPU": (model_spec("mixtral-8x7b"), Setup(gpu_memory_bytes=gpu, precision="bf16-pure"), None),
+    }[case]
+    stays = _stays(spec, setup, knobs)
+    modules = [module for module, _ in stays]
+    assert {"shardscope.plan.planner", "shardscope.plan.mesh", "shardscope.plan.formulas"} <= set(modules), stays
+    assert any("strategy_row" in names for _, names in stays) and any("recommend" in names for _, names in stays)
+    returns = [module for i, module in enumerate(modules) if module in modules[:i]]
+    assert len(returns) <= 2, stays
+
+
 @pytest.mark.parametrize("mesh, name", [({"dp_replicate": 1, "dp_shard": 1, "tp": 2}, "tp"),
                                         ({"dp_replicate": 1, "dp_shard": 4, "tp": 2}, "fsdp_tp"),
                                         ({"dp_replicate": 2, "dp_shard": 4, "tp": 2}, "hsdp_tp"),

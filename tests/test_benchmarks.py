@@ -124,6 +124,18 @@ def test_planner_figures_are_what_the_planner_gives_now(tmp_path):
         "run `python benchmarks/planner_figures.py` then `python benchmarks/render_docs.py`"
 
 
+def test_fit_examples_are_what_fit_prints_now(tmp_path):
+    """The `shardscope fit` outputs docs/fit.md shows are computed: the committed file is what the script writes
+    today, and each example's exit status is the one its text says (1 only where nothing fits)."""
+    out = tmp_path / "fit_examples.md"
+    assert script("fit_examples").main(["--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == (BENCHMARKS / "results" / "fit_examples.md").read_text(), \
+        "run `python benchmarks/fit_examples.py` then `python benchmarks/render_docs.py`"
+    statuses = re.findall(r"\n(winner: |nothing fits in ).*?\$ echo \$\?  # (\d)", text, re.S)
+    assert [(kind, code) for kind, code in statuses] == [("winner: ", "0")] * 3 + [("nothing fits in ", "1")]
+
+
 def test_published_ratios_are_what_the_time_model_gives_now(tmp_path):
     """Datasheet predictions (computed, no launch): the committed file is what the script writes today."""
     out = tmp_path / "published_ratios.md"

@@ -172,7 +172,7 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     profiler._plan_preflight({})  # no batch: model states and buffers
     _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=1, gpu_memory_bytes=80 * 10**9), mesh)
     default = estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
-    assert mesh not in [r["mesh"] for r in default]  # only the mesh gives this row
+    assert mesh not in [r.mesh for r in default]  # only the mesh gives this row
     assert profiler.preflight["plan"]["strategy"] == "fsdp_tp"
     # By hand, fp32 AdamW on 2 shards x tp 2 with no batch (states and what FSDP gathers; the peak is at the end
     # of backward): a rank holds the linear layers and embeddings split four ways, the norms (TP replicates them)
@@ -210,9 +210,9 @@ def test_preflight_plans_the_traced_peak_at_the_first_training_batch(llama, monk
     plan = profiler.preflight.pop("plan")
     setup = Setup(precision="fp32", micro_batch=2, seq_len=48, gpu_memory_bytes=80 * 10**9)
     row = next(r for r in estimate(spec_from_config(llama.config), setup, traces_for(llama.config, setup)[0])["rows"]
-               if r["strategy"] == "ddp")
+               if r.strategy == "ddp")
     assert (plan["micro_batch"], plan["seq_len"], plan["activations_source"]) == (2, 48, "traced")
-    assert plan["peak_bytes"] == row["peak_bytes"] and plan["fits"] is True
+    assert plan["peak_bytes"] == row.peak_bytes and plan["fits"] is True
     assert profiler._interval.anchor > anchored  # the step's time restarts after the preflight
     llama(input_ids=ids, labels=ids)
     assert "plan" not in profiler.preflight  # once per run

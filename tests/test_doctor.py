@@ -274,8 +274,8 @@ def test_doctor_and_plan_agree_on_fits_near_the_edge(tiny_llama, capsys):
     setup = Setup(precision="bf16-mixed", micro_batch=1, seq_len=2048)  # doctor's defaults without Trainer arguments
     traces, note = cached_traces_for(model, setup)
     assert note is None
-    formula, traced = (next(r["peak_bytes"] for r in estimate(model_spec(model), setup, t)["rows"]
-                            if r["strategy"] == "ddp") for t in (None, traces))
+    formula, traced = (next(r.peak_bytes for r in estimate(model_spec(model), setup, t)["rows"]
+                            if r.strategy == "ddp") for t in (None, traces))
     # The formula misses what the trace holds (the fp32 logits' copies at the loss, SwiGLU's tensors): traced > formula.
     # At usable = formula nothing fits one GPU (every strategy holds the traced step; the `tp` row of degree 1
     # is no option), so plan exits 1; at usable = traced - 1 only DDP misses, by a byte (ZeRO and FSDP hold no

@@ -240,3 +240,70 @@ def test_tp_dry_run_bad_degree_is_one_line(strategy, world, nodes, tp, message):
     with pytest.raises(UsageError) as error:
         dr.dry_run(_tiny_config("mistral"), strategy, world, nodes=nodes, tp=tp)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("strategy, world, nodes", [("fsdp_full_shard", 6, 1), ("fsdp_hybrid_shard", 4, 2),
+                                                    ("tp", 2, 1), ("fsdp_tp", 4, 1), ("hsdp_tp", 8, 2)])
+def test_one_decoder_layer_standing_for_all_counts_what_the_whole_model_does(strategy, world, nodes):
+    """The dry run shards one decoder layer and counts it once per layer: every rank of the whole model,
+    sharded the same way, holds the same bytes (an uneven vocabulary and three layers, so padding shows)."""
+    import torch
+
+    from shardscope.model.spec import meta_model
+
+    config = _tiny_config("mistral")
+    config.num_hidden_layers = 3
+    stand_in = dr.one_layer_model(config, torch.float32)
+    assert stand_in[1:] == ("model.layers", 3) and len(stand_in[0].model.layers) == 1
+    whole = (meta_model(config).to(torch.float32), None, 1)
+    if strategy in dr.TP_STRATEGIES:
+        mesh = dr.tp_mesh_shape(config, strategy, world, nodes, 2)
+    else:
+        mesh = (nodes, world // nodes) if strategy == "fsdp_hybrid_shard" else (world,)
+    for rank in range(world):
+        one, layouts, _ = dr._build_rank(stand_in, config, strategy, rank, mesh, 2)
+        assert one == dr._build_rank(whole, config, strategy, rank, mesh, 2)[0], rank
+        assert sum(layout[-1] for layout in layouts) == 9 * 3 + 3  # tensors: 9 per layer, embedding, norm, head
+
+
+def test_decoder_layers_that_differ_are_all_built():
+    """Qwen2-MoE with `mlp_only_layers=[0]`: the first layer's MLP is dense, the others' are experts, so no
+    layer stands for the rest."""
+    import torch
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, mlp_only_layers=[0])
+    model, layer_list, layers = dr.one_layer_model(config, torch.float32)
+    assert (layer_list, layers, len(model.model.layers)) == (None, 1, 3)
+    result = dr.dry_run(config, "fsdp_full_shard", 4, precision="fp32")
+    assert result.computed_matches_built
+    assert sum(r.params_elements for r in result.ranks) == model_spec(config).params_total
+
+
+# ----------------------------------------------------------------------------- the cache
+RUN = """import json, sys
+from shardscope.plan.dry_run import dry_run_all
+from shardscope.plan.mesh import Setup
+out = dry_run_all(sys.argv[1], None, 4, 2, Setup(gpus_per_node=2, nodes=2, tp_size=2))
+files = sorted({m.__file__ for n, m in list(sys.modules.items()) if n.startswith("shardscope.") and m.__file__})
+print(json.dumps({"out": out, "files": files, "heavy": [n for n in ("torch", "transformers") if n in sys.modules]}))
+"""
+
+
+def test_a_warm_dry_run_gives_the_same_rows_importing_neither_torch_nor_transformers(tiny_llama, tmp_path):
+    """The second identical dry run reads the first's rows from the cache: the same rows, no torch; the key
+    hashes the source of every module of the package the cold run used (so an edit to any of them is a miss)."""
+    import json
+
+    env = {**os.environ, "SHARDSCOPE_CACHE": str(tmp_path)}
+    cold, warm = (json.loads(subprocess.run([sys.executable, "-c", RUN, str(tiny_llama)], capture_output=True,
+                                            text=True, env=env, timeout=300, check=True).stdout) for _ in range(2))
+    assert [r["strategy"] for r in cold["out"]["results"]] == [
+        "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "tp", "fsdp_tp", "hsdp_tp", "zero3"]
+    assert warm["out"] == cold["out"]
+    assert cold["heavy"] == ["torch", "transformers"] and warm["heavy"] == []
+    package = os.path.dirname(os.path.dirname(dr.__file__))
+    used = {os.path.relpath(f, package) for f in cold["files"]}
+    assert used - {"__init__.py"} <= set(dr.dry_run_sources())

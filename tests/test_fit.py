@@ -55,8 +55,8 @@ def test_fitting_candidates_are_a_brute_force_over_the_planners_rows():
             for checkpointing in (False, True):
                 trial = replace(base, micro_batch=micro, grad_accum_steps=per_rank // micro,
                                 activation_checkpointing=checkpointing, tp_size=tp)
-                expected |= {(r["strategy"], r["mesh"]["tp"], micro, per_rank // micro, checkpointing, r["peak_bytes"])
-                             for r in estimate(SPEC, trial)["rows"] if r["strategy"] in names and r["peak_bytes"] <= usable}
+                expected |= {(r.strategy, r.mesh["tp"], micro, per_rank // micro, checkpointing, r.peak_bytes)
+                             for r in estimate(SPEC, trial)["rows"] if r.strategy in names and r.peak_bytes <= usable}
     assert len(expected) > 20 and fitting_set(search(SPEC, base, global_batch, H100)) == expected
 
 
@@ -169,7 +169,7 @@ def test_kept_global_batch_says_when_a_larger_micro_batch_would_fit(capsys):
     global batch with micro-batch 1 and names the nearest global batches that allow a larger one."""
     def fits(micro):
         row = estimate(spec_from_count(7e9), setup(micro_batch=micro))["rows"]  # what --params 7B plans
-        return next(r for r in row if r["strategy"] == "fsdp_full_shard")["fits"]
+        return next(r for r in row if r.strategy == "fsdp_full_shard").fits
 
     assert fits(2) and not fits(7)  # the case under test, by the planner's own figures
     code, out, _ = fit(capsys, *PARAMS, "--global-batch", 56, "--strategy", "fsdp_full_shard", "--json")
@@ -263,7 +263,7 @@ def test_fit_training_args_applies_the_search_winner(cpu_args, tiny_model):
         for checkpointing in (False, True):
             trial = Setup(gpu_memory_bytes=budget, precision="fp32", seq_len=128, micro_batch=micro,
                           grad_accum_steps=16 // micro, activation_checkpointing=checkpointing)
-            peak = next(r for r in estimate(spec, trial, traces(trial))["rows"] if r["strategy"] == "ddp")["peak_bytes"]
+            peak = next(r for r in estimate(spec, trial, traces(trial))["rows"] if r.strategy == "ddp").peak_bytes
             if peak <= 0.9 * budget:
                 fits[micro, checkpointing] = peak
     (micro, checkpointing), peak = max(fits.items(), key=lambda item: (item[0][0], not item[0][1]))

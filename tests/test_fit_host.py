@@ -25,8 +25,8 @@ def fit(capsys, *argv):
 def host_need(params: float, strategy: str, gpus: int) -> int:
     """The planner's CPU bytes of `strategy` per node (cpu_bytes per GPU x GPUs), micro-batch 1: the oracle."""
     trial = Setup(gpus_per_node=gpus, precision="bf16-mixed", seq_len=4096, micro_batch=1)
-    row = next(r for r in estimate(spec_from_count(params), trial)["rows"] if r["strategy"] == strategy)
-    return row["cpu_bytes"] * gpus
+    row = next(r for r in estimate(spec_from_count(params), trial)["rows"] if r.strategy == strategy)
+    return row.cpu_bytes * gpus
 
 
 def test_70b_on_one_l4_without_cpu_memory_is_exit_1_one_line_per_reason(capsys):

@@ -44,7 +44,7 @@ def plan(spec, micro, checkpointing=False):
 
     setup = Setup(gpus_per_node=RANKS, precision="fp32", seq_len=SEQ, micro_batch=micro,
                   grad_accum_steps=GLOBAL // (RANKS * micro), activation_checkpointing=checkpointing)
-    return next(r for r in estimate(spec, setup)["rows"] if r["strategy"] == "ddp")
+    return next(r for r in estimate(spec, setup)["rows"] if r.strategy == "ddp")
 
 
 def hand_need(model, micro) -> int:
@@ -88,9 +88,9 @@ def test_budget_rules_out_the_naive_setting(fit_case):
     usable = BUDGET * (1 - HEADROOM)
     need = fit_case["need"]  # the derivation above, from the model's own counts
     assert need[NAIVE_MICRO // 2] == 6_120_532 and need[NAIVE_MICRO // 2] <= usable < need[NAIVE_MICRO]
-    assert fit_case["half"]["peak_bytes"] == need[NAIVE_MICRO // 2]  # the planner's formula path, by hand
-    assert fit_case["naive"]["peak_bytes"] > usable  # the planner agrees: what the run would do unfitted
-    assert fit_case["micro1"]["peak_bytes"] < MIN_USED * BUDGET  # micro-batch 1 would waste it
+    assert fit_case["half"].peak_bytes == need[NAIVE_MICRO // 2]  # the planner's formula path, by hand
+    assert fit_case["naive"].peak_bytes > usable  # the planner agrees: what the run would do unfitted
+    assert fit_case["micro1"].peak_bytes < MIN_USED * BUDGET  # micro-batch 1 would waste it
 
 
 def test_every_rank_applies_rank0_decision(launched, fit_case):

@@ -80,13 +80,13 @@ def measured_peak(path, checkpointing, lora_targets=None) -> dict:
     return peak.result()
 
 
-def planned(path, checkpointing, simulate=False, lora_targets=None) -> dict:
+def planned(path, checkpointing, simulate=False, lora_targets=None):
     config = load_model_config(path)
     setup = Setup(precision="fp32", micro_batch=BATCH, seq_len=SEQ, activation_checkpointing=checkpointing,
                   **({"lora_rank": LORA_RANK, "lora_targets": lora_targets} if lora_targets else {}))
     traces, note = traces_for(config, setup, simulate=simulate)
     assert note is None, note
-    return next(r for r in estimate(spec_from_config(config, path), setup, traces)["rows"] if r["strategy"] == "ddp")
+    return next(r for r in estimate(spec_from_config(config, path), setup, traces)["rows"] if r.strategy == "ddp")
 
 
 @pytest.mark.parametrize("kind,checkpointing", [("llama", False), ("llama", True), ("mistral", False),
@@ -94,14 +94,14 @@ def planned(path, checkpointing, simulate=False, lora_targets=None) -> dict:
 def test_planned_peak_matches_the_measured_step(kind, checkpointing, tmp_path):
     path = build(kind, tmp_path)
     measured, plan = measured_peak(path, checkpointing), planned(path, checkpointing)
-    assert plan["activations_source"] == "traced"
+    assert plan.activations_source == "traced"
     # model states are counted exactly in both, except that AdamW keeps no state for a parameter that never
     # gets a gradient: DINOv2's mask_token (hidden elements) is used only with bool_masked_pos
     unused = 2 * 4 * DINO_SIZES["hidden_size"] + 4 if kind == "dinov2" else 0
-    assert plan["peak_breakdown"]["optimizer"] - unused == measured["peak_breakdown"]["optimizer"]
-    error = abs(plan["peak_bytes"] - measured["peak_tensor_bytes"]) / measured["peak_tensor_bytes"]
-    assert error <= TOLERANCE, (kind, checkpointing, plan["peak_breakdown"], measured)
-    assert plan["peak_phase"] == measured["peak_phase"]
+    assert plan.peak_breakdown["optimizer"] - unused == measured["peak_breakdown"]["optimizer"]
+    error = abs(plan.peak_bytes - measured["peak_tensor_bytes"]) / measured["peak_tensor_bytes"]
+    assert error <= TOLERANCE, (kind, checkpointing, plan.peak_breakdown, measured)
+    assert plan.peak_phase == measured["peak_phase"]
 
 
 @pytest.mark.parametrize("targets,checkpointing", [(("q_proj", "v_proj"), False), (("all-linear",), False),
@@ -112,11 +112,11 @@ def test_planned_lora_peak_matches_the_measured_step(targets, checkpointing, tmp
     path = build("llama", tmp_path)
     measured = measured_peak(path, checkpointing, targets)
     plan = planned(path, checkpointing, lora_targets=targets)
-    assert plan["activations_source"] == "traced"
-    assert plan["peak_breakdown"]["optimizer"] == measured["peak_breakdown"]["optimizer"]  # the adapters' AdamW state
-    error = abs(plan["peak_bytes"] - measured["peak_tensor_bytes"]) / measured["peak_tensor_bytes"]
-    assert error <= TOLERANCE, (targets, checkpointing, plan["peak_breakdown"], measured)
-    assert plan["peak_phase"] == measured["peak_phase"]
+    assert plan.activations_source == "traced"
+    assert plan.peak_breakdown["optimizer"] == measured["peak_breakdown"]["optimizer"]  # the adapters' AdamW state
+    error = abs(plan.peak_bytes - measured["peak_tensor_bytes"]) / measured["peak_tensor_bytes"]
+    assert error <= TOLERANCE, (targets, checkpointing, plan.peak_breakdown, measured)
+    assert plan.peak_phase == measured["peak_phase"]
 
 
 def test_two_layers_scaled_equal_the_full_depth_run(tmp_path):

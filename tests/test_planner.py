@@ -15,7 +15,7 @@ from shardscope.plan import formulas, mesh, planner
 from shardscope.model import spec as specs
 from shardscope.errors import UsageError
 from shardscope.plan.formulas import strategy_row
-from shardscope.plan.mesh import Setup, setup_for_mesh
+from shardscope.plan.mesh import LibraryKnobs, Setup, setup_for_mesh
 from shardscope.model.spec import ModelSpec, model_spec
 from shardscope.plan.planner import estimate
 from shardscope.strategy import STRATEGIES, TP_STRATEGIES
@@ -33,7 +33,7 @@ HAND = ModelSpec(name="hand", params_total=1000, num_layers=2, hidden_size=10, n
 
 
 def rows(result):
-    return {r["strategy"]: r for r in result["rows"]}
+    return {r.strategy: r for r in result["rows"]}
 
 
 # ----------------------------------------------------------------------------- counting
@@ -74,7 +74,7 @@ def test_70b_plans_without_parameter_memory():
     assert spec.params_total == 68_976_648_192
     # One fp32 decoder layer alone would be 3.5 GB; the whole plan must not grow the process by 0.3 GB.
     assert process.memory_info().rss - rss < 300e6
-    assert rows(result)["fsdp_full_shard"]["fits"] and not rows(result)["ddp"]["fits"]
+    assert rows(result)["fsdp_full_shard"].fits and not rows(result)["ddp"].fits
 
 
 # ----------------------------------------------------------------------------- exact formulas
@@ -107,8 +107,8 @@ def test_padding_with_three_ranks():
     assert strategy_row("zero3", HAND, setup, activations=0).params_bytes == 335 * 4 + 100 * 4
     # FSDP2 splits dim 0 (10 rows -> 4 per rank): 4 * (50 + 40 + 10); FSDP1 pads each flat unit.
     assert strategy_row("fsdp_full_shard", HAND, setup, activations=0).params_bytes == 400 * 4
-    fsdp1 = Setup(gpus_per_node=3, precision="fp32", fsdp_version=1)
-    assert strategy_row("fsdp_full_shard", HAND, fsdp1, activations=0).params_bytes == 335 * 4
+    fsdp1 = LibraryKnobs(fsdp_version=1)
+    assert strategy_row("fsdp_full_shard", HAND, setup, activations=0, knobs=fsdp1).params_bytes == 335 * 4
     # ZeRO-1/2 pad the flat group to a multiple of 2 * N: ceil(1000 / 6) * 2 = 334 per rank.
     assert strategy_row("zero1", HAND, setup, activations=0).grads_bytes == 334 * 4
     # ZeRO-2 keeps whole every gradient that starts in or straddles into a rank's partition: rank 1's
@@ -182,19 +182,19 @@ def test_rule_of_thumb_12_and_planner_16_bytes_per_param():
 def test_planner_rows_for_7b_on_4_gpus():
     result = estimate(model_spec(params=7e9), Setup(gpus_per_node=4, gpu_memory_bytes=80 * 2 ** 30))
     r = rows(result)
-    states = {s: r[s]["model_states_bytes"] / GB for s in r}  # within the `step` counters' bytes
+    states = {s: r[s].model_states_bytes / GB for s in r}  # within the `step` counters' bytes
     assert states["ddp"] == pytest.approx(112, abs=1e-5)  # 16 B/param, unsharded
     # The 16 B/param sharded figures of the convention table: ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
     assert states["zero2"] == pytest.approx(38.5, abs=1e-5)
     assert states["zero3"] == pytest.approx(28, abs=1e-5)
     assert states["fsdp_full_shard"] == pytest.approx(28, abs=1e-5)
     # Inside the step DeepSpeed adds an fp32 copy of the grad partition: 4P/N.
-    assert r["zero2"]["buffers_detail"]["fp32_grad_copy_in_step"] == 4 * 7e9 / 4
+    assert r["zero2"].buffers_detail["fp32_grad_copy_in_step"] == 4 * 7e9 / 4
     assert states["ddp"] > states["zero1"] >= states["zero2"] > states["zero3"]
-    assert r["zero2_offload"]["total_bytes"] < r["zero2"]["total_bytes"]
-    assert r["zero3_offload"]["total_bytes"] < r["zero3"]["total_bytes"]
-    assert r["fsdp_offload"]["total_bytes"] < r["fsdp_full_shard"]["total_bytes"] < r["fsdp_shard_grad_op"]["total_bytes"]
-    assert not r["ddp"]["fits"] and result["recommendation"]["strategy"] == "fsdp_shard_grad_op"
+    assert r["zero2_offload"].peak_bytes < r["zero2"].peak_bytes
+    assert r["zero3_offload"].peak_bytes < r["zero3"].peak_bytes
+    assert r["fsdp_offload"].peak_bytes < r["fsdp_full_shard"].peak_bytes < r["fsdp_shard_grad_op"].peak_bytes
+    assert not r["ddp"].fits and result["recommendation"]["strategy"] == "fsdp_shard_grad_op"
 
 
 def test_zero1_holds_full_grads_at_the_end_of_backward_and_between_accumulation_steps():
@@ -212,9 +212,9 @@ def test_zero1_holds_full_grads_at_the_end_of_backward_and_between_accumulation_
 def test_mistral_7b_ddp_on_one_80gb_gpu_does_not_fit_fsdp_on_four_does():
     spec = model_spec("mistral-7b")
     one = rows(estimate(spec, Setup(gpus_per_node=1, gpu_memory_bytes=units.gpu_memory("A100-80"))))
-    assert not one["ddp"]["fits"] and one["ddp"]["model_states_bytes"] > 100 * GB
+    assert not one["ddp"].fits and one["ddp"].model_states_bytes > 100 * GB
     four = estimate(spec, Setup(gpus_per_node=4, gpu_memory_bytes=units.gpu_memory("A100-80")))
-    assert rows(four)["fsdp_full_shard"]["fits"] and not rows(four)["ddp"]["fits"]
+    assert rows(four)["fsdp_full_shard"].fits and not rows(four)["ddp"].fits
     assert four["recommendation"]["strategy"] in ("fsdp_shard_grad_op", "fsdp_full_shard")
 
 
@@ -300,7 +300,7 @@ def test_deepspeed_estimators_differ_where_pinned():
         shard = r.grads_bytes // 2  # s(T): bf16 grads
         assert r.buffers_detail["fp32_grad_copy_in_step"] == 4 * min(shard, 10 ** 9)
         assert abs(ours - ds_gpu - 2 * llama.params_total / n - persistent + 4 * (shard - 10 ** 9)) <= 64
-        whole = strategy_row("zero3", llama, Setup(gpus_per_node=n, zero_sub_group_size=shard))
+        whole = strategy_row("zero3", llama, Setup(gpus_per_node=n), knobs=LibraryKnobs(zero_sub_group_size=shard))
         assert whole.buffers_detail["fp32_grad_copy_in_step"] == 4 * shard  # one sub-group: the whole partition
     assert round(ds_gpu / 1e9, 1) == 156.2  # Llama-2-70B on 8 GPUs, DeepSpeed's figure quoted in issue 20
     # 4. DeepSpeed has no ZeRO-1 estimator and counts no buckets or activations.
@@ -350,11 +350,11 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
 
     spec = model_spec(str(tiny_llama))
     step = {"micro_batch": 2, "seq_len": 32, "image_size": None, "gradient_checkpointing": True}
-    setup = Setup(gpus_per_node=2, precision="fp32", micro_batch=2, seq_len=32, activation_checkpointing=True,
-                  bucket_elements=12345, zero_overlap_comm=True)
+    setup = Setup(gpus_per_node=2, precision="fp32", micro_batch=2, seq_len=32, activation_checkpointing=True)
     traces, note = cached_traces_for(str(tiny_llama), setup)
     assert note is None
-    row = strategy_row("zero2", spec, setup, trace=traces["fp32"])
+    row = strategy_row("zero2", spec, setup, trace=traces["fp32"],
+                       knobs=LibraryKnobs(bucket_elements=12345, zero_overlap_comm=True))
     assert row.buffers_detail["reduce_buckets"] == 2 * 12345 * 4  # doubled with overlap_comm, fp32 gradients
     peak = 20_000_000  # a measured peak, stated: the error below is computed from it
     measured = {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes, "optimizer_bytes": row.optimizer_bytes,
@@ -376,7 +376,7 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
     path = _summary(tmp_path, tiny_llama, "zero2", measured, strategy_detail={"zero_stage": 2})
     older = plan_vs_run(path)
     assert older["bucket_elements"] is None
-    auto = strategy_row("zero2", spec, replace(setup, bucket_elements=None, zero_overlap_comm=None), trace=traces["fp32"])
+    auto = strategy_row("zero2", spec, setup, trace=traces["fp32"])
     assert older["ranks"][0]["peak"]["planned"]["peak_bytes"] == auto.peak_bytes != row.peak_bytes
     # ... by hand: the reduce buckets are held at every moment of the step, so the two plans differ by the buckets
     # alone: the run's, doubled by overlap_comm, against "auto" (hidden^2 elements, no overlap: ZeRO-2's default), 4 B each
@@ -533,18 +533,18 @@ def test_comm_per_step_is_the_documented_ring_formula():
     P, N, e, b, s = spec.params_total, 16, 2, 1, 2048
     h, L, V, t = spec.hidden_size, spec.num_layers, spec.vocab_size, 8
     once = spec.unit_numels[-1] - V * h  # not resharded after forward: final norm and head (FSDP2 via accelerate)
-    assert r["fsdp_full_shard"]["comm"] == {"param_all_gather": int((N - 1) / N * (2 * P - once) * e),
+    assert r["fsdp_full_shard"].comm == {"param_all_gather": int((N - 1) / N * (2 * P - once) * e),
                                             "grad_reduce_scatter": int((N - 1) / N * P * e)}
-    assert r["ddp"]["comm_bytes_per_step"] == int(2 * (N - 1) / N * P * 4)  # autocast: fp32 grads
+    assert r["ddp"].comm_bytes_per_step == int(2 * (N - 1) / N * P * 4)  # autocast: fp32 grads
     tp_terms = {"tp_all_reduce": int(2 * (t - 1) / t * ((2 + 5) * L + 2) * b * s * h * e),  # 5 colwise: q k v gate up
                 "tp_logits_all_gather": int((t - 1) / t * b * s * V * e)}
-    assert r["tp"]["comm"] == tp_terms
-    S = r["fsdp_tp"]["mesh"]["dp_shard"]
-    local = r["tp"]["params_bytes"] // 4  # elements of a TP shard (t = 8, no FSDP)
-    assert r["fsdp_tp"]["comm"] == {**tp_terms, "param_all_gather": int(2 * (S - 1) / S * local * 4),
+    assert r["tp"].comm == tp_terms
+    S = r["fsdp_tp"].mesh["dp_shard"]
+    local = r["tp"].params_bytes // 4  # elements of a TP shard (t = 8, no FSDP)
+    assert r["fsdp_tp"].comm == {**tp_terms, "param_all_gather": int(2 * (S - 1) / S * local * 4),
                                     "grad_reduce_scatter": int((S - 1) / S * local * 4)}
     # The comparison the figure is for: FSDP x TP moves far less per step than FULL_SHARD over the same ranks.
-    assert r["fsdp_tp"]["comm_bytes_per_step"] < r["fsdp_full_shard"]["comm_bytes_per_step"] / 4
+    assert r["fsdp_tp"].comm_bytes_per_step < r["fsdp_full_shard"].comm_bytes_per_step / 4
 
 
 def test_tp_default_degree_and_place_in_the_decision_tree():
@@ -555,14 +555,14 @@ def test_tp_default_degree_and_place_in_the_decision_tree():
     setup = Setup(gpus_per_node=8, nodes=2, activation_checkpointing=False)
     r = rows(estimate(spec, setup))
     # Memory between FULL_SHARD's total and FSDP x TP's: TP is what fits, and it is named with its mesh.
-    assert r["fsdp_tp"]["total_bytes"] < r["fsdp_full_shard"]["total_bytes"]
-    usable = (r["fsdp_tp"]["total_bytes"] + r["fsdp_full_shard"]["total_bytes"]) / 2
+    assert r["fsdp_tp"].peak_bytes < r["fsdp_full_shard"].peak_bytes
+    usable = (r["fsdp_tp"].peak_bytes + r["fsdp_full_shard"].peak_bytes) / 2
     result = estimate(spec, replace(setup, gpu_memory_bytes=int(usable / 0.9)))
     assert result["recommendation"]["strategy"] == "fsdp_tp"
     assert "tensor parallel 8 x FSDP 2" in result["recommendation"]["reason"]
     assert "fsdp_full_shard" in result["recommendation"]["reason"]  # tried first, did not fit
     # Enough memory for FULL_SHARD: it comes first (TP's win is activations, not model states).
-    roomy = estimate(spec, replace(setup, gpu_memory_bytes=int(r["fsdp_full_shard"]["total_bytes"] / 0.89)))
+    roomy = estimate(spec, replace(setup, gpu_memory_bytes=int(r["fsdp_full_shard"].peak_bytes / 0.89)))
     assert roomy["recommendation"]["strategy"] == "fsdp_full_shard"
     # At degree 1 the TP rows are not candidates; a model with no TP plan has no TP rows.
     one = estimate(model_spec(params=1e9), Setup(gpus_per_node=1, tp_size=1, gpu_memory_bytes=2 * 2 ** 30))
@@ -573,9 +573,9 @@ def test_tp_from_params_only_is_approximate():
     P, t, S = 7e9, 4, 2
     result = estimate(model_spec(params=P), Setup(gpus_per_node=t, nodes=S, tp_size=t))
     r = rows(result)
-    assert r["fsdp_tp"]["approximate"] and not r["fsdp_full_shard"]["approximate"]
-    assert r["fsdp_tp"]["params_bytes"] == 4 * -(-int(P) // (t * S))  # fp32 under bf16-mixed
-    assert r["tp"]["params_bytes"] == 4 * -(-int(P) // t)
+    assert r["fsdp_tp"].approximate and not r["fsdp_full_shard"].approximate
+    assert r["fsdp_tp"].params_bytes == 4 * -(-int(P) // (t * S))  # fp32 under bf16-mixed
+    assert r["tp"].params_bytes == 4 * -(-int(P) // t)
     assert result["tp"]["approximate"] and any("approximate" in n for n in result["notes"])
 
 
@@ -626,26 +626,26 @@ def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys
 
 def test_tensor_parallel_rows_show_each_mesh_once():
     spec = model_spec("llama-2-70b")
-    meshes = {r["strategy"]: r["mesh"] for r in estimate(spec, Setup(gpus_per_node=8, nodes=2, tp_size=4))["rows"]
-              if r["strategy"] in ("tp", "fsdp_tp", "hsdp_tp")}
+    meshes = {r.strategy: r.mesh for r in estimate(spec, Setup(gpus_per_node=8, nodes=2, tp_size=4))["rows"]
+              if r.strategy in ("tp", "fsdp_tp", "hsdp_tp")}
     assert meshes == {"tp": {"dp_replicate": 1, "dp_shard": 1, "tp": 4},
                       "fsdp_tp": {"dp_replicate": 1, "dp_shard": 4, "tp": 4},
                       "hsdp_tp": {"dp_replicate": 2, "dp_shard": 2, "tp": 4}}
     one_node = estimate(spec, Setup(gpus_per_node=8, tp_size=4))
-    assert [r["strategy"] for r in one_node["rows"] if "tp" in r["mesh"] and r["mesh"]["tp"] > 1] == ["tp", "fsdp_tp"]
+    assert [r.strategy for r in one_node["rows"] if "tp" in r.mesh and r.mesh["tp"] > 1] == ["tp", "fsdp_tp"]
     assert any("hsdp_tp left out" in note for note in one_node["notes"])
 
 
 def test_zero3_parameter_only_offload_is_not_full_offload():
-    """offload_param without offload_optimizer (Setup.zero3_offload="params"): only the parameter shard
+    """offload_param without offload_optimizer (LibraryKnobs.zero3_offload="params"): only the parameter shard
     moves to CPU; gradients, optimizer state and the per-sub-group fp32 grads stay on the GPU."""
     from shardscope.doctor.deepspeed import planner_settings
 
     spec, setup = model_spec("llama-2-7b"), Setup(gpus_per_node=8)
     zero3 = strategy_row("zero3", spec, setup)
     full = strategy_row("zero3_offload", spec, setup)
-    params = strategy_row("zero3_offload", spec, replace(setup, zero3_offload="params"))
-    optim = strategy_row("zero3_offload", spec, replace(setup, zero3_offload="optimizer"))
+    params = strategy_row("zero3_offload", spec, setup, knobs=LibraryKnobs(zero3_offload="params"))
+    optim = strategy_row("zero3_offload", spec, setup, knobs=LibraryKnobs(zero3_offload="optimizer"))
     persistent = full.params_bytes
     assert 0 < persistent < zero3.params_bytes
     assert (params.params_bytes, params.grads_bytes, params.optimizer_bytes) == \

@@ -250,7 +250,7 @@ def test_fingerprint_differences_name_the_odd_members_and_the_majority():
 
 
 def test_links_below_half_the_expected_speed_or_of_their_peers():
-    from shardscope.fit.search import LINKS, Hardware
+    from shardscope.plan.time_model import LINKS, Hardware
     from shardscope.preflight.verdict import COMPARED_FROM, expected_links, link_findings, slowest_pair
 
     expected = expected_links("NVIDIA H100 80GB HBM3")

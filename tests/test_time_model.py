@@ -12,6 +12,7 @@ from shardscope.cli.step_time import measured_figures
 from shardscope.fit.search import search
 from shardscope.model.spec import spec_from_count
 from shardscope.plan.calibration import calibrate as calibrate_figures
+from shardscope.plan.formulas import Row
 from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
 from shardscope.plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
@@ -34,7 +35,8 @@ MESH = {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
 
 
 def row(strategy, comm, shard=4):
-    return {"strategy": strategy, "comm": comm, "mesh": MESH, "shard_degree": shard}
+    """A planner row with only what the step time reads by hand (no bytes)."""
+    return Row(strategy, 0, 0, 0, 0, 0, comm=comm, mesh=MESH, shard_degree=shard)
 
 
 def test_parts_by_hand():
@@ -175,7 +177,7 @@ def test_fit_ranks_by_the_same_function(capsys, tmp_path):
                   grad_accum_steps=result["gradient_accumulation_steps"],
                   activation_checkpointing=result["gradient_checkpointing"])
     planned = estimate(spec, trial)
-    r = next(r for r in planned["rows"] if r["strategy"] == result["strategy"])
+    r = next(r for r in planned["rows"] if r.strategy == result["strategy"])
     expected = step_time(r, spec, planned["model"], trial, planned["activations"]["tokens_per_sample"], fig)
     assert result["step_time_s"] == pytest.approx(expected["step_time_s"])
     found = search(spec, Setup(gpus_per_node=8, gpu_memory_bytes=80 * 2 ** 30, seq_len=4096), 64, fig)

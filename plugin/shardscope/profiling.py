@@ -34,18 +34,18 @@ def preflight_plan(model, strategy: str | None, mesh: dict | None, world: int, n
         strategy, setup = setup_for_mesh(setup, mesh)
     batch = shape["micro_batch"] is not None
     plan = estimate(spec_from_config(config), setup, traces_for(config, setup)[0] if batch else None)
-    row = next((r for r in plan["rows"] if r["strategy"] == strategy), None)
+    row = next((r for r in plan["rows"] if r.strategy == strategy), None)
     if row is None:
         return None
     usable, best = usable_bytes(setup), plan["recommendation"]
-    out = {"strategy": strategy, "peak_bytes": row["peak_bytes"], "total_bytes": row["peak_bytes"],
-           "peak_phase": row["peak_phase"], "activations_source": row["activations_source"],
-           "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "fits": row["fits"],
+    out = {"strategy": strategy, "peak_bytes": row.peak_bytes, "total_bytes": row.peak_bytes,
+           "peak_phase": row.peak_phase, "activations_source": row.activations_source,
+           "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "fits": row.fits,
            "gpu_memory_bytes": setup.gpu_memory_bytes, "usable_bytes": int(usable), "recommendation": best}
-    if row["fits"] is False:
+    if row.fits is False:
         out["warning"] = (f"the planner's peak for {strategy} at micro-batch {setup.micro_batch} is "
-                          f"{gb(row['peak_bytes'])} GB per GPU ({row['peak_phase']}; activations "
-                          f"{row['activations_source']}), more than the {gb(usable)} GB usable on this GPU; "
+                          f"{gb(row.peak_bytes)} GB per GPU ({row.peak_phase}; activations "
+                          f"{row.activations_source}), more than the {gb(usable)} GB usable on this GPU; "
                           f"recommended: {best['strategy']} ({best['reason']})")
     return out
 

@@ -7,10 +7,10 @@ import sys
 from dataclasses import replace
 
 from ..errors import UsageError
-from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, shipped_source
-from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, tp_mesh_shape, check_mesh
-from ..plan.mesh import HEADROOM, Setup
-from ..plan.planner import convention_table, estimate, fit_rule
+from ..model.spec import LORA_DEFAULT_TARGETS, model_spec, shipped_models, shipped_source
+from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
+from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
+from ..plan.planner import convention_table, estimate, fit_rule, plan_dict
 from ..plan.time_model import hardware
 from ..plan.trace_cache import cached_traces_for
 from ..report.peak_section import percent, step_size
@@ -282,9 +282,14 @@ def setup_from_args(args) -> Setup:
                  image_size=args.image_size, activation_checkpointing=args.checkpointing,
                  attention=args.attention, lora_rank=args.lora_rank,
                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
-                 fp32_grads=args.fp32_grads, headroom=args.headroom, prefer=args.prefer, tp_size=args.tp,
+                 headroom=args.headroom, prefer=args.prefer, tp_size=args.tp,
                  reference_model=args.reference_model,
                  cpu_memory_bytes=cpu_memory).validate()
+
+
+def knobs_from_args(args) -> LibraryKnobs:
+    """What `plan`'s flags set of the libraries' own settings (DeepSpeed's gradient dtype)."""
+    return LibraryKnobs(fp32_grads=args.fp32_grads)
 
 
 def datasheet_hardware(gpu, precision):
@@ -316,7 +321,7 @@ def plan_command(args) -> int:
     if args.compare:
         spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden,
                           vocab=args.vocab, heads=args.heads) if (args.model or params) else None
-        result = plan_vs_run(args.compare, spec, setup, model=args.model)
+        result = plan_vs_run(args.compare, spec, setup, model=args.model, knobs=knobs_from_args(args))
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
     if args.model:  # both cached per config (spec_cache): a later run imports neither torch nor transformers
@@ -327,14 +332,15 @@ def plan_command(args) -> int:
             raise UsageError("--simulate needs --model (a config to run; --params has no layer code)")
         spec, traces, note = model_spec(None, params=params, layers=args.layers, hidden=args.hidden,
                                         vocab=args.vocab, heads=args.heads), {}, None
-    result = estimate(spec, setup, traces)
+    result = estimate(spec, setup, traces, knobs_from_args(args))
     if note:
         result["notes"].append(note)
     fig, record = figures(datasheet_hardware(args.gpu, args.precision), args.calibrate)
     annotate_rows(result, spec, setup, fig)
     if record:
         result["calibration"] = record
-    print(json.dumps(result, indent=1) if args.json else "\n".join([format_table(result), *format_step_times(result)]))
+    out = plan_dict(result)
+    print(json.dumps(out, indent=1) if args.json else "\n".join([format_table(out), *format_step_times(out)]))
     nothing_fits = setup.gpu_memory_bytes is not None and not result["recommendation"]["strategy"]
     return 1 if nothing_fits else 0  # 1: nothing fits the GPUs given (the table says by how much)
 
@@ -368,15 +374,7 @@ def dry_run_command(args) -> int:
         raise UsageError(f"--world-size {world} disagrees with --gpus {args.gpus} x --nodes {nodes}")
     check_mesh(world, nodes)  # before anything heavy is imported
     setup = replace(setup_from_args(args), gpus_per_node=world // nodes, nodes=nodes).validate()
-    strategies = args.strategy
-    if not strategies:
-        config = load_model_config(args.model)
-        tp_default = bool(getattr(config, "base_model_tp_plan", None)) and (
-            tp_mesh_shape(config, "fsdp_tp", world, nodes, args.tp)[2] > 1)
-        strategies = [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN)
-                      if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
-                      and (s not in TP_STRATEGIES or tp_default)]
-    out = dry_run_all(args.model, strategies, world, nodes, setup)
+    out = dry_run_all(args.model, args.strategy, world, nodes, setup, knobs_from_args(args))
     if args.json:
         print(json.dumps(out, indent=1))
     else:

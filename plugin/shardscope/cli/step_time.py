@@ -51,11 +51,9 @@ def annotate_rows(result: dict, spec, setup, fig: Figures | None) -> None:
     checkpointing (None without a GPU name or --calibrate)."""
     tokens = result["activations"]["tokens_per_sample"]
     for row in result["rows"]:
-        if fig is None:
-            row["step_time_s"], row["step_time_parts"] = None, None
-            continue
-        predicted = step_time(row, spec, result["model"], setup, tokens, fig)
-        row["step_time_s"], row["step_time_parts"] = predicted["step_time_s"], predicted["step_time_parts"]
+        if fig is not None:
+            predicted = step_time(row, spec, result["model"], setup, tokens, fig)
+            row.step_time_s, row.step_time_parts = predicted["step_time_s"], predicted["step_time_parts"]
     result["step_time_assumptions"] = describe(fig) if fig else ["no step time: give --gpu NAME or --calibrate"]
 
 

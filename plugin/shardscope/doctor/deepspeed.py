@@ -50,7 +50,7 @@ def zero_settings(zero: dict):
 
 
 def planner_settings(zero: dict) -> dict:
-    """The `Setup` fields a `zero_optimization` section decides: what ZeRO-3 offloads, its sub-group size."""
+    """The `LibraryKnobs` fields a `zero_optimization` section decides: what ZeRO-3 offloads, its sub-group size."""
     settings = zero_settings(zero)
     if settings is None:
         return {}

@@ -129,14 +129,14 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
     The peak is `plan --model`'s: the step traced from the model's code (`trace_cache`), the formula where
     tracing fails (then the finding says approximate). The fix is the cheapest change that makes this
     strategy fit (--bf16, then --gradient_checkpointing), else the planner's recommendation."""
-    from ..plan.mesh import Setup, setup_for_mesh
+    from ..plan.mesh import LibraryKnobs, Setup, setup_for_mesh
     from ..plan.planner import estimate, usable_bytes
     from ..plan.trace_cache import cached_traces_for
     from ..units import gb, gpu_size
 
     def plan(setup):
         traces, note = cached_traces_for(inputs.model, setup)
-        return estimate(spec, setup, traces), note
+        return estimate(spec, setup, traces, LibraryKnobs(**planner_settings(zero or {}))), note
 
     trainer = inputs.trainer or {}
     precision = configured_precision(trainer.get("bf16"), trainer.get("fp16")) if inputs.trainer is not None \
@@ -147,16 +147,15 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
                   seq_len=int(trainer.get("max_seq_length") or 2048),
                   activation_checkpointing=bool(trainer.get("gradient_checkpointing")),
                   lora_rank=lora, lora_targets=("all-linear",) if lora else ("q_proj", "v_proj"),
-                  grad_accum_steps=int(trainer.get("gradient_accumulation_steps") or 1),
-                  **planner_settings(zero or {}))
+                  grad_accum_steps=int(trainer.get("gradient_accumulation_steps") or 1))
     if mesh:
         strategy, setup = setup_for_mesh(setup, mesh)
     result, note = plan(setup)
-    rows = {r["strategy"]: r for r in result["rows"]}
+    rows = {r.strategy: r for r in result["rows"]}
     if strategy not in rows:  # a TP yaml with a model that has no TP plan: the tp-degree finding says so
         return []
     row, best = rows[strategy], result["recommendation"]
-    if row["fits"]:
+    if row.fits:
         return []
     fix = f"use {best['strategy']} ({best['reason']})" if best["strategy"] else best["reason"]
     flags = []
@@ -167,17 +166,17 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
             continue
         setup = dataclasses.replace(setup, **change)
         flags.append(flag)
-        cheaper = {r["strategy"]: r for r in plan(setup)[0]["rows"]}[strategy]
-        if cheaper["fits"]:
-            fix = f"pass {' '.join(flags)}: {strategy} then needs {gb(cheaper['peak_bytes'])} GB per GPU " \
+        cheaper = {r.strategy: r for r in plan(setup)[0]["rows"]}[strategy]
+        if cheaper.fits:
+            fix = f"pass {' '.join(flags)}: {strategy} then needs {gb(cheaper.peak_bytes)} GB per GPU " \
                   f"(cheaper than changing strategy); else {fix}"
             break
-    what = (f"{strategy} needs {gb(row['peak_bytes'])} GB per GPU at its peak ({row['peak_phase']}); a "
+    what = (f"{strategy} needs {gb(row.peak_bytes)} GB per GPU at its peak ({row.peak_phase}); a "
             f"{gpu_size(inputs.gpu_memory_bytes)} GPU has {gb(usable_bytes(setup))} GB usable "
             f"({setup.headroom:.0%} headroom kept)")
     if strategy == "ddp":
-        what += f" (DDP/NO_SHARD keeps all {gb(row['model_states_bytes'])} GB of model states on every GPU)"
-    if row["activations_source"] != "traced":
+        what += f" (DDP/NO_SHARD keeps all {gb(row.model_states_bytes)} GB of model states on every GPU)"
+    if row.activations_source != "traced":
         note = note or f"activations from a written-out formula (approximate) for {strategy}"
     return [Finding("no-fit", file, "strategy", f"{what} ({spec.name}, {setup.world_size} GPUs, {precision}, "
                     f"micro-batch {setup.micro_batch}, seq {setup.seq_len}" + (f"; {note}" if note else "") + ")",

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UsageError
 from ..model.spec import ModelSpec
-from ..plan.mesh import Setup, valid_tp_degrees
+from ..plan.formulas import Row
+from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
 from ..plan.planner import TIERS, estimate, usable_bytes
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
@@ -78,15 +79,17 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
     return groups
 
 
-def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None) -> tuple[list[dict], dict]:
+def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None,
+             knobs: LibraryKnobs | None = None) -> tuple[list[Row], dict]:
     """The planner's rows for `names` at this setup (`estimate`: what `fits` and `peak_bytes` come from);
-    `traces`: step_trace.tracer(config) when the model's config is at hand, else the formula."""
-    result = estimate(spec, setup, traces(setup) if traces else None)
-    return [r for r in result["rows"] if r["strategy"] in names], result
+    `traces`: step_trace.tracer(config) when the model's config is at hand, else the formula; `knobs`: what the
+    run's libraries decide."""
+    result = estimate(spec, setup, traces(setup) if traces else None, knobs)
+    return [r for r in result["rows"] if r.strategy in names], result
 
 
 def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES,
-           traces=None) -> dict:
+           traces=None, knobs: LibraryKnobs | None = None) -> dict:
     """Every (strategy, micro-batch, checkpointing, accumulation) that keeps `global_batch` exactly;
     fitting ones sorted by predicted step time. Larger micro-batches of a (mesh, checkpointing) are not
     tried once none of its strategies fits (activations grow with the micro-batch)."""
@@ -108,7 +111,7 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
             for micro in divisors(per_rank):
                 trial = replace(setup, micro_batch=micro, grad_accum_steps=per_rank // micro,
                                 activation_checkpointing=checkpointing, tp_size=tp_size)
-                rows, result = rows_for(spec, trial, names, traces)
+                rows, result = rows_for(spec, trial, names, traces, knobs)
                 tokens, model = result["activations"]["tokens_per_sample"], result["model"]
                 any_fit = False
                 for row in rows:
@@ -119,9 +122,9 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
                     elif cand.fits:
                         fitting.append(cand)
                         any_fit = True
-                    best = smallest.get(row["strategy"])
+                    best = smallest.get(row.strategy)
                     if best is None or cand.peak_bytes < best.peak_bytes:
-                        smallest[row["strategy"]] = cand
+                        smallest[row.strategy] = cand
                 if not any_fit:
                     break
     if not smallest:
@@ -170,11 +173,11 @@ def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
     return lines
 
 
-def candidate(row: dict, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
+def candidate(row: Row, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
     step = step_time(row, spec, model, setup, tokens, fig)
-    return Candidate(row["strategy"], setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
-                     row["mesh"]["tp"], row["mesh"], row["peak_bytes"], bool(row["fits"]), step["step_time_s"],
-                     step, row["cpu_bytes"], row["model_states_bytes"])
+    return Candidate(row.strategy, setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
+                     row.mesh["tp"], row.mesh, row.peak_bytes, bool(row.fits), step["step_time_s"],
+                     step, row.cpu_bytes, row.model_states_bytes)
 
 
 def nearest_multiples(value: int, unit: int) -> str:
@@ -223,22 +226,23 @@ def alternatives(fitting: list[Candidate], count: int = 4) -> list[dict]:
     return out
 
 
-def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=None) -> str:
+def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=None,
+                 knobs: LibraryKnobs | None = None) -> str:
     """One line naming the smallest need and what would meet it: more GPUs, offload, shorter sequences."""
     usable = usable_bytes(setup)
     others = [c for name, c in found["smallest"].items() if name not in found["host"]]  # host-blocked: own line
     best = min(others or found["smallest"].values(), key=lambda c: c.peak_bytes)
     ways = []
-    more = more_gpus(spec, setup, allowed, traces=traces)
+    more = more_gpus(spec, setup, allowed, traces=traces, knobs=knobs)
     if more:
         ways.append(more)
     if not any(s in allowed for s in OFFLOAD):
-        offload = fits_at_least_once(spec, setup, OFFLOAD, traces)
+        offload = fits_at_least_once(spec, setup, OFFLOAD, traces, knobs)
         if offload:
             ways.append(f"offload ({offload})")
     if spec.kind == "text":
         seq = setup.seq_len // 2
-        while seq >= 64 and not fits_at_least_once(spec, replace(setup, seq_len=seq), allowed, traces):
+        while seq >= 64 and not fits_at_least_once(spec, replace(setup, seq_len=seq), allowed, traces, knobs):
             seq //= 2
         if seq >= 64:
             ways.append(f"--seq-len {seq}")
@@ -249,24 +253,26 @@ def nothing_fits(spec: ModelSpec, setup: Setup, found: dict, allowed, traces=Non
             f"micro-batch 1, checkpointing on){how}")
 
 
-def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None) -> str | None:
+def fits_at_least_once(spec: ModelSpec, setup: Setup, names, traces=None,
+                       knobs: LibraryKnobs | None = None) -> str | None:
     """The first of `names` that fits at micro-batch 1 with checkpointing, or None."""
     for tp_size, group, _ in strategy_groups(spec, setup, names):
         trial = replace(setup, micro_batch=1, grad_accum_steps=1, activation_checkpointing=True, tp_size=tp_size)
-        rows, _ = rows_for(spec, trial, group, traces)
+        rows, _ = rows_for(spec, trial, group, traces, knobs)
         for row in rows:
-            if row["fits"] and (row["strategy"] not in OFFLOAD or trial.cpu_memory_bytes is not None):
-                return row["strategy"]
+            if row.fits and (row.strategy not in OFFLOAD or trial.cpu_memory_bytes is not None):
+                return row.strategy
     return None
 
 
-def more_gpus(spec: ModelSpec, setup: Setup, allowed, max_nodes: int = 64, traces=None) -> str | None:
+def more_gpus(spec: ModelSpec, setup: Setup, allowed, max_nodes: int = 64, traces=None,
+              knobs: LibraryKnobs | None = None) -> str | None:
     """The fewest GPUs (first filling a node up to 8, then more nodes) with which something fits."""
     shapes = [(g, 1) for g in range(setup.gpus_per_node + 1, 9)] if setup.nodes == 1 else []
     per_node = max(setup.gpus_per_node, 8) if setup.nodes == 1 else setup.gpus_per_node
     shapes += [(per_node, n) for n in range(setup.nodes + 1, max_nodes + 1)]
     for gpus, nodes in shapes:
-        name = fits_at_least_once(spec, replace(setup, gpus_per_node=gpus, nodes=nodes), allowed, traces)
+        name = fits_at_least_once(spec, replace(setup, gpus_per_node=gpus, nodes=nodes), allowed, traces, knobs)
         if name:
             return f"{gpus * nodes} GPUs ({nodes} node{'s' * (nodes > 1)} x {gpus}, {name})"
     return None
@@ -282,7 +288,7 @@ def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_
         trial = replace(setup, micro_batch=m, grad_accum_steps=1, activation_checkpointing=winner.gradient_checkpointing,
                         tp_size=winner.tp if winner.strategy in TP_STRATEGIES else None)
         rows, _ = rows_for(spec, trial, (winner.strategy,), traces)
-        if not rows or not rows[0]["fits"]:
+        if not rows or not rows[0].fits:
             break
         best = m
     if best is None or per_rank % best == 0:

@@ -18,7 +18,7 @@ import logging
 import os
 
 from ..errors import UsageError
-from ..plan.mesh import HEADROOM, Setup
+from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import hardware
 from ..strategy import STRATEGIES, configured_precision, num_nodes, strategy_of_config, tp_strategy
@@ -100,7 +100,8 @@ def available_host_memory() -> int:
 
 def run_strategy(args, model) -> tuple[str, dict | None, dict]:
     """The planner's name of the strategy the Trainer will build from these arguments and the launcher's
-    environment, the tensor-parallel mesh if any, and Setup overrides (FSDP version)."""
+    environment, the tensor-parallel mesh if any, and what the library decides that the planner reads
+    (`LibraryKnobs` fields: the FSDP version)."""
     env = os.environ
     loaded = getattr(getattr(_unwrap(model), "config", None), "distributed_config", None)
     if loaded is not None and getattr(loaded, "tp_size", 1) > 1:
@@ -148,8 +149,9 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
     setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=budget, precision=precision,
                   optimizer=OPTIMIZERS.get(str(getattr(args.optim, "value", args.optim)), "adamw"),
                   seq_len=seq_len or 0, image_size=image_size, headroom=headroom,
-                  tp_size=mesh["tp"] if mesh else None, cpu_memory_bytes=available_host_memory(), **lora,
-                  **extra).validate()
+                  tp_size=mesh["tp"] if mesh else None, cpu_memory_bytes=available_host_memory(),
+                  **lora).validate()
+    knobs = LibraryKnobs(**extra)
     gpu = None
     if str(args.device).startswith("cuda"):
         import torch
@@ -161,13 +163,14 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
     except UsageError:  # a CPU run or an unknown GPU: the ranking orders one strategy's candidates only
         hw, assumed = hardware("H100", precision), " (step times ranked with H100 figures: device peak unknown)"
     traces = tracer(config, global_batch)  # LoRA too: traced with the run's rank and targets
-    found = search(spec, setup, global_batch, hw, (strategy,), traces)
+    found = search(spec, setup, global_batch, hw, (strategy,), traces, knobs)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(f"fit_training_args: memory_budget {gb(budget)} GB: " + below.replace(
             "every strategy searched", f"this run's strategy ({strategy})"))
     if not found["fitting"]:
-        reasons = [nothing_fits(spec, setup, found, (strategy,), traces), *host_lines(found["host"], "this node's available RAM")]
+        reasons = [nothing_fits(spec, setup, found, (strategy,), traces, knobs),
+                   *host_lines(found["host"], "this node's available RAM")]
         raise UsageError("fit_training_args: " + "; ".join(reasons))
     best, usable = found["fitting"][0], usable_bytes(setup)
     return {"budget_bytes": budget, "per_device_train_batch_size": best.per_device_train_batch_size,

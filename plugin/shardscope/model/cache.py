@@ -1,6 +1,6 @@
-"""A cache of what `shardscope plan --model NAME` counts from a config (the `ModelSpec`, the step traces), so
-later runs import neither torch nor transformers (issue 15: transformers' config and modeling imports are most
-of the start-up).
+"""A cache of what `shardscope plan --model NAME` counts from a config (the `ModelSpec`, the step traces, the
+`--dry-run` rows), so later runs import neither torch nor transformers (issue 15: transformers' config and
+modeling imports are most of the start-up).
 
 One JSON file per key in `SHARDSCOPE_CACHE` (a folder; `off` turns the cache off), by default
 `$XDG_CACHE_HOME/shardscope/specs` (`~/.cache/...`). A key hashes the config.json bytes, the installed torch

@@ -31,6 +31,10 @@ What is *built* and what is *computed*:
     meta backward is refused (FSDP2 requires materialised parameters to train); its reduce-scatter leaves
     every gradient in the parameter's padded shard.
   This is done as rank 0 and as the last rank (two process-group initialisations), the sample ranks.
+  Decoder layers that hold the same parameters (names, shapes, dtypes, class) are built as one that stands
+  for all of them: FSDP2 shards each layer on its own and the TP plan names layers by pattern, so each of the
+  layer's tensors is counted once per layer (layers that differ, e.g. a dense first layer before MoE ones,
+  are all built).
 - Counted on the built ranks, from the DTensor local shards: params = the bytes of the storage
   behind each `to_local()` (FSDP2 allocates every rank a padded shard of ceil(dim0 / n) rows and
   views the unpadded rows into it, so the storage includes the padding; the same walk as
@@ -58,14 +62,16 @@ partitioned here without allocating its shard. Its row stays the planner's formu
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UsageError
 from .formulas import chunk, strategy_row
-from .mesh import check_tp_heads, setup_for_mesh, tp_degree
-from ..model.spec import attention_heads, load_model_config, meta_model, model_spec
+from .mesh import LibraryKnobs, check_tp_heads, setup_for_mesh, tp_degree
+from ..model import cache as spec_cache
+from ..model.spec import attention_heads, config_bytes, load_model_config, meta_model, model_spec, resolve_model
 from ..strategy import TP_STRATEGIES
 
 DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_STRATEGIES)
@@ -77,6 +83,8 @@ NOT_DRY_RUN = {
               "meta-device/fake-process-group path. Shown: the planner's formula only."),
 }
 MOMENTS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}
+OUTPUT_KEYS = ("model", "params_total", "world_size", "nodes", "precision", "optimizer", "results")
+FOUNDATION = ("errors.py", "safe_io.py", "state_bytes.py", "strategy.py", "units.py")  # used by plan/ and model/
 
 
 @dataclass
@@ -162,15 +170,15 @@ def _computed_rank(layouts, rank: int, mesh_shape: tuple, mesh_names: tuple, mom
     coords = dict(zip(mesh_names, reversed(coords)))
     sizes = dict(zip(mesh_names, mesh_shape))
     params = grads = elements = optim = 0
-    for shape, esize, sharding, grad_sharding in layouts:
+    for shape, esize, sharding, grad_sharding, copies in layouts:
         held, stored = _local(shape, sharding, sizes, coords)
-        params += stored * esize
+        params += copies * stored * esize
         if grad_sharding is None:
-            grads += stored * esize
+            grads += copies * stored * esize
         elif grad_sharding is not False:
-            grads += _local(shape, grad_sharding, sizes, coords)[1] * esize
-        elements += held
-        optim += moments * held * esize + (4 if moments else 0)
+            grads += copies * _local(shape, grad_sharding, sizes, coords)[1] * esize
+        elements += copies * held
+        optim += copies * (moments * held * esize + (4 if moments else 0))
     return RankCount(rank, params, grads, optim, elements, built=False)
 
 
@@ -187,13 +195,39 @@ def _meta_backward(model) -> None:
     loss.backward()
 
 
-def _shard_model(config, strategy: str, mesh_shape: tuple, dtype):
-    """The meta model sharded as `strategy` on the current (fake) process group, and the mesh dim names."""
+def one_layer_model(config, dtype):
+    """(meta model in `dtype`, qualified name of its decoder layers' list or None, how many layers it stands for).
+
+    FSDP2 shards each decoder layer on its own and the TP plan names layers by pattern (`layers.*`), so a rank's
+    bytes of n layers that hold the same parameters (names, shapes, dtypes, class) are n times one layer's: the
+    list keeps its first layer and stands for n. Layers that differ (or no list of them) keep the whole model."""
+    import torch
+
+    model = meta_model(config).to(dtype)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+             and all(type(layer).__name__ in blocks for layer in m)]
+    if not lists:
+        return model, None, 1
+    name, layers = max(lists, key=lambda pair: len(pair[1]))
+    first = _signature(layers[0])
+    if any(_signature(layer) != first for layer in layers[1:]):
+        return model, None, 1
+    count = len(layers)
+    del layers[1:]
+    return model, name, count
+
+
+def _signature(layer) -> tuple:
+    return type(layer), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
+
+
+def _shard_model(model, config, strategy: str, mesh_shape: tuple):
+    """`model` (on the meta device) sharded as `strategy` on the current (fake) process group, and the mesh dim
+    names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-
-    model = meta_model(config).to(dtype)
     if strategy in TP_STRATEGIES:
         from transformers.distributed import DistributedConfig
         from transformers.distributed.utils import TransformersDeviceMesh
@@ -219,35 +253,41 @@ def _shard_model(config, strategy: str, mesh_shape: tuple, dtype):
     return model, names
 
 
-def _build_rank(config, strategy: str, rank: int, mesh_shape: tuple, dtype, moments: int):
-    """Shard the meta model as `rank` under a fake process group; count from its DTensor shards."""
+def _build_rank(template, config, strategy: str, rank: int, mesh_shape: tuple, moments: int):
+    """Shard a copy of the meta model `template` (model, decoder layers' list name, layers it stands for) as `rank`
+    under a fake process group; count from its DTensor shards, the one decoder layer times the layers."""
+    import copy
+
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
-    from ..state_bytes import local_tensor, model_parameters
+    from ..state_bytes import local_tensor
 
+    base, layer_list, layers = template
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(mesh_shape))
     try:
-        model, names = _shard_model(config, strategy, mesh_shape, dtype)
+        model, names = _shard_model(copy.deepcopy(base), config, strategy, mesh_shape)
         tp_alone = strategy == "tp"
         if tp_alone:
             _meta_backward(model)
         params = grads = elements = optim = 0
         layouts = []
-        for p in model_parameters(model):
+        for name, p in model.named_parameters():
+            copies = layers if layer_list is not None and name.startswith(f"{layer_list}.0.") else 1
             local = local_tensor(p)
             stored = local.untyped_storage().nbytes()  # padded shard storage (meta: nbytes, no memory)
-            params += stored
-            elements += local.numel()
+            params += copies * stored
+            elements += copies * local.numel()
             if not tp_alone:
-                grads += stored
+                grads += copies * stored
             elif p.grad is not None:
-                grads += local_tensor(p.grad).untyped_storage().nbytes()
+                grads += copies * local_tensor(p.grad).untyped_storage().nbytes()
             if moments:
                 moment = local_tensor(torch.zeros_like(p))  # what AdamW allocates for exp_avg / exp_avg_sq
-                optim += moments * moment.numel() * moment.element_size() + 4  # + fp32 step
-            layouts.append(_tensor_layout(p, (p.grad if p.grad is not None else False) if tp_alone else None))
+                optim += copies * (moments * moment.numel() * moment.element_size() + 4)  # + fp32 step
+            grad = (p.grad if p.grad is not None else False) if tp_alone else None
+            layouts.append((*_tensor_layout(p, grad), copies))
         return RankCount(rank, params, grads, optim, elements, built=True), layouts, names
     finally:
         dist.destroy_process_group()
@@ -281,12 +321,13 @@ def tp_mesh_shape(config, strategy: str, world_size: int, nodes: int, tp: int | 
 
 
 def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: str = "bf16-mixed",
-            optimizer: str = "adamw", tp: int | None = None) -> DryRun:
+            optimizer: str = "adamw", tp: int | None = None, models: dict | None = None) -> DryRun:
     """The per-rank model-state bytes of `strategy` on `world_size` ranks over `nodes` nodes.
 
     `tp` (tp / fsdp_tp / hsdp_tp): the tensor-parallel degree; default as the planner's (`tp`: the
     world size; otherwise gcd(GPUs per node, attention heads, KV heads)). The mesh is then
-    tp: (1, 1, t); fsdp_tp: (1, world / t, t); hsdp_tp: (nodes, GPUs per node / t, t)."""
+    tp: (1, 1, t); fsdp_tp: (1, world / t, t); hsdp_tp: (nodes, GPUs per node / t, t). `models`: this config's
+    `one_layer_model` by dtype, shared by calls on the same config (filled here)."""
     import torch.distributed as dist
 
     if strategy not in DRY_RUN_STRATEGIES:
@@ -305,9 +346,12 @@ def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: s
         mesh_shape = (nodes, world_size // nodes) if strategy == "fsdp_hybrid_shard" else (world_size,)
         shard_degree = mesh_shape[-1]
     dtype, moments = _dtype(precision), MOMENTS[optimizer]
+    models = {} if models is None else models
+    if dtype not in models:
+        models[dtype] = one_layer_model(config, dtype)
     built = {}
     for rank in sorted({0, world_size - 1}):
-        built[rank], layouts, names = _build_rank(config, strategy, rank, mesh_shape, dtype, moments)
+        built[rank], layouts, names = _build_rank(models[dtype], config, strategy, rank, mesh_shape, moments)
     ranks = [built.get(r) or _computed_rank(layouts, r, mesh_shape, names, moments) for r in range(world_size)]
     matches = all(asdict(_computed_rank(layouts, r, mesh_shape, names, moments)) == {**asdict(b), "built": False}
                   for r, b in built.items())
@@ -325,14 +369,14 @@ def check_mesh(world_size: int, nodes: int) -> None:
 
 
 # ----------------------------------------------------------------------------- beside the planner
-def compare_rows(result: DryRun, spec, setup) -> dict:
-    """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup."""
+def compare_rows(result: DryRun, spec, setup, knobs: LibraryKnobs | None = None) -> dict:
+    """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup (FSDP2)."""
     if result.strategy in TP_STRATEGIES:
         r, s, t = result.mesh
         _, row_setup = setup_for_mesh(setup, {"dp_replicate": r, "dp_shard": s, "tp": t})
     else:
-        row_setup = replace(setup, gpus_per_node=result.gpus_per_node, nodes=result.nodes, fsdp_version=2)
-    row = strategy_row(result.strategy, spec, row_setup)
+        row_setup = replace(setup, gpus_per_node=result.gpus_per_node, nodes=result.nodes)
+    row = strategy_row(result.strategy, spec, row_setup, knobs=replace(knobs or LibraryKnobs(), fsdp_version=2))
     planned = {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
                "optimizer_bytes": row.optimizer_bytes, "model_states_bytes": row.model_states_bytes}
     heaviest = max(result.ranks, key=lambda r: (r.model_states_bytes, -r.rank))
@@ -346,13 +390,46 @@ def compare_rows(result: DryRun, spec, setup) -> dict:
     return out
 
 
-def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup) -> dict:
-    config = load_model_config(model)
-    spec = model_spec(config)
-    results = []
-    for strategy in strategies:
+def default_strategies(config, world_size: int, nodes: int, tp: int | None) -> list[str]:
+    """The FSDP strategies (hybrid only over several nodes), the TP ones when transformers has a TP plan for the
+    model and the TP degree is above 1 (hsdp_tp only over several nodes), and zero3."""
+    tp_default = bool(getattr(config, "base_model_tp_plan", None)) and (
+        tp_mesh_shape(config, "fsdp_tp", world_size, nodes, tp)[2] > 1)
+    return [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN) if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
+            and (s not in TP_STRATEGIES or tp_default)]
+
+
+def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup,
+                knobs: LibraryKnobs | None = None) -> dict:
+    """`plan --dry-run`'s rows (`strategies` None: `default_strategies`), from `model/cache.py` when this config.json,
+    request, library versions and the code that computes them were dry-run before (then neither torch nor
+    transformers is imported; `seconds` is the build's that the cache recorded)."""
+    source = config_bytes(model)
+    knobs = knobs or LibraryKnobs()
+    request = json.dumps([strategies, world_size, nodes, asdict(setup), asdict(knobs)], sort_keys=True, default=str)
+    key = spec_cache.cache_key(source, dry_run_sources(), "dry run", resolve_model(model), request) if source else None
+    cached = spec_cache.load(key) if key else None
+    if isinstance(cached, dict) and tuple(cached) == OUTPUT_KEYS and isinstance(cached["results"], list):
+        return cached
+    out = _dry_run_all(load_model_config(model), strategies, world_size, nodes, setup, knobs)
+    if key:
+        spec_cache.store(key, out)
+    return out
+
+
+def dry_run_sources() -> tuple[str, ...]:
+    """The package's files a dry run's rows are computed by (its layers plan/ and model/, and the foundation
+    modules they use), named from the package root: the cache key hashes their source."""
+    return (*sorted(str(path.relative_to(spec_cache.PACKAGE)) for layer in ("plan", "model")
+                    for path in (spec_cache.PACKAGE / layer).glob("*.py")), *FOUNDATION)
+
+
+def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: LibraryKnobs) -> dict:
+    spec, results, models = model_spec(config), [], {}
+    for strategy in strategies or default_strategies(config, world_size, nodes, setup.tp_size):
         if strategy in NOT_DRY_RUN:
-            row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes))
+            row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes),
+                               knobs=knobs)
             results.append({"strategy": strategy, "dry_run": None, "note": NOT_DRY_RUN[strategy],
                             "planned": {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
                                         "optimizer_bytes": row.optimizer_bytes,
@@ -362,13 +439,15 @@ def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup) -> d
         if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
             world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
         result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
-                         setup.tp_size if strategy != "tp" else world)
+                         setup.tp_size if strategy != "tp" else world, models)
         results.append({"strategy": strategy, "world_size": world, "nodes": where,
                         "shard_degree": result.shard_degree, "mesh": list(result.mesh),
                         "mesh_dim_names": list(result.mesh_dim_names), "tp": result.tp, "dtype": result.dtype,
                         "seconds": round(result.seconds, 3), "computed_matches_built": result.computed_matches_built,
                         "built_ranks": [r.rank for r in result.ranks if r.built],
-                        **compare_rows(result, spec, setup),
+                        **compare_rows(result, spec, setup, knobs),
                         "per_rank": [dict(asdict(r)) for r in result.ranks]})
-    return {"model": spec.name, "params_total": spec.params_total, "world_size": world_size, "nodes": nodes,
-            "precision": setup.precision, "optimizer": setup.optimizer, "results": results}
+    out = {"model": spec.name, "params_total": spec.params_total, "world_size": world_size, "nodes": nodes,
+           "precision": setup.precision, "optimizer": setup.optimizer, "results": results}
+    assert tuple(out) == OUTPUT_KEYS
+    return out

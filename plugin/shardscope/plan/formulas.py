@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
-from .mesh import Setup, tp_degree, tp_mesh
+from .mesh import LibraryKnobs, Setup, tp_degree, tp_mesh
 from ..model.spec import LORA_DEFAULT_TARGETS, ModelSpec
 from .peak import formula_moments, step_peak
 from ..strategy import family
@@ -62,11 +62,20 @@ def element_bytes(precision: str, fam: str, optimizer: str = "adamw", fp32_grads
     return ElementBytes(param, grad, master, moments, 2 if half else 4)
 
 
-def per_param(eb: ElementBytes) -> dict:
+@dataclass(frozen=True)
+class PerParam:
     """Bytes per trainable parameter by state: the B/param convention (16 for mixed-precision AdamW,
     18 with DeepSpeed's fp32 gradient copy in the step, 8 for bf16-pure torch AdamW)."""
-    out = {"weights": eb.param, "grads": eb.grad, "master": eb.master, "moments": eb.moments}
-    return {**out, "total": sum(out.values())}
+
+    weights: int
+    grads: int
+    master: int
+    moments: float
+    total: float
+
+
+def per_param(eb: ElementBytes) -> PerParam:
+    return PerParam(eb.param, eb.grad, eb.master, eb.moments, eb.param + eb.grad + eb.master + eb.moments)
 
 
 def zero2_grad_partition(c: Counts, n: int) -> int:
@@ -235,17 +244,19 @@ class Row:
     buffers_detail: dict = field(default_factory=dict)
     shard_degree: int = 1
     mesh: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp"}
-    per_param: dict = field(default_factory=dict)  # B per trainable param: weights, grads, master, moments
+    per_param: PerParam | None = None         # B per trainable param: weights, grads, master, moments
     comm_bytes_per_step: int = 0              # computed: bytes each rank sends per optimizer step
     comm: dict = field(default_factory=dict)  # its terms
     approximate: bool = False                 # TP rows from --params: totals / (t x s)
+    step_time_s: float | None = None          # plan/time_model.py's step time, where `plan` annotates the row
+    step_time_parts: dict | None = None       # its parts
 
     def __post_init__(self):
         self.model_states_bytes = self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     def as_dict(self) -> dict:
-        """The row as `estimate` returns it and --json writes it: its fields, and `total_bytes` (= peak_bytes, the
-        name plan --json used before peak_bytes) where that key has always stood."""
+        """The row as --json writes it: its fields, and `total_bytes` (= peak_bytes, the name plan --json used before
+        peak_bytes) where that key has always stood."""
         out = {}
         for key, value in asdict(self).items():
             out[key] = value
@@ -255,11 +266,14 @@ class Row:
 
 
 def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None = None,
-                 activations: int | None = None, trace=None) -> Row:
+                 activations: int | None = None, trace=None, *, knobs: LibraryKnobs | None = None,
+                 mesh: dict | None = None) -> Row:
     """Per-rank bytes of one strategy: its model states, buffers, CPU bytes, communication and the peak of its
-    step (with `trace`, plan/trace.py's `StepTrace` of its compute regime; else the activation formula). The
-    formula of each family, its terms and its sources: docs/planner.md, "The formulas as the code computes them"."""
-    ctx = family_row(strategy, spec, setup, c or counts(spec, setup))
+    step (with `trace`, plan/trace.py's `StepTrace` of its compute regime; else the activation formula), with what
+    the libraries decide (`knobs`, their defaults when None) and the row's `mesh` (`plan/mesh.py`'s `row_meshes`;
+    None: computed here). The formula of each family, its terms and its sources: docs/planner.md, "The formulas as
+    the code computes them"."""
+    ctx = family_row(strategy, spec, setup, c or counts(spec, setup), knobs or LibraryKnobs(), mesh)
     act = activation_bytes(spec, setup, ctx.mesh["tp"])["total"] if activations is None else activations
     row, cpu, detail = ctx.states()
     comm = {k: int(v) for k, v in ctx.comm().items()}
@@ -283,26 +297,30 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
                peak_breakdown=peak["peak_breakdown"], peak_phase=peak["peak_phase"], activations_source=source, **row)
 
 
-def family_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts) -> "FamilyRow":
+def family_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts, knobs: LibraryKnobs,
+               mesh: dict | None = None) -> "FamilyRow":
     """The context of one strategy's row: its family's class with the counts, element bytes and mesh."""
     fam = family(strategy)
-    t = tp_degree(spec, setup) if fam == "tp" else 1
+    if mesh is None:
+        mesh = tp_mesh(strategy, setup, tp_degree(spec, setup) if fam == "tp" else 1)
     stage = int(strategy[4]) if fam == "deepspeed" else 0
-    eb = element_bytes(setup.precision, fam, setup.optimizer, setup.fp32_grads, stage)
+    eb = element_bytes(setup.precision, fam, setup.optimizer, knobs.fp32_grads, stage)
     kind = {"torch": TorchRow, "deepspeed": Zero12Row if stage in (1, 2) else Zero3Row, "fsdp": FsdpRow,
             "tp": TpRow}[fam]
-    return kind(strategy, spec, setup, c, eb, tp_mesh(strategy, setup, t))
+    return kind(strategy, spec, setup, knobs, c, eb, mesh)
 
 
 @dataclass
 class FamilyRow:
-    """What one strategy row's formulas need (the model, the run, the counts, the element bytes, the mesh); one
+    """What one strategy row's formulas need (the model, the run, what the libraries decide, the counts, the element
+    bytes, the mesh); one
     subclass per family gives `states` (GPU model states, CPU bytes, buffers), `comm` (bytes each rank sends per
     optimizer step, by collective) and `shards` (the ranks that divide the model states)."""
 
     strategy: str
     spec: ModelSpec
     setup: Setup
+    knobs: LibraryKnobs
     c: Counts
     eb: ElementBytes
     mesh: dict
@@ -349,7 +367,7 @@ class TorchRow(FamilyRow):
         row = dict(params_bytes=c.total * eb.param, grads_bytes=c.trainable * eb.grad,
                    optimizer_bytes=int(c.trainable * (eb.master + eb.moments))
                    + _step_tensors(setup, c.n_trainable_tensors))
-        detail = {"ddp_buckets": 0 if setup.ddp_bucket_view or setup.world_size == 1 else c.trainable * eb.grad}
+        detail = {"ddp_buckets": 0 if self.knobs.ddp_bucket_view or setup.world_size == 1 else c.trainable * eb.grad}
         return row, 0, detail
 
     def comm(self):
@@ -367,8 +385,8 @@ class Zero12Row(FamilyRow):
         strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
         n, g = self.shards, eb.grad
         shard = ceil_div(c.trainable, 2 * n) * 2
-        optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-        detail = {"reduce_buckets": (2 if _overlap(setup, 2) else 1) * _bucket(spec, setup) * g}
+        optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, self.knobs.zero_param_groups)
+        detail = {"reduce_buckets": (2 if _overlap(self.knobs, 2) else 1) * _bucket(spec, self.knobs) * g}
         if strategy == "zero2_offload":
             return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
                 shard * (4 + eb.param) + optim, detail
@@ -389,7 +407,7 @@ class Zero12Row(FamilyRow):
 
 class Zero3Row(FamilyRow):
     """zero3, zero3_offload: each tensor partitioned on its own; small tensors stay whole (persistent).
-    zero3_offload moves what `setup.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
+    zero3_offload moves what `knobs.zero3_offload` says: parameters, optimizer (with its gradients), or all."""
 
     @property
     def shards(self) -> int:
@@ -399,29 +417,30 @@ class Zero3Row(FamilyRow):
         strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
         n, p, g = self.shards, eb.param, eb.grad
         pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
-        optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, setup.zero_param_groups)
-        gathered, regather = _zero3_gathered(spec, setup, c)
+        knobs = self.knobs
+        optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, knobs.zero_param_groups)
+        gathered, regather = _zero3_gathered(spec, knobs, c)
         # what stays gathered from forward into backward beyond the layer in use (not re-gathered: see comm)
         kept = max(0, int((1 - regather) * gathered) - spec.largest_layer_params) * p
         detail = {"gathered_layer": spec.largest_layer_params * (p + g), "kept_gathered": kept,
-                  "reduce_bucket": _bucket(spec, setup) * g,  # + its reduce-scatter output at the end of backward
-                  "reduce_scatter_output": ceil_div(min(_bucket(spec, setup), c.trainable), n) * g}
+                  "reduce_bucket": _bucket(spec, knobs) * g,  # + its reduce-scatter output at the end of backward
+                  "reduce_scatter_output": ceil_div(min(_bucket(spec, knobs), c.trainable), n) * g}
         # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
         persistent = (c.total - gathered) * p
         on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
         cpu = 0
-        if strategy == "zero3_offload" and setup.zero3_offload in ("all", "params"):  # offload_param
+        if strategy == "zero3_offload" and knobs.zero3_offload in ("all", "params"):  # offload_param
             on_gpu["params_bytes"], cpu = persistent, pshard * p
-        if strategy == "zero3_offload" and setup.zero3_offload in ("all", "optimizer"):  # offload_optimizer
+        if strategy == "zero3_offload" and knobs.zero3_offload in ("all", "optimizer"):  # offload_optimizer
             on_gpu.update(grads_bytes=0, optimizer_bytes=0)
             return on_gpu, cpu + tshard * (g + 4) + optim, detail
         # DeepSpeed's step builds fp32 gradients one sub-group (sub_group_size elements) at a time
-        detail["fp32_grad_copy_in_step"] = min(tshard, setup.zero_sub_group_size) * 4
+        detail["fp32_grad_copy_in_step"] = min(tshard, knobs.zero_sub_group_size) * 4
         return on_gpu, cpu, detail
 
     def comm(self):
         c, N, A = self.c, self.setup.world_size, self.setup.grad_accum_steps
-        gathered, regather = _zero3_gathered(self.spec, self.setup, c)
+        gathered, regather = _zero3_gathered(self.spec, self.knobs, c)
         persistent = c.total - gathered
         return {"param_all_gather": _ring(N) * (A * (1 + regather) * gathered + persistent) * self.eb.param,
                 "grad_reduce_scatter": A * _ring(N) * c.trainable * self.eb.grad}
@@ -438,14 +457,14 @@ class FsdpRow(FamilyRow):
     def states(self):
         strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
         n = self.shards
-        if setup.fsdp_version == 1:  # one padded flat parameter per unit
+        if self.knobs.fsdp_version == 1:  # one padded flat parameter per unit
             pshard = sum(ceil_div(u, n) for u in c.units)
             tshard = pshard if c.trainable == c.total else ceil_div(c.trainable, n)
         else:
             pshard = shard_tensors(c, n, by_rows=True)
             tshard = shard_tensors(c, n, trainable_only=True, by_rows=True)
         optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors)
-        unit, e = max(_fsdp_units(spec, setup, c)), eb.compute
+        unit, e = max(_fsdp_units(spec, self.knobs, c)), eb.compute
         if strategy == "fsdp_shard_grad_op":
             detail = {"gathered_params": c.total * e, "unit_grad": unit * e}
         else:
@@ -459,7 +478,7 @@ class FsdpRow(FamilyRow):
     def comm(self):
         spec, setup, c, n, e = self.spec, self.setup, self.c, self.shards, self.eb.compute
         root = c.units[-1] if len(c.units) > 1 else 0
-        once = root - (spec.untied_embedding_params if setup.fsdp_version == 2 else 0)
+        once = root - (spec.untied_embedding_params if self.knobs.fsdp_version == 2 else 0)
         gathered = c.total if self.strategy == "fsdp_shard_grad_op" else 2 * c.total - once
         comm = {"param_all_gather": setup.grad_accum_steps * _ring(n) * gathered * e,
                 "grad_reduce_scatter": _ring(n) * c.trainable * e}
@@ -502,10 +521,10 @@ class TpRow(FamilyRow):
         return comm
 
 
-def _fsdp_units(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, ...]:
+def _fsdp_units(spec: ModelSpec, knobs: LibraryKnobs, c: Counts) -> tuple[int, ...]:
     """FSDP's wrap units; accelerate gives FSDP2 an untied input embedding a unit of its own (out of the root)."""
     embedding = spec.untied_embedding_params
-    if setup.fsdp_version != 2 or not embedding or len(c.units) < 2 or c.units[-1] <= embedding:
+    if knobs.fsdp_version != 2 or not embedding or len(c.units) < 2 or c.units[-1] <= embedding:
         return c.units
     return c.units[:-1] + (embedding, c.units[-1] - embedding)
 
@@ -515,28 +534,29 @@ def _step_tensors(setup: Setup, tensors: int) -> int:
     return 4 * tensors if setup.optimizer == "adamw" else 0
 
 
-def _bucket(spec: ModelSpec, setup: Setup) -> int:
+def _bucket(spec: ModelSpec, knobs: LibraryKnobs) -> int:
     """DeepSpeed's reduce bucket in elements: the config's, else the Trainer's "auto" hidden^2."""
-    return setup.bucket_elements if setup.bucket_elements is not None else spec.hidden_size ** 2
+    return knobs.bucket_elements if knobs.bucket_elements is not None else spec.hidden_size ** 2
 
 
-def _overlap(setup: Setup, stage: int) -> bool:
+def _overlap(knobs: LibraryKnobs, stage: int) -> bool:
     """DeepSpeed's overlap_comm: the config's, else its default (on for ZeRO-3 only)."""
-    return setup.zero_overlap_comm if setup.zero_overlap_comm is not None else stage == 3
+    return knobs.zero_overlap_comm if knobs.zero_overlap_comm is not None else stage == 3
 
 
-def _zero3_threshold(spec: ModelSpec, setup: Setup) -> int:
+def _zero3_threshold(spec: ModelSpec, knobs: LibraryKnobs) -> int:
     """stage3_param_persistence_threshold: tensors at or below it stay whole on every rank."""
-    return setup.zero3_persistence_threshold if setup.zero3_persistence_threshold is not None else 10 * spec.hidden_size
+    threshold = knobs.zero3_persistence_threshold
+    return threshold if threshold is not None else 10 * spec.hidden_size
 
 
 ZERO3_REUSE_DISTANCE = 10 ** 9  # DeepSpeed's stage3_max_reuse_distance default (elements)
 
 
-def _zero3_gathered(spec: ModelSpec, setup: Setup, c: Counts) -> tuple[int, float]:
+def _zero3_gathered(spec: ModelSpec, knobs: LibraryKnobs, c: Counts) -> tuple[int, float]:
     """ZeRO-3's G, elements gathered to compute (all but the persistent tensors), and r, the fraction backward
     re-gathers: modelled r = max(0, 1 - D/(2G)) with D = stage3_max_reuse_distance (see `strategy_row`)."""
-    gathered = c.total - sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, setup))
+    gathered = c.total - sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, knobs))
     return gathered, max(0.0, 1 - ZERO3_REUSE_DISTANCE / (2 * gathered)) if gathered else 0.0
 
 

@@ -6,11 +6,11 @@ KV heads), used by the planner, the dry run, doctor and the recipes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import UsageError
 from ..model.spec import LORA_DEFAULT_TARGETS, ModelSpec
-from ..strategy import OPTIMIZERS, PRECISIONS, tp_strategy
+from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES, tp_strategy
 
 
 # The fraction of GPU memory a plan leaves free (`Setup.headroom`, `--headroom`): what no planned tensor
@@ -22,7 +22,8 @@ HEADROOM = 0.10
 
 @dataclass(frozen=True)
 class Setup:
-    """The run being planned. `gpus_per_node` x `nodes` ranks, one GPU each."""
+    """The run being planned, as the user asks for it: the cluster (`gpus_per_node` x `nodes` ranks, one GPU each),
+    the batch, the precision and the planner's policy. What a library decides is `LibraryKnobs`."""
 
     gpus_per_node: int = 1
     nodes: int = 1
@@ -36,16 +37,7 @@ class Setup:
     attention: str = "sdpa"                # "sdpa" (no s^2 scores kept) or "eager"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS  # or ("all-linear",)
-    fp32_grads: bool = False               # DeepSpeed data_types.grad_accum_dtype=fp32
-    ddp_bucket_view: bool = False          # DDP(gradient_as_bucket_view=True): no bucket copy
-    bucket_elements: int | None = None     # DeepSpeed reduce bucket; None: hidden^2 (Trainer "auto")
-    zero_overlap_comm: bool | None = None  # DeepSpeed overlap_comm; None: its default (ZeRO-3 only)
-    zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
-    zero_sub_group_size: int = 10 ** 9     # DeepSpeed zero_optimization.sub_group_size: ZeRO-3's fp32 grads per step
-    zero3_offload: str = "all"             # what zero3_offload moves to CPU: "all", "params" or "optimizer"
-    zero_param_groups: int = 2             # Trainer: decay / no-decay groups
     grad_accum_steps: int = 1
-    fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params
     headroom: float = HEADROOM             # fraction of GPU memory kept free (see HEADROOM)
     cpu_memory_bytes: int | None = None    # per node; checked for offload rows when given
     prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
@@ -81,6 +73,47 @@ class Setup:
                                  f"a tensor-parallel group stays inside one node")
         return self
 
+
+@dataclass(frozen=True)
+class LibraryKnobs:
+    """What a library decides for the run being planned, from its config or its own default (None: that default)."""
+
+    fp32_grads: bool = False               # DeepSpeed data_types.grad_accum_dtype=fp32
+    ddp_bucket_view: bool = False          # DDP(gradient_as_bucket_view=True): no bucket copy
+    bucket_elements: int | None = None     # DeepSpeed reduce bucket; None: hidden^2 (Trainer "auto")
+    zero_overlap_comm: bool | None = None  # DeepSpeed overlap_comm; None: its default (ZeRO-3 only)
+    zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
+    zero_sub_group_size: int = 10 ** 9     # DeepSpeed zero_optimization.sub_group_size: ZeRO-3's fp32 grads per step
+    zero3_offload: str = "all"             # what zero3_offload moves to CPU: "all", "params" or "optimizer"
+    zero_param_groups: int = 2             # Trainer: decay / no-decay groups
+    fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params
+
+
+# The run as `plan --json` has always written it: the user's fields and the library's, in this order.
+JSON_ORDER = ("gpus_per_node", "nodes", "gpu_memory_bytes", "precision", "optimizer", "micro_batch", "seq_len",
+              "image_size", "activation_checkpointing", "attention", "lora_rank", "lora_targets", "fp32_grads",
+              "ddp_bucket_view", "bucket_elements", "zero_overlap_comm", "zero3_persistence_threshold",
+              "zero_sub_group_size", "zero3_offload", "zero_param_groups", "grad_accum_steps", "fsdp_version",
+              "headroom", "cpu_memory_bytes", "prefer", "tp_size", "reference_model")
+
+
+def run_dict(setup: Setup, knobs: LibraryKnobs) -> dict:
+    """`setup` and `knobs` as one dict in `JSON_ORDER`, with the world size."""
+    both = {**asdict(setup), **asdict(knobs)}
+    return {**{key: both[key] for key in JSON_ORDER}, "world_size": setup.world_size}
+
+
+def row_meshes(spec: ModelSpec, setup: Setup, strategies) -> dict:
+    """Each strategy's row mesh on this setup (`tp_mesh`), in `strategies`' order: the TP rows (at `tp_degree`)
+    only where the model has a TP plan, fsdp_tp not where TP spans every GPU and hsdp_tp not on one node (their
+    mesh is the row's above)."""
+    if not spec.tp_plan:
+        if setup.tp_size is not None:
+            tp_degree(spec, setup)  # raises: no plan
+        return {s: tp_mesh(s, setup, 1) for s in strategies if s not in TP_STRATEGIES}
+    t = tp_degree(spec, setup)
+    same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
+    return {s: tp_mesh(s, setup, t if s in TP_STRATEGIES else 1) for s in strategies if not same.get(s)}
 
 
 def tp_degree(spec: ModelSpec, setup: Setup) -> int:

@@ -6,16 +6,15 @@ rows, `fits`, `recommend` (here) -> printing (`cli.plan`); planned beside measur
 """
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from .formulas import Row, activation_bytes, counts, strategy_row
-from .mesh import Setup, tp_degree
+from .mesh import LibraryKnobs, Setup, row_meshes, run_dict
 from ..model.spec import ModelSpec, model_spec
 from .trace import regime_for
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size
 
-__all__ = ["Setup", "model_spec", "strategy_row", "estimate", "recommend", "convention_table"]
+__all__ = ["Setup", "LibraryKnobs", "model_spec", "strategy_row", "estimate", "plan_dict", "recommend",
+           "convention_table"]
 
 TIERS = (("ddp",), ("fsdp_shard_grad_op", "zero2"), ("fsdp_hybrid_shard",), ("fsdp_full_shard", "zero3"),
          ("hsdp_tp",), ("tp",), ("fsdp_tp",), ("zero2_offload",), ("fsdp_offload", "zero3_offload"))
@@ -110,61 +109,77 @@ class Note(str):
         return note
 
 
-def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None) -> dict:
-    """Rows for every strategy, the recommendation, and what they were computed from. `traces`: compute
-    regime -> plan.trace.StepTrace (see `plan.trace.regime_for`); without one a row's activations come
-    from the formula and are approximate."""
+def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None, knobs: LibraryKnobs | None = None) -> dict:
+    """Rows (`Row` objects) for every strategy, the recommendation, and what they were computed from; `plan_dict`
+    writes it as --json does. `traces`: compute regime -> plan.trace.StepTrace (see `plan.trace.regime_for`);
+    without one a row's activations come from the formula and are approximate. `knobs`: what the libraries decide
+    (their defaults when None). The run goes down once: the rows' meshes (mesh), their bytes (formulas), then
+    which fit and which to use (here)."""
     setup.validate()
+    knobs = knobs or LibraryKnobs()
+    meshes = row_meshes(spec, setup, STRATEGIES)
     c = counts(spec, setup)
     act = activation_bytes(spec, setup)
+    t = meshes["tp"]["tp"] if "tp" in meshes else None
+    act_tp = activation_bytes(spec, setup, t) if t else None
+    traces = traces or {}
+    rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
+                         traces.get(regime_for(s, setup.precision)), knobs=knobs, mesh=mesh)
+            for s, mesh in meshes.items()]
+    for row in rows:
+        row.fits = fits(row, setup)
+    tp_info = _tp_facts(spec, setup, t, act_tp, c) if t else None
+    return {
+        "rows": rows,
+        "recommendation": recommend(rows, setup),
+        "model": _model_facts(spec, c),
+        "setup": setup,
+        "knobs": knobs,
+        "activations": act,
+        "tp": tp_info,
+        "notes": [*_standing_notes(bool(traces)), *_notes(spec, setup, meshes, c)],
+    }
+
+
+def plan_dict(result: dict) -> dict:
+    """`estimate`'s result as --json writes it: each row's `as_dict`, the run as one dict (`mesh.run_dict`: the
+    user's fields and the libraries'), the rest as it is."""
+    out = {key: value for key, value in result.items() if key != "knobs"}
+    out["rows"] = [row.as_dict() for row in result["rows"]]
+    out["setup"] = run_dict(result["setup"], result["knobs"])
+    return out
+
+
+def _tp_facts(spec: ModelSpec, setup: Setup, t: int, act_tp: dict, c) -> dict:
+    """The TP degree of the tp/fsdp_tp/hsdp_tp rows, where it comes from, and their activations."""
+    assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
+    return {"degree": t, "source": "--tp" if setup.tp_size is not None else
+            f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
+            f"KV heads {spec.heads[1]}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
+            "activations": act_tp, "approximate": not c.tensors}
+
+
+def _notes(spec: ModelSpec, setup: Setup, meshes: dict, c) -> list[Note]:
+    """What the rows leave out or assume: TP rows absent or repeating a mesh, DeepSpeed's bf16, experts."""
     notes = []
-    strategies, tp_info = _tp_rows(spec, setup, c, notes)
-    act_tp = tp_info["activations"] if tp_info else None
+    if not spec.tp_plan:
+        notes.append(Note(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}"))
+    else:
+        same = [s for s in ("fsdp_tp", "hsdp_tp") if s not in meshes]
+        if same:
+            notes.append(Note("rows " + " and ".join(same) + " left out: on this setup their mesh is the one of the "
+                              "row above them"))
+        if not c.tensors:
+            notes.append(Note("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)",
+                              "footnoted"))
+        if spec.tp_note:
+            notes.append(Note(spec.tp_note))
     if setup.precision == "bf16-pure":
         notes.append(Note("DeepSpeed has no pure-bf16 mode (ZeRO keeps an fp32 master copy whenever bf16 is on): "
                           "zero* rows are planned as bf16-mixed"))
     if spec.num_experts:
         notes.append(Note(moe_note(spec)))
-    traces = traces or {}
-    rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
-                         traces.get(regime_for(s, setup.precision))) for s in strategies]
-    for row in rows:
-        row.fits = fits(row, setup)
-    return {
-        "rows": [r.as_dict() for r in rows],
-        "recommendation": recommend(rows, setup),
-        "model": _model_facts(spec, c),
-        "setup": {**asdict(setup), "world_size": setup.world_size},
-        "activations": act,
-        "tp": tp_info,
-        "notes": [*_standing_notes(bool(traces)), *notes],
-    }
-
-
-def _tp_rows(spec: ModelSpec, setup: Setup, c, notes: list) -> tuple[tuple, dict | None]:
-    """The strategies with a row on this setup, and the TP degree's facts (None: the model has no TP plan)."""
-    if not spec.tp_plan:
-        if setup.tp_size is not None:
-            tp_degree(spec, setup)  # raises: no plan
-        notes.append(Note(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}"))
-        return tuple(s for s in STRATEGIES if s not in TP_STRATEGIES), None
-    t = tp_degree(spec, setup)
-    # fsdp_tp is tp when tp spans every GPU, hsdp_tp is fsdp_tp on one node: show each mesh once
-    same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
-    if any(same.values()):
-        notes.append(Note("rows " + " and ".join(s for s, dup in same.items() if dup) + " left out: on this setup "
-                          "their mesh is the one of the row above them"))
-    assumed = " assumed" if any(a.startswith("heads=") for a in spec.assumed) else ""
-    tp_info = {"degree": t, "source": "--tp" if setup.tp_size is not None else
-               f"default: gcd(GPUs per node {setup.gpus_per_node}, heads{assumed} {spec.num_heads}, "
-               f"KV heads {spec.heads[1]}) = {t}" + ("; give --heads or --tp" if assumed and t == 1 else ""),
-               "activations": activation_bytes(spec, setup, t), "approximate": not c.tensors}
-    if not c.tensors:
-        notes.append(Note("tp/fsdp_tp/hsdp_tp rows from --params are approximate: totals / (tp x dp_shard)",
-                          "footnoted"))
-    if spec.tp_note:
-        notes.append(Note(spec.tp_note))
-    return tuple(s for s in STRATEGIES if not same.get(s)), tp_info
+    return notes
 
 
 def _model_facts(spec: ModelSpec, c) -> dict:

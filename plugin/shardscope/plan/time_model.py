@@ -147,43 +147,43 @@ def flops_per_token(spec, model: dict, tokens: int, checkpointing: bool) -> floa
     return total
 
 
-def comm_seconds(row: dict, setup, fig: Figures) -> tuple[float, float]:
-    """(exposed-for-sure, hideable) seconds of the row's collectives."""
+def comm_seconds(row, setup, fig: Figures) -> tuple[float, float]:
+    """(exposed-for-sure, hideable) seconds of the row's (`formulas.Row`) collectives."""
     exposed = hideable = 0.0
-    for term, nbytes in row["comm"].items():
+    for term, nbytes in row.comm.items():
         kind = KIND_OF_TERM.get(term, "all_reduce")
-        across = setup.nodes > 1 and term not in TP_TERMS and (row["strategy"] not in NODE_LOCAL
+        across = setup.nodes > 1 and term not in TP_TERMS and (row.strategy not in NODE_LOCAL
                                                                or term == "grad_all_reduce")
         seconds = nbytes / (fig.network_bytes_per_s if across else fig.bus(kind))
-        share = fig.hidden_share.get(kind, 1.0) if overlapped(row["strategy"], term) else 0.0
+        share = fig.hidden_share.get(kind, 1.0) if overlapped(row.strategy, term) else 0.0
         exposed += (1 - share) * seconds
         hideable += share * seconds
     return exposed, hideable
 
 
-def offload_seconds(row: dict, model: dict, setup, fig: Figures) -> float:
+def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
     """PCIe copies per step + the CPU optimizer step over this rank's trainable shard s(T):
     zero2_offload: A grads down + params up once (s(T) x (A x g + p)); zero3_offload, fsdp_offload:
     the parameter shard up for every forward and backward and the grads down, A x s(P) x (2p + g)."""
-    if row["strategy"] not in OFFLOAD:
+    if row.strategy not in OFFLOAD:
         return 0.0
-    n, A = row["shard_degree"], setup.grad_accum_steps
-    p, g = row["per_param"]["weights"], row["per_param"]["grads"]
+    n, A = row.shard_degree, setup.grad_accum_steps
+    p, g = row.per_param.weights, row.per_param.grads
     t_shard, p_shard = model["trainable_params"] / n, model["params_total"] / n
-    copies = t_shard * (A * g + p) if row["strategy"] == "zero2_offload" else A * p_shard * (2 * p + g)
+    copies = t_shard * (A * g + p) if row.strategy == "zero2_offload" else A * p_shard * (2 * p + g)
     return copies / fig.pcie_bytes_per_s + t_shard / fig.cpu_adam_params_per_s
 
 
-def step_time(row: dict, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
-    """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row at `setup`
-    (its micro-batch, accumulation and checkpointing)."""
+def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
+    """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row (`formulas.Row`) at
+    `setup` (its micro-batch, accumulation and checkpointing)."""
     fpt = flops_per_token(spec, model, tokens, setup.activation_checkpointing)
     samples = setup.micro_batch * setup.grad_accum_steps
-    compute = samples * tokens * fpt / (row["mesh"]["tp"] * fig.flops_per_s)
+    compute = samples * tokens * fpt / (row.mesh["tp"] * fig.flops_per_s)
     exposed, hideable = comm_seconds(row, setup, fig)
     offload = offload_seconds(row, model, setup, fig)
-    steps_here = row["strategy"] not in OFFLOAD
-    optimizer = model["trainable_params"] / row["shard_degree"] * fig.optimizer_s_per_param * steps_here
+    steps_here = row.strategy not in OFFLOAD
+    optimizer = model["trainable_params"] / row.shard_degree * fig.optimizer_s_per_param * steps_here
     parts = {"compute": compute, "exposed_comm": exposed + max(0.0, hideable - compute), "optimizer": optimizer,
              "offload": offload, "overhead": setup.grad_accum_steps * fig.overhead_s}
     return {"step_time_s": sum(parts.values()), "step_time_parts": parts, "flops_per_token": fpt}

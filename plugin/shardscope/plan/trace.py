@@ -201,11 +201,15 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
 def _with_lora(model, rank: int, targets: tuple):
     """The model wrapped by peft with LoRA adapters of `rank` on `targets` ("all-linear": every Linear but the
     head), as `get_peft_model` builds them for training (base weights frozen, adapters in fp32 by default)."""
+    import warnings
+
     from peft import LoraConfig, get_peft_model
 
     names = "all-linear" if "all-linear" in targets else list(targets)
     try:
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=names))
+        with warnings.catch_warnings():  # peft reads transformers' deprecated name: not the user's to act on
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=names))
     except ValueError as error:  # no module matches the targets: the planner's own count says so first
         raise TraceError(f"LoRA: {str(error).splitlines()[0]}"[:200]) from None
 

@@ -11,11 +11,10 @@ from .mesh import Setup
 from ..model.spec import config_bytes, load_model_config
 from .trace import Moment, StepTrace, traces_for
 
-# Setup fields only the formulas read (GPUs, sharding, DeepSpeed and FSDP settings): left out of the key.
-# A field not listed here is in it, so a new one can cost a cache miss but never serve a stale trace.
-NOT_TRACED = ("gpus_per_node", "nodes", "gpu_memory_bytes", "optimizer", "fp32_grads", "ddp_bucket_view",
-              "bucket_elements", "zero_overlap_comm", "zero3_persistence_threshold", "zero_sub_group_size",
-              "zero3_offload", "zero_param_groups", "grad_accum_steps", "fsdp_version", "headroom",
+# Setup fields only the formulas read (GPUs, sharding): left out of the key (what the libraries decide,
+# `LibraryKnobs`, is not traced at all). A field not listed here is in it, so a new one can cost a cache miss but
+# never serve a stale trace.
+NOT_TRACED = ("gpus_per_node", "nodes", "gpu_memory_bytes", "optimizer", "grad_accum_steps", "headroom",
               "cpu_memory_bytes", "prefer", "tp_size")
 
 

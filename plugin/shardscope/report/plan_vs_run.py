@@ -10,19 +10,20 @@ from pathlib import Path
 from ..errors import UsageError
 from ..model.spec import ModelSpec, model_spec, resolve_model, spec_from_count
 from ..plan.formulas import strategy_row
-from ..plan.mesh import Setup, setup_for_mesh
+from ..plan.mesh import LibraryKnobs, Setup, setup_for_mesh
 from ..plan.trace import regime_for
 from ..strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, strategy_from_summary
 from ..summary import COMPONENTS, read_summary
 
 
 def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: Setup | None = None,
-                model: str | None = None) -> dict:
+                model: str | None = None, knobs: LibraryKnobs | None = None) -> dict:
     """Planner estimate for the summary's strategy, world size, precision and model beside each
     rank's measured bytes: per component planned, measured, rel_diff = (measured - planned)/planned.
     Where a rank's summary has a measured peak (`peak_breakdown`) and its step's shape (`peak_step`), its
     `peak` holds the planned peak of that same step (micro-batch, sequence or image size, checkpointing,
-    traced from `model` or the summary's model when it is a local folder or shipped name) beside it."""
+    traced from `model` or the summary's model when it is a local folder or shipped name) beside it. `knobs`: what
+    the libraries decide, where the summary does not say (the ZeRO and FSDP settings it holds win)."""
     summary = read_summary(summary_path)
     strategy = strategy_from_summary(summary)
     if strategy is None:
@@ -36,18 +37,19 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
     info = summary.get("model") or {}
     spec, model = _spec_of_run(summary_path, info, spec, model)
     setup = _setup_of_run(summary_path, summary, strategy, setup, world, nodes, precision)
-    row = strategy_row(strategy, spec, setup)
+    knobs = _knobs_of_run(summary, strategy, knobs or LibraryKnobs())
+    row = strategy_row(strategy, spec, setup, knobs=knobs)
     planned = {k: getattr(row, k) for k in COMPONENTS}
     planned["model_states_bytes"] = row.model_states_bytes
     if setup.reference_model:
         planned["frozen_models_bytes"] = row.frozen_bytes
-    peaks = _PlannedPeaks(strategy, spec, setup, model)
+    peaks = _PlannedPeaks(strategy, spec, setup, knobs, model)
     ranks = _ranks(summary_path, summary, planned, peaks)
     trainable = info.get("trainable_params")
     planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.peak_bytes)
     return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
             "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": planned_peak,
-            "bucket_elements": setup.bucket_elements, "trace_note": peaks.note,
+            "bucket_elements": knobs.bucket_elements, "trace_note": peaks.note,
             "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
             "planned_comm_bytes_per_step": row.comm_bytes_per_step,
             "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
@@ -70,8 +72,8 @@ def _spec_of_run(summary_path, info: dict, spec: ModelSpec | None, model: str | 
 
 def _setup_of_run(summary_path, summary: dict, strategy: str, setup: Setup | None, world: int, nodes: int,
                   precision: str) -> Setup:
-    """The Setup the run was: its GPUs, precision, accumulation, TP mesh, the ZeRO/FSDP settings its profiler read
-    and whether it held a frozen reference model."""
+    """The Setup the run was: its GPUs, precision, accumulation, TP mesh and whether it held a frozen reference
+    model."""
     setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision)
     accum = summary.get("gradient_accumulation_steps", setup.grad_accum_steps)
     if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
@@ -92,19 +94,23 @@ def _setup_of_run(summary_path, summary: dict, strategy: str, setup: Setup | Non
         if by_mesh != strategy:
             raise UsageError(f"summary '{summary_path}': key 'strategy' ({strategy}) disagrees with key 'mesh' "
                              f"{mesh} (which is {by_mesh})")
+    # A run that held a frozen copy of the model (DPO's reference) is planned with one: compared as its own part.
+    return replace(setup, reference_model=all(v is not None for v in _references(summary)))
+
+
+def _knobs_of_run(summary: dict, strategy: str, knobs: LibraryKnobs) -> LibraryKnobs:
+    """`knobs` with the ZeRO / FSDP settings the run's profiler read (`strategy_detail`)."""
     detail = summary.get("strategy_detail") or {}
     if strategy.startswith("zero3") and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
-        setup = replace(setup, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
+        knobs = replace(knobs, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
     if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
-        setup = replace(setup, fsdp_version=int(detail["fsdp_version"]))
+        knobs = replace(knobs, fsdp_version=int(detail["fsdp_version"]))
     if strategy.startswith("zero"):  # the buckets the run's ZeRO optimizer was built with (the profiler reads them)
         if _count_or_none(detail.get("reduce_bucket_size")):
-            setup = replace(setup, bucket_elements=detail["reduce_bucket_size"])
+            knobs = replace(knobs, bucket_elements=detail["reduce_bucket_size"])
         if isinstance(detail.get("overlap_comm"), bool):
-            setup = replace(setup, zero_overlap_comm=detail["overlap_comm"])
-    # A run that held a frozen copy of the model (DPO's reference) is planned with one: compared as its own part.
-    setup = replace(setup, reference_model=all(v is not None for v in _references(summary)))
-    return setup
+            knobs = replace(knobs, zero_overlap_comm=detail["overlap_comm"])
+    return knobs
 
 
 def _references(summary: dict) -> list:
@@ -132,8 +138,9 @@ def _ranks(summary_path, summary: dict, planned: dict, peaks: "_PlannedPeaks") -
 class _PlannedPeaks:
     """The planned peak of each step shape a run's ranks measured (traced once per shape)."""
 
-    def __init__(self, strategy: str, spec: ModelSpec, setup: Setup, model: str | None):
-        self.strategy, self.spec, self.setup, self.model, self.rows, self.note = strategy, spec, setup, model, {}, None
+    def __init__(self, strategy: str, spec: ModelSpec, setup: Setup, knobs: LibraryKnobs, model: str | None):
+        self.strategy, self.spec, self.setup, self.knobs, self.model = strategy, spec, setup, knobs, model
+        self.rows, self.note = {}, None
 
     def beside(self, rank: dict, where: str) -> dict | None:
         """{step, planned {peak_bytes, peak_breakdown, peak_phase, activations_source}, measured {peak_tensor_bytes,
@@ -160,7 +167,7 @@ class _PlannedPeaks:
                 traces, self.note = cached_traces_for(self.model, setup)
             else:
                 self.note = "no model config to trace: activations from the formula (approximate)"
-            self.rows[key] = strategy_row(self.strategy, self.spec, setup,
+            self.rows[key] = strategy_row(self.strategy, self.spec, setup, knobs=self.knobs,
                                           trace=traces.get(regime_for(self.strategy, setup.precision)))
         row, measured = self.rows[key], rank["peak_tensor_bytes"]
         return {"step": shape, "planned": {k: getattr(row, k) for k in ("peak_bytes", "peak_breakdown", "peak_phase",

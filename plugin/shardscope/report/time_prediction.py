@@ -57,7 +57,7 @@ def predict_run(path, fig: Figures) -> dict:
     doc = load_json(path / SUMMARY_FILE if path.is_dir() else path, "run summary")
     spec, setup, strategy = run_setup(doc, path)
     planned = estimate(spec, setup)
-    row = next(r for r in planned["rows"] if r["strategy"] == strategy)
+    row = next(r for r in planned["rows"] if r.strategy == strategy)
     predicted = step_time(row, spec, planned["model"], setup, planned["activations"]["tokens_per_sample"], fig)
     real = measured(doc)
     error = (predicted["step_time_s"] - real["median"]) / real["median"] if real else None
