@@ -106,6 +106,8 @@ def test_config_shards_as_promised(config, strategy_runs, parameter_shapes):
         assert detail["reduce_bucket_size"] == independent[0]["reduce_bucket_size"] > 0
         assert detail.get("overlap_comm", independent[0]["overlap_comm"]) == independent[0]["overlap_comm"]
         assert ("overlap_comm" in detail) == (not strategy.startswith("zero3"))  # ZeRO-3 keeps it as a stream only
+        if not strategy.startswith("zero3"):  # ZeRO-1/2 all-gather the updated partitions in buckets of this size
+            assert detail["allgather_bucket_size"] == independent[0]["allgather_bucket_size"] > 0
         if strategy.startswith("zero3"):  # read from the live ZeRO-3 optimizer, as the engine's config resolved them
             assert detail["prefetch_bucket_size"] == independent[0]["prefetch_bucket_size"] > 0
             assert detail["stage3_param_persistence_threshold"] == independent[0]["persistence_threshold"] > 0
