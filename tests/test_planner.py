@@ -389,6 +389,24 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
     assert err.count("\n") == 0 and str(path) in err and "key 'ranks[0].peak_step'" in err
 
 
+def test_compare_plans_a_zero3_run_with_its_live_bucket_and_threshold(tiny_llama, tmp_path):
+    """An accelerate yaml with an inline DeepSpeed config leaves DeepSpeed's own defaults (reduce bucket 5e8 elements,
+    persistence threshold 1e5), not the Trainer's "auto" (hidden^2, 10 x hidden): plan_vs_run plans with what the
+    summary recorded from the live optimizer (the prefetch bucket is recorded too; no planned figure depends on it)."""
+    spec = model_spec(str(tiny_llama))
+    live = {"zero_stage": 3, "reduce_bucket_size": 5 * 10 ** 8, "prefetch_bucket_size": 5 * 10 ** 7,
+            "stage3_param_persistence_threshold": 10 ** 5}
+    base = Setup(gpus_per_node=2, precision="fp32")
+    expected = strategy_row("zero3", spec, replace(base, bucket_elements=5 * 10 ** 8, zero3_persistence_threshold=10 ** 5))
+    auto = strategy_row("zero3", spec, base)
+    measured = {k: getattr(expected, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+    result = plan_vs_run(_summary(tmp_path, tiny_llama, "zero3", measured, strategy_detail=live))
+    assert result["bucket_elements"] == 5 * 10 ** 8
+    assert result["planned_total_bytes"] == expected.peak_bytes != auto.peak_bytes
+    planned = {c["component"]: c["planned"] for c in result["ranks"][0]["components"]}
+    assert planned["params_bytes"] == expected.params_bytes != auto.params_bytes  # the threshold keeps more whole
+
+
 def test_zero_buckets_reads_what_the_zero_optimizer_was_built_with():
     from shardscope.strategy import zero_buckets
 
@@ -401,8 +419,9 @@ def test_zero_buckets_reads_what_the_zero_optimizer_was_built_with():
         def __init__(self, optimizer):
             self.optimizer = optimizer
 
-    stage2 = Zero(reduce_bucket_size=500_000_000, overlap_comm=False)
-    assert zero_buckets(Wrapper(stage2)) == {"reduce_bucket_size": 500_000_000, "overlap_comm": False}
+    stage2 = Zero(reduce_bucket_size=500_000_000, overlap_comm=False, allgather_bucket_size=200_000_000)
+    assert zero_buckets(Wrapper(stage2)) == {"reduce_bucket_size": 500_000_000, "overlap_comm": False,
+                                             "allgather_bucket_size": 200_000_000}
     assert zero_buckets(Zero(reduce_bucket_size=4096)) == {"reduce_bucket_size": 4096}  # ZeRO-3: no overlap_comm
     import torch
 

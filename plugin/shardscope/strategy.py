@@ -196,8 +196,9 @@ def zero_buckets(optimizer) -> dict:
     """What DeepSpeed's ZeRO optimizer among `optimizer`'s layers was built with: `reduce_bucket_size`
     (elements: the engine passes it its config's `zero_reduce_bucket_size()`, DeepSpeed's 5e8 default where
     the config sets none, the Trainer's hidden^2 for "auto"), for ZeRO-1/2 `overlap_comm` (ZeRO-3 keeps that
-    only as a stream), for ZeRO-3 `prefetch_bucket_size` (elements) and `stage3_param_persistence_threshold` (the
-    live value: an inline accelerate yaml's "auto" resolved); {} for any other optimizer."""
+    only as a stream) and `allgather_bucket_size` (elements), for ZeRO-3 `prefetch_bucket_size` (elements) and
+    `stage3_param_persistence_threshold` (the live value: an inline accelerate yaml's "auto" resolved); {} for any
+    other optimizer."""
     from .state_bytes import zero_optimizer
 
     zero = zero_optimizer(optimizer)
@@ -206,6 +207,8 @@ def zero_buckets(optimizer) -> dict:
     out = {"reduce_bucket_size": zero.reduce_bucket_size}
     if isinstance(getattr(zero, "overlap_comm", None), bool):
         out["overlap_comm"] = zero.overlap_comm
+    if isinstance(getattr(zero, "allgather_bucket_size", None), int):  # ZeRO-1/2
+        out["allgather_bucket_size"] = zero.allgather_bucket_size
     if isinstance(getattr(zero, "prefetch_elements", None), int):  # ZeRO-3
         out["prefetch_bucket_size"] = zero.prefetch_elements
     threshold = getattr(getattr(zero, "parameter_offload", None), "param_numel_persistence_threshold", None)

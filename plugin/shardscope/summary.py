@@ -26,8 +26,9 @@ FIELDS = {
     "shardscope_version": "the package version that wrote it",
     "strategy": "the planner's strategy name (ddp, zero3, fsdp_full_shard, tp, ...) or 'single'",
     "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...); under ZeRO "
-                       "`reduce_bucket_size` (elements) and, ZeRO-1/2, `overlap_comm`, as the run's ZeRO optimizer "
-                       "was built with them (what plan_vs_run plans)",
+                       "`reduce_bucket_size` (elements), ZeRO-1/2 `overlap_comm` and `allgather_bucket_size`, ZeRO-3 "
+                       "`prefetch_bucket_size` and `stage3_param_persistence_threshold`, as the run's ZeRO optimizer "
+                       "was built with them (plan_vs_run plans with those its Setup takes)",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
     "preflight_plan": "on a GPU: the planner's peak for this run at its first training batch's shape",
     "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "

@@ -82,14 +82,18 @@ class ShardingProfilerCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         with self._guard("callback order"):
             self._run_before_reporters()
-        frozen = {}
+        frozen, trained = {}, model
         with self._guard("frozen models"):
             self._trainer = self._find_trainer()
             frozen = frozen_models_of(self._trainer, model)
+        with self._guard("DDP wrapper"):  # the profiler reads the buckets of DDP's reducer from the wrapper
+            wrapped = getattr(self._trainer, "model_wrapped", None)
+            trained = wrapped if type(wrapped).__name__ == "DistributedDataParallel" and wrapped.module is model \
+                else model
         memory_step = self.memory_step and min(self.memory_step, state.max_steps or self.memory_step)
         every = self.every_n_steps or max(1, int(state.logging_steps or 1))  # the Trainer keeps it as a float too
         self.profiler = self.profiler_class(
-            model, optimizer, output_dir=args.output_dir, every_n_steps=every,
+            trained, optimizer, output_dir=args.output_dir, every_n_steps=every,
             frozen_models=frozen, peak_tflops=self.peak_tflops, summary_file=self.summary_file,
             memory_step=memory_step, **self.sampled, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             flops_model=self._flops_model, start_step=state.global_step, last_step=state.max_steps,

@@ -5,12 +5,16 @@ active and categorises it: parameters and buffers, gradients, activations (saved
 recomputation), temporaries (what backward and the loss allocate and free), optimizer state. The
 model and optimizer are registered before the step, so what they already hold counts too; a
 strategy's own long-lived buffers allocated at set-up and not reachable from the model or optimizer
-(DDP's reducer buckets, DeepSpeed's reduce buckets) are not seen.
+are not seen. DDP's reducer buckets, which its C++ reducer allocates when DDP wraps the model (and again when
+it rebuilds them after the first step) and holds at every moment, are a part of their own (`buffers`): MemTracker
+would see each only from the reducer's first write into it in backward, as a temporary, so it is kept out of the
+tracker and counted whole at every moment (`ddp_buckets`); DeepSpeed's reduce buckets are not counted.
 
 `StepPeak` reports:
 - `peak_tensor_bytes`: the largest total of live tensors during the step;
-- `peak_breakdown`: {parameters (buffers included), gradients, optimizer, activations, temporaries} at that moment
-  (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions);
+- `peak_breakdown`: {parameters (module buffers included), gradients, optimizer, activations, temporaries, buffers}
+  at that moment (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions;
+  buffers: DDP's reducer buckets);
 - `peak_phase`: forward, backward or optimizer step: where the peak was first reached;
 - `peak_step`: the shape of the step's first training forward (`STEP_SHAPE`: rows, sequence length of the
   token ids or image size of the pixels, activation checkpointing on), what a plan of the same step needs.
@@ -30,7 +34,7 @@ from ..mem_tracker import tracker
 from ..state_bytes import master_weights, optimizer_layers, zero_grad_buffers
 from .guard import Instrument, WarnOnce
 
-BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer step")
 STEP_SHAPE = ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")
 SUMMARY_KEYS = ("peak_tensor_bytes", "peak_breakdown", "peak_phase", "peak_step")  # per rank, from `reported`
@@ -70,18 +74,57 @@ def _guard_methods(owner, names: tuple, instrument: Instrument) -> None:
         setattr(owner, name, instrument.wrap(getattr(owner, name)))
 
 
+def ddp_buckets(model) -> list[int]:
+    """Bytes of each bucket DDP's reducer holds now (`model` the DistributedDataParallel wrapper), read from the
+    reducer's zero copies of them (`_get_zeros_like_grad_buckets`), made as fake tensors: no memory. [] for any other
+    model, and under `gradient_as_bucket_view`, where the buckets are the gradients' own storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return [b.buffer().numel() * b.buffer().element_size() for b in model.reducer._get_zeros_like_grad_buckets()]
+
+
+def _skip_buckets(step_tracker, sizes: list[int], instrument: Instrument) -> None:
+    """Keep DDP's buckets out of `step_tracker`: a storage it has not met, of a bucket's size, first seen through a
+    view (the reducer writes each gradient into its view of the bucket; a tensor made in the step is met where it
+    is made, whole) is a bucket, never tracked."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    track, remaining, buckets = step_tracker._track, list(sizes), WeakIdKeyDictionary()
+
+    def _track(reftype, t):
+        storage = t.untyped_storage()
+        if storage in buckets:
+            return None
+        if storage not in step_tracker._WINFO and t._is_view() and storage.nbytes() in remaining:
+            remaining.remove(storage.nbytes())
+            buckets[storage] = True
+            return None
+        return track(reftype, t)
+
+    if sizes:
+        step_tracker._track = instrument.wrap(_track)
+
+
 class StepPeak:
     """Context manager around one optimizer step: `with StepPeak(model, optimizer, instrument) as peak: <step>`,
     then `peak.result()`. Phase boundaries come from hooks on the model's forward and the optimizer's step; every
-    hook and tracker callback runs under `instrument` (a failure disables it, the step goes on)."""
+    hook and tracker callback runs under `instrument` (a failure disables it, the step goes on). `wrapper`: what
+    the loop runs `model` in; a DDP wrapper's reducer buckets (`ddp_buckets`) are counted as `buffers` at every
+    moment, and kept out of the tracker."""
 
-    def __init__(self, model, optimizer=None, instrument: Instrument | None = None):
+    def __init__(self, model, optimizer=None, instrument: Instrument | None = None, wrapper=None):
         if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):  # FSDP1 marks its parameters
             # FSDP1 swaps in non-leaf views of its flat parameters during forward; torch refuses a gradient hook there
             raise ValueError("FSDP1 flat parameters cannot be tracked by MemTracker")
         self.instrument = instrument or Instrument("memory", WarnOnce())
         self.tracker = guarded_tracker(self.instrument)
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, buckets = model, optimizer, ddp_buckets(wrapper)
+        self.buffers = sum(buckets)
+        _skip_buckets(self.tracker, buckets, self.instrument)
         self.marks: list[tuple[str, int]] = []  # (phase starting, peak total so far)
         self.shape: dict | None = None  # the first training forward's (`step_shape`)
 
@@ -123,6 +166,7 @@ class StepPeak:
             for category, nbytes in per_device.items():
                 if category in CATEGORY:
                     breakdown[CATEGORY[category]] += nbytes
+        breakdown["buffers"] = self.buffers
         return {"peak_tensor_bytes": sum(breakdown.values()), "peak_breakdown": breakdown,
                 "peak_phase": self._phase(self._peak_total()), "peak_step": self.shape or {}}
 

@@ -80,7 +80,7 @@ class ShardingProfiler:
 
     Summary only, per rank: `frozen_models` {name: parameter bytes this rank holds (ZeRO-3 partitions, FSDP shards,
     the dtype really held)} and `frozen_models_bytes`; `peak_tensor_bytes`, `peak_breakdown` {parameters, gradients,
-    optimizer, activations, temporaries}, `peak_phase`, `peak_step` {micro_batch, seq_len, image_size,
+    optimizer, activations, temporaries, buffers}, `peak_phase`, `peak_step` {micro_batch, seq_len, image_size,
     gradient_checkpointing} from one instrumented warm step (`memory_step`, left out of throughput; see `peak.py`);
     `cpu_peak_rss_bytes` (the process's peak RSS, libraries included, never called peak memory); `throughput`
     {rates above, samples, tokens, seconds, flops_convention}; from `precision.py`: `dtypes`, `master_params_bytes`,
@@ -509,7 +509,7 @@ class ShardingProfiler:
         self._instruments("start", upcoming)
         if self.memory_step is not None and upcoming == self.memory_step and self._memory.ok:
             with self._memory:
-                self._step_peak = StepPeak(self._module, self.optimizer, self._memory).__enter__()
+                self._step_peak = StepPeak(self._module, self.optimizer, self._memory, self.model).__enter__()
         if sampled:  # after the tracker: dispatch modes leave in reverse order (the counter first, in step())
             self._begin_sampled()
 

@@ -14,9 +14,9 @@ live then. `formulas.FamilyRow.held` gives the strategy's part. Per moment, per 
     optimizer    = optimizer_bytes (moments, master copy, step counts)
     activations, temporaries = the trace's (each rank computes its own micro-batch whole)
     buffers      = what the strategy allocates to communicate, from the row's `buffers_detail` (ZeRO's
-                   reduce buckets; DDP's reducer buckets once backward has produced gradients: torch's
-                   MemTracker sees them allocated as gradients arrive), without what exists only inside
-                   the optimizer step
+                   reduce buckets; DDP's reducer buckets, which the reducer allocates when DDP wraps the model
+                   and holds at every moment: the callback adds them to its measured peak, as MemTracker never
+                   sees them), without what exists only inside the optimizer step
 
 With gradient accumulation (A > 1, the Trainer's `no_sync` on all but the last micro-batch) a later
 micro-batch starts with what earlier ones left, the carried gradients, at every moment above:
@@ -40,7 +40,6 @@ STEP_ONLY = ("fp32_grad_copy_in_step",)                       # buffers that exi
 AT_END = ("flat_grad_partition", "reduce_scatter_output")     # gradient copies made at the end of backward
 GATHERED = ("gathered_units", "unit_grad", "gathered_layer", "gathered_params", "kept_gathered",
             "reduce_scatter_input")                           # counted through `held`
-IN_BACKWARD = ("ddp_buckets",)                                # live once gradients exist
 
 
 def step_peak(states: dict, buffers_detail: dict, moments: dict, held: dict | None = None) -> dict:
@@ -50,8 +49,7 @@ def step_peak(states: dict, buffers_detail: dict, moments: dict, held: dict | No
     h = {"gathered": 0, "reduce_copy": 0, "fresh_unit": 0, "backward_grads": states["grads_bytes"], "carried": 0,
          **(held or {})}
     gathered, gathered_end = h["gathered"], h.get("gathered_end", h["gathered"])
-    held_buffers = sum(v for k, v in buffers_detail.items() if k not in STEP_ONLY + AT_END + GATHERED + IN_BACKWARD)
-    in_backward = sum(buffers_detail.get(k, 0) for k in IN_BACKWARD)
+    held_buffers = sum(v for k, v in buffers_detail.items() if k not in STEP_ONLY + AT_END + GATHERED)
     moments = {**moments, "end of backward": {"activations": 0, "temporaries": 0, "gradient_fraction": 1.0}}
     candidates = {}
     for name, m in moments.items():
@@ -68,12 +66,12 @@ def step_peak(states: dict, buffers_detail: dict, moments: dict, held: dict | No
             "optimizer": states["optimizer_bytes"],
             "activations": m["activations"],
             "temporaries": m["temporaries"],
-            "buffers": held_buffers + (in_backward if live else 0),
+            "buffers": held_buffers,
         }
     candidates["optimizer step"] = {
         "parameters": states["params_bytes"], "gradients": states["grads_bytes"],
         "optimizer": states["optimizer_bytes"], "activations": 0, "temporaries": 0,
-        "buffers": held_buffers + in_backward + sum(buffers_detail.get(k, 0) for k in STEP_ONLY)}
+        "buffers": held_buffers + sum(buffers_detail.get(k, 0) for k in STEP_ONLY)}
     moment, breakdown = max(candidates.items(), key=lambda item: sum(item[1].values()))
     phase = moment if moment in ("forward", "optimizer step") else "backward"
     return {"peak_bytes": sum(breakdown.values()), "peak_breakdown": breakdown, "peak_phase": phase}

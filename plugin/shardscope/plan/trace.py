@@ -47,10 +47,11 @@ class StepTrace:
     """The candidate peak moments of one micro-batch, and the trainable bytes the gradients belong to.
 
     forward:        the forward's peak (the loss included)
-    head backward:  the peak before the layers' backward (the loss's and head's gradients); it holds one
-                    more layer's activations per layer, like `last layer backward`
+    head backward:  the peak before the top layer's backward begins (the loss's and the head's gradients)
     last layer backward / first layer backward: the peak inside the backward of the top and the bottom layer
                     (checkpointing: the late one holds nearly all gradients and little else)
+    embeddings backward: the peak from the input embeddings' backward to the end (all other gradients, the
+                    embeddings' own; a head tied to them holds its gradient until the two are summed)
     """
 
     moments: dict                # name -> Moment
@@ -123,10 +124,6 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
                          (trainable, 0), regime, simulated=True)
     (m1, p1), (m2, p2) = points
     scaled = {name: Moment(*((2 * v1 - v2, v2 - v1) for v1, v2 in zip(m1[name], m2[name]))) for name in m1}
-    # the head's moment, seen alone only where the head dominates (1 layer), grows like the top layer's
-    slope = scaled["last layer backward"]
-    scaled["head backward"] = Moment(*((v - s1, s1) for v, (_, s1) in zip(
-        m1["head backward"], (slope.activations, slope.temporaries, slope.gradients))))
     return StepTrace(scaled, (2 * p1 - p2, p2 - p1), regime)
 
 
@@ -143,8 +140,6 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification
     from transformers.initialization import no_init_weights
-
-    from ..mem_tracker import tracker as memory_tracker
 
     config = copy.deepcopy(config)
     setattr(config, layers_key, depth)
@@ -165,6 +160,9 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
         model = _with_lora(model, *lora)
     with FakeTensorMode(allow_non_fake_inputs=False):
         model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        # a fake tensor cannot take a meta tensor's place in its Parameter, so `_apply` made new ones: tie the
+        # config's tied weights again (GPT-2's head and input embeddings), or the trace holds two of them
+        (model.get_base_model() if lora is not None else model).tie_weights()
         if checkpointing:
             model.config.use_cache = False  # the cache is off under checkpointing anyway: say so, not warn it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -178,24 +176,54 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids}
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        tracker = memory_tracker()
-        tracker.track_external(model)
         autocast = torch.autocast("cpu", dtype=half) if regime == "autocast" else contextlib.nullcontext()
-        with tracker:
-            with autocast:
-                outputs = model(**batch)
-                loss = outputs.loss
-                del outputs  # the Trainer keeps only the loss: the logits are freed before backward
-            loss.backward()
-        layers = _layer_list(model, depth)
-
-        def peak(module, state):  # a module's own snapshot (MemTracker names its states by these strings)
-            return _parts({s.value: v for s, v in tracker.memory_tracking[module].snapshots.items()}[state][-1])
-
-        moments = {"forward": peak(model, "Peak-Forward"), "head backward": peak(model, "Peak-Backward"),
-                   "last layer backward": peak(layers[-1], "Peak-Backward"),
-                   "first layer backward": peak(layers[0], "Peak-Backward")}
+        moments = _moments(model, batch, autocast, _layer_list(model, depth))
     return moments, trainable
+
+
+def _moments(model, batch, autocast, layers) -> dict:
+    """One forward with the loss and one backward under MemTracker; the parts (`_parts`) of the candidate moments:
+    the model's forward peak, its backward peak before the top layer's backward begins (the loss and the head),
+    each end layer's backward peak, and the input embeddings' backward peak, which runs to the end of backward
+    (a tied head's gradient waits there to be summed with the embeddings'; absent where no gradient reaches them)."""
+    from ..mem_tracker import tracker as memory_tracker
+
+    tracker = memory_tracker()
+    tracker.track_external(model)
+
+    def peak(module):  # a module's backward or forward peak so far (MemTracker names its states by these strings)
+        states = {s.value: v for s, v in tracker.memory_tracking[module].snapshots.items()} \
+            if module in tracker.memory_tracking else {}
+        return {state: _parts(states[state][-1]) for state in ("Peak-Forward", "Peak-Backward") if state in states}
+
+    head = {}
+    pre_backward = tracker._pre_bw_hook  # ModTracker takes the instance's hooks when the tracker is entered
+
+    def before_layer(module, args):
+        if module is layers[-1] and not head:
+            head.update(peak(model))
+        pre_backward(module, args)
+
+    tracker._pre_bw_hook = before_layer
+    with tracker:
+        with autocast:
+            outputs = model(**batch)
+            loss = outputs.loss
+            del outputs  # the Trainer keeps only the loss: the logits are freed before backward
+        loss.backward()
+    moments = {"forward": peak(model)["Peak-Forward"], "head backward": head["Peak-Backward"],
+               "last layer backward": peak(layers[-1])["Peak-Backward"],
+               "first layer backward": peak(layers[0])["Peak-Backward"]}
+    embeddings = peak(_input_embeddings(model)).get("Peak-Backward")
+    return moments if embeddings is None else {**moments, "embeddings backward": embeddings}
+
+
+def _input_embeddings(model):
+    """The model's input embeddings module, or None where its class names none."""
+    try:
+        return model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _with_lora(model, rank: int, targets: tuple):

@@ -6,13 +6,13 @@ From each run's `planner.plan_vs_run` result (the same plan as `plan --compare`)
 the summary's `peak_step`; ZeRO's reduce bucket as the run's optimizer had it). A run is shown by the rank
 whose measured peak is largest (the one that decides whether a run fits), with the spread of the
 error over all ranks. Error = (planned - measured) / measured, as the planner's 5% bound reads.
-The planned breakdown has a part the measured one has not: `buffers` (ZeRO's reduce buckets, DDP's reducer
-buckets), which torch's MemTracker files under the tensors they hold (gradients), so the totals compare
-like for like and the parts only roughly.
+Both breakdowns have `buffers`: planned, ZeRO's reduce buckets and DDP's reducer buckets; measured, DDP's reducer
+buckets only (torch's MemTracker files ZeRO's under the tensors they hold, gradients), so the totals compare like
+for like and the parts only roughly.
 """
 from __future__ import annotations
 
-# Stack order and colour of each part (the measured parts are peak.BREAKDOWN; planned adds buffers, frozen).
+# Stack order and colour of each part (the measured parts are peak.BREAKDOWN; planned adds frozen).
 COLOURS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer": "tab:green", "activations": "tab:red",
            "temporaries": "tab:purple", "buffers": "tab:gray", "frozen": "tab:brown"}
 
