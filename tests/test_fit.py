@@ -65,14 +65,15 @@ def ddp_peak(spec, micro, accumulation, checkpointing, seq_len) -> int:
     the written-out formula (docs/planner.md: Korthikanti et al. 2022 per layer, 34 s b h x e/2; checkpointing keeps
     each layer's input plus one layer; fp32 and 16-bit logits):
         states  = 4 P weights + 8 P moments + 4 B AdamW step per tensor (9 per Llama layer, embeddings, norm, head)
-        forward = activations + gradients already held (all of them when checkpointing recomputes in backward, with
-                  DDP's bucket copy of them; without, those an earlier micro-batch carried)
-        backward's end / the optimizer step = 4 P gradients + 4 P DDP buckets"""
+                  + 4 P DDP reducer buckets (a copy of the gradients, allocated when DDP wraps the model)
+        forward = activations + gradients already held (all of them when checkpointing recomputes in backward;
+                  without, those an earlier micro-batch carried)
+        backward's end / the optimizer step = 4 P gradients"""
     P, L, h, V, s, b, e = spec.params_total, spec.num_layers, spec.hidden_size, spec.vocab_size, seq_len, micro, 2
     layer = s * b * h * 34 * e // 2
     activations = (L * s * b * h * e + layer if checkpointing else L * layer) + b * s * V * (4 + e)
-    held = 8 * P if checkpointing else 4 * P if accumulation > 1 else 0
-    return 12 * P + 4 * (9 * L + 3) + max(activations + held, 8 * P)
+    held = 4 * P if checkpointing or accumulation > 1 else 0
+    return 16 * P + 4 * (9 * L + 3) + max(activations + held, 4 * P)
 
 
 def test_ddp_candidates_are_a_brute_force_with_a_peak_written_here():
