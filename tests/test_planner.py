@@ -397,7 +397,8 @@ def test_compare_plans_a_zero3_run_with_its_live_bucket_and_threshold(tiny_llama
     live = {"zero_stage": 3, "reduce_bucket_size": 5 * 10 ** 8, "prefetch_bucket_size": 5 * 10 ** 7,
             "stage3_param_persistence_threshold": 10 ** 5}
     base = Setup(gpus_per_node=2, precision="fp32")
-    expected = strategy_row("zero3", spec, replace(base, bucket_elements=5 * 10 ** 8, zero3_persistence_threshold=10 ** 5))
+    expected = strategy_row("zero3", spec, base,
+                            knobs=LibraryKnobs(bucket_elements=5 * 10 ** 8, zero3_persistence_threshold=10 ** 5))
     auto = strategy_row("zero3", spec, base)
     measured = {k: getattr(expected, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     result = plan_vs_run(_summary(tmp_path, tiny_llama, "zero3", measured, strategy_detail=live))
