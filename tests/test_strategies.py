@@ -97,6 +97,9 @@ def test_config_shards_as_promised(config, strategy_runs, parameter_shapes):
         assert rank["optimizer_bytes"] == pytest.approx(2 * expected_moments + master * P, rel=0.01)
         # DDP's reducer buckets, allocated where torch's MemTracker does not see them, are a part of the measured
         # peak: the profiler reads the reducer's buckets, the worker sums the gradients they hold; exact (same bytes)
+        if summary["strategy_detail"].get("fsdp_version") == 1:  # MemTracker refuses FSDP1's flat parameters
+            assert rank["peak_breakdown"] is None and "FSDP1" in summary["instruments"]["memory"]
+            continue
         assert rank["peak_breakdown"]["buffers"] == counted.get("ddp_bucket_bytes", 0)
         assert rank["peak_tensor_bytes"] == sum(rank["peak_breakdown"].values())
         assert (rank["peak_breakdown"]["buffers"] > 0) == (strategy == "ddp")
