@@ -16,21 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 
 from shardscope import ShardingProfilerCallback
 from shardscope import end_of_run
+from train_tiny import RandomTokens  # the same random token data (this folder is on the path)
 
 STEPS = 8
 SAMPLED = dict(memory_step=1, comm_step=2, time_step=3)
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n, seq_len, vocab):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(3, vocab, (n, seq_len), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
 
 
 def deepspeed_config(stage: int) -> dict:

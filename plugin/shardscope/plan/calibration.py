@@ -85,15 +85,25 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
+def timed_ranks(doc: dict) -> list[dict]:
+    """The summary's ranks that have both a timed step's breakdown and a measured median step."""
+    return [r for r in doc.get("ranks") or [] if r.get("time_breakdown") and r.get("step_time_s")]
+
+
+def scaled_breakdown(ranks: list[dict]) -> dict:
+    """The timed step's `time_breakdown`, each part scaled by median plain step / timed step, mean over `ranks`."""
+    return {k: mean(r["time_breakdown"][k] * r["step_time_s"]["median"] / r["time_breakdown"]["step_s"]
+                    for r in ranks) for k in ranks[0]["time_breakdown"]}
+
+
 def from_summary(doc, where) -> dict:
     """Figures from a summary (formulas in the module docstring); a summary without them: one UsageError line."""
     try:
-        ranks = [r for r in doc["ranks"] if r.get("time_breakdown") and r.get("step_time_s")]
+        ranks = timed_ranks(doc)
         if not ranks:
             raise UsageError(f"--calibrate {where}: no rank has both 'time_breakdown' and 'step_time_s' (profile "
                              "with a timed step and more than one plain step)")
-        part = {k: mean(r["time_breakdown"][k] * r["step_time_s"]["median"] / r["time_breakdown"]["step_s"]
-                        for r in ranks) for k in ranks[0]["time_breakdown"]}
+        part = scaled_breakdown(ranks)
         accumulation = int(doc.get("gradient_accumulation_steps") or 1)
         out = {"overhead_s": (part["data_wait_s"] + part["other_s"]) / accumulation}
         flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_time_s"]["steps"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..model.spec import model_spec
-from ..plan.calibration import calibrate, run_figures
+from ..plan.calibration import calibrate, run_figures, scaled_breakdown, timed_ranks
 from ..plan.mesh import Setup
 from ..plan.planner import estimate
 from ..plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
@@ -69,17 +69,12 @@ def predict_run(path, fig: Figures) -> dict:
 
 def measured_parts(doc: dict) -> dict | None:
     """The timed step's breakdown in the model's parts, scaled to the median plain step (mean over ranks)."""
-    ranks = [r for r in doc.get("ranks") or [] if r.get("time_breakdown") and r.get("step_time_s")]
+    ranks = timed_ranks(doc)
     if not ranks:
         return None
-    out = dict.fromkeys(PARTS, 0.0)
-    for r in ranks:
-        b, scale = r["time_breakdown"], r["step_time_s"]["median"] / r["time_breakdown"]["step_s"] / len(ranks)
-        out["compute"] += (b["forward_s"] + b["backward_s"]) * scale
-        out["exposed_comm"] += b["exposed_comm_s"] * scale
-        out["optimizer"] += b["optimizer_s"] * scale
-        out["overhead"] += (b["data_wait_s"] + b["other_s"]) * scale
-    return out
+    b = scaled_breakdown(ranks)
+    return {"compute": b["forward_s"] + b["backward_s"], "exposed_comm": b["exposed_comm_s"],
+            "optimizer": b["optimizer_s"], "offload": 0.0, "overhead": b["data_wait_s"] + b["other_s"]}
 
 
 def explaining_part(prediction: dict) -> str | None:
