@@ -6,9 +6,12 @@
 Without --runs it trains them first (tests/workers/train_time.py under torchrun, at the highest CPU priority the
 machine allows: DDP, ZeRO-1/2/3 through the Trainer's DeepSpeed integration, FSDP2 full shard and shard-grad-op
 through tests/cpu_shim), each strategy's configurations (accumulation 1 and 2, checkpointing off and on) one after
-another in one launched process, 8 steps each (instrumented steps 1-3, plain steps 4-8). Then: calibrated from the
-DDP run at accumulation 1 without checkpointing, every run's prediction beside its measured median; the predicted
-order against the measured one wherever two runs' p10-p90 spreads do not overlap; and DDP predicted from ZeRO-3.
+another in one launched process, 8 steps each (instrumented steps 1-3, plain steps 4-8), then `shardscope preflight`
+on the same 2 ranks (each collective kind's bus bandwidth at the runs' message sizes, PREFLIGHT_SIZES). Then:
+calibrated from the DDP run at accumulation 1 without checkpointing and the preflight (the collective kinds DDP
+never issues, all_gather and reduce_scatter, at the preflight's speed), every run's prediction beside its measured
+median; the predicted order against the measured one wherever two runs' p10-p90 spreads do not overlap; the same
+from the DDP run alone; and DDP predicted from ZeRO-3 and the preflight.
 `--small`: DDP and ZeRO-3 only, two configurations (the test suite's size).
 """
 from __future__ import annotations
@@ -46,6 +49,8 @@ def priority_raised() -> bool:
 
 
 SMALL = {"strategies": ("ddp", "zero3"), "configs": ("a1c0", "a2c1")}
+PREFLIGHT = "preflight.json"
+PREFLIGHT_SIZES = "1MiB,4MiB,16MiB,32MiB"  # the runs' messages: per-layer gathers of 1-3 MB up to DDP's 25 MB bucket
 
 
 def train_all(root: Path, strategies=tuple(STRATEGIES), configs=CONFIGS, priority: bool = False,
@@ -60,23 +65,33 @@ def train_all(root: Path, strategies=tuple(STRATEGIES), configs=CONFIGS, priorit
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "cpu_shim"), str(ROOT / "plugin")]))
     nice = ["nice", "-n", "-20"] if priority and priority_raised() else []
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    for name in strategies:
-        cmd = [*nice, torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", free_port(),
-               str(ROOT / "tests" / "workers" / "train_time.py"), "--model", str(root / "model"),
-               "--configs", ",".join(configs), *STRATEGIES[name], "--output_dir", str(root / name)]
+    launch = [*nice, torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    commands = [[*launch, "--master_port", free_port(), str(ROOT / "tests" / "workers" / "train_time.py"), "--model",
+                 str(root / "model"), "--configs", ",".join(configs), *STRATEGIES[name], "--output_dir", str(root / name)]
+                for name in strategies]
+    commands.append([*launch, "--master_port", free_port(), "-m", "shardscope", "preflight", "--output-dir", str(root),
+                     "--sizes", PREFLIGHT_SIZES])
+    for cmd in commands:
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
-def predictions(root: Path, calibrate_from: str) -> list[dict]:
-    """Every run under `root` predicted by the model calibrated from the run `calibrate_from` alone."""
-    from shardscope.plan.calibration import calibrate, run_figures
+def calibrated(root: Path, *calibrate_from: str):
+    """The model's figures calibrated from `calibrate_from` (runs under `root`, or its preflight.json), read as
+    `--calibrate` reads them, the first given first."""
+    from shardscope.cli.step_time import measured_figures
+    from shardscope.plan.calibration import calibrate
     from shardscope.plan.time_model import datasheet_figures, hardware
+
+    return calibrate(measured_figures([root / s for s in calibrate_from]), datasheet_figures(hardware("H100", "fp32")))[0]
+
+
+def predictions(root: Path, *calibrate_from: str) -> list[dict]:
+    """Every run under `root` predicted by the model calibrated from `calibrate_from` alone."""
     from shardscope.report.time_prediction import explaining_part, predict_run
 
-    source = root / calibrate_from
-    fig, _ = calibrate([(str(source), run_figures(source))], datasheet_figures(hardware("H100", "fp32")))
+    fig = calibrated(root, *calibrate_from)
     out = []
     for name in STRATEGIES:
         for config in CONFIGS:
@@ -117,21 +132,51 @@ def order_disagreements(rows: list[dict]) -> tuple[int, list[tuple[str, str]]]:
     return apart, wrong
 
 
-def section(root: Path) -> list[str]:
-    from_ddp, from_zero3 = predictions(root, "ddp/a1c0"), predictions(root, "zero3/a1c0")
-    within = sum(abs(r["error"]) <= TOLERANCE for r in from_ddp)
-    passes = [compute_per_pass(r) for r in from_ddp]
-    apart, wrong = order_disagreements(from_ddp)
-    return [f"## Runs in {root.name}: calibrated from ddp/a1c0 (DDP, accumulation 1, checkpointing off), {within} of "
-            f"{len(from_ddp)} within {TOLERANCE:.0%}", "", *table(from_ddp), "",
+def within(rows: list[dict]) -> int:
+    return sum(abs(r["error"]) <= TOLERANCE for r in rows)
+
+
+def links_line(root: Path, *calibrate_from: str) -> str:
+    fig = calibrated(root, *calibrate_from)
+    bus = ", ".join(f"{kind} {speed / 1e9:.3g} GB/s" for kind, speed in sorted(fig.bus_bytes_per_s.items()))
+    return f"Bus bandwidth per collective kind ({fig.sources['bus_bytes_per_s'].replace(f'{root}/', '')}): {bus}."
+
+
+def section(root: Path, first: bool = True) -> list[str]:
+    """The section of one folder of runs; the first folder's also carries the summary docs/fit.md places."""
+    links = (PREFLIGHT,) if (root / PREFLIGHT).is_file() else ()
+    main_rows = predictions(root, "ddp/a1c0", *links)
+    passes = [compute_per_pass(r) for r in main_rows]
+    apart, wrong = order_disagreements(main_rows)
+    text = [f"## Runs in {root.name}: calibrated from ddp/a1c0 (DDP, accumulation 1, checkpointing off)"
+            f"{' and ' + PREFLIGHT if links else ''}, {within(main_rows)} of {len(main_rows)} within {TOLERANCE:.0%}",
+            "", links_line(root, "ddp/a1c0", *links), "", *table(main_rows), "",
             f"Predicted order: {apart - len(wrong)} of the {apart} pairs of runs whose measured p10-p90 spreads do not "
             "overlap are ordered as measured" + (f"; not: {', '.join(f'{a} / {b}' for a, b in wrong)}." if wrong
                                                  else "."), "",
             f"Measured compute per forward + backward pass of the same micro-batch (same FLOPs in every run): "
             f"{min(passes):.3f} to {max(passes):.3f} s, a {max(passes) / min(passes):.2f}x spread between runs; the "
-            "model has one achieved FLOP/s, so the compute part alone is off by up to that spread.", "",
-            f"### Runs in {root.name}: DDP calibrated from zero3/a1c0", "",
-            *table([r for r in from_zero3 if r["strategy"] == "ddp"]), ""]
+            "model has one achieved FLOP/s, so the compute part alone is off by up to that spread.", ""]
+    if links:
+        alone = predictions(root, "ddp/a1c0")
+        text += [f"From ddp/a1c0 alone, without the preflight: {within(alone)} of {len(alone)} within "
+                 f"{TOLERANCE:.0%}. {links_line(root, 'ddp/a1c0')}", ""]
+    from_zero3 = [r for r in predictions(root, "zero3/a1c0", *links) if r["strategy"] == "ddp"]
+    if links and first:
+        text += ["<!-- part:summary -->",
+                 f"- Calibrated from ddp/a1c0 and {PREFLIGHT}: {within(main_rows)} of {len(main_rows)} runs within "
+                 f"{TOLERANCE:.0%} of their measured median; predicted order right for {apart - len(wrong)} of "
+                 f"{apart} clearly separated pairs.",
+                 f"- From ddp/a1c0 alone (all_gather and reduce_scatter taken at all_reduce's speed): {within(alone)} "
+                 f"of {len(alone)} within {TOLERANCE:.0%}.",
+                 f"- DDP calibrated from zero3/a1c0 and {PREFLIGHT}: {within(from_zero3)} of {len(from_zero3)} within "
+                 f"{TOLERANCE:.0%}. Optimizer seconds per parameter a rank steps: "
+                 f"{calibrated(root, 'ddp/a1c0').optimizer_s_per_param * 1e9:.2g} ns measured on DDP (torch's "
+                 f"AdamW), {calibrated(root, 'zero3/a1c0').optimizer_s_per_param * 1e9:.2g} ns on ZeRO-3 (DeepSpeed's "
+                 "step).", "<!-- /part:summary -->", ""]
+    return text + [f"### Runs in {root.name}: DDP calibrated from zero3/a1c0{' and ' + PREFLIGHT if links else ''}, "
+                   f"{within(from_zero3)} of {len(from_zero3)} within {TOLERANCE:.0%}", "",
+                   links_line(root, "zero3/a1c0", *links), "", *table(from_zero3), ""]
 
 
 def main(argv=None) -> None:
@@ -153,8 +198,8 @@ def main(argv=None) -> None:
             "medians over the plain steps. The largest part difference is the part (compute, exposed_comm, "
             "optimizer, overhead) whose prediction is furthest from the timed step's breakdown scaled to the median "
             "(signed: + predicted more).", ""]
-    for root in roots:
-        text += section(root)
+    for i, root in enumerate(roots):
+        text += section(root, first=i == 0)
     args.output.write_text("\n".join(text))
     print("\n".join(text))
 

@@ -13,9 +13,11 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
 From a preflight's measurements (`from_links`, given `preflight.calibration.calibration_from_preflight`'s
 record by the command line, which reads the file): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth
 per kind inside a node; the slowest across-node bandwidth as the network.
-A figure several runs give is taken from the first run given that has it; a collective kind no run issued
-takes the slowest measured kind's bandwidth and hidden share (the same link; sent bytes per second are
-comparable across kinds under the ring convention); figures no run measured stay datasheet.
+A figure several runs give is taken from the first run given that has it (so `RUN_DIR preflight.json`: the run's
+figures, and the preflight's bandwidth for the collective kinds the run never issued); a kind nothing measured takes
+the slowest measured kind's bandwidth and hidden share (the same link: NCCL's bus bandwidths compare across kinds,
+gloo's do not, its all_gather and reduce_scatter being far slower than its all_reduce: benchmarks/results/
+time_prediction.md); figures no run measured stay datasheet.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
             runs = sorted({e["run"] for e in entry.values()})
             missing = sorted(set(getattr(base, name)) - set(entry))
             sources[name] = "measured on " + ", ".join(runs) + (
-                f" ({', '.join(missing)}: as {', '.join(sorted(entry))})" if missing else "")
+                f" ({', '.join(missing)}: as {', '.join(sorted(entry))}; a preflight.json measures each kind)"
+                if missing else "")
         else:
             changes[name] = entry["value"]
             sources[name] = f"measured on {entry['run']}"
