@@ -29,8 +29,9 @@ MODEL = {"params_total": 10 ** 6, "trainable_params": 10 ** 6}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 FIG = Figures(flops_per_s=1e12, bus_bytes_per_s=dict.fromkeys(KINDS, 1e9), network_bytes_per_s=1e8,
               hidden_share=dict.fromkeys(KINDS, 0.75), optimizer_s_per_param=1e-9, overhead_s=0.01,
-              pcie_bytes_per_s=1e9, cpu_adam_params_per_s=1e9, sources=dict.fromkeys(
-                  ("flops_per_s", "bus_bytes_per_s", "hidden_share", "optimizer_s_per_param", "overhead_s"), "test"))
+              pcie_bytes_per_s=1e9, cpu_adam_params_per_s=1e9, zero_step_s_per_param=0.5e-9, sources=dict.fromkeys(
+                  ("flops_per_s", "bus_bytes_per_s", "hidden_share", "optimizer_s_per_param", "overhead_s",
+                   "zero_step_s_per_param"), "test"))
 MESH = {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
 
 
@@ -44,8 +45,10 @@ def test_parts_by_hand():
     compute = 2 * 3 * 10 * (6 * 10 ** 6 + 12 * 2 * 8 * 10) / 1e12  # samples x tokens x flops/token / FLOP/s
     zero2 = step_time(row("zero2", {"grad_all_reduce": 4e9, "param_all_gather": 1e9}), SPEC, MODEL, setup, 10, FIG)
     assert zero2["step_time_parts"] == pytest.approx({"compute": compute, "exposed_comm": 5.0,  # nothing hidden
-                                                      "optimizer": 10 ** 6 / 4 * 1e-9, "offload": 0.0,
-                                                      "overhead": 0.03})
+                                                      "optimizer": 10 ** 6 / 4 * (1e-9 + 0.5e-9), "offload": 0.0,
+                                                      "overhead": 0.03})  # DeepSpeed's step around the update too
+    fsdp = step_time(row("fsdp_full_shard", {}), SPEC, MODEL, setup, 10, FIG)
+    assert fsdp["step_time_parts"]["optimizer"] == pytest.approx(10 ** 6 / 4 * 1e-9)  # torch's step: the update
     ddp = step_time(row("ddp", {"grad_all_reduce": 4e9}, shard=1), SPEC, MODEL, setup, 10, FIG)
     # 25% of 4 s exposed; the hidden 3 s exceed the compute, so the rest of them is exposed too
     assert ddp["step_time_parts"]["exposed_comm"] == pytest.approx(1.0 + (3.0 - compute))
@@ -97,6 +100,24 @@ def test_calibration_from_a_summary(tmp_path):
     zero2, _ = calibrate([write_run(tmp_path / "zero2", summary("zero2"))], FIG)
     assert zero2.hidden_share == FIG.hidden_share  # ZeRO-2 overlaps nothing: no hidden share measured, kept
     assert zero2.optimizer_s_per_param == pytest.approx(0.1 * scale / (10 ** 6 / 2))  # each rank steps half
+
+
+def test_a_zero_run_splits_deepspeeds_step_into_the_update_and_the_rest(tmp_path):
+    """optimizer_update_s (the torch optimizer's step inside DeepSpeed's) gives the per-parameter update every
+    strategy runs; the rest of ZeRO's step is DeepSpeed's own, per parameter stepped."""
+    doc = summary("zero3")
+    for rank in doc["ranks"]:
+        rank["time_breakdown"] = {**rank["time_breakdown"], "optimizer_update_s": 0.04}
+    fig, record = calibrate([write_run(tmp_path / "zero3", doc)], FIG)
+    scale, stepped = 0.4 / 0.8, 10 ** 6 / 2
+    assert fig.optimizer_s_per_param == pytest.approx(0.04 * scale / stepped)
+    assert fig.zero_step_s_per_param == pytest.approx((0.1 - 0.04) * scale / stepped)
+    assert record["zero_step_s_per_param"]["run"] == str(tmp_path / "zero3")
+    ddp_doc = summary()
+    for rank in ddp_doc["ranks"]:
+        rank["time_breakdown"] = {**rank["time_breakdown"], "optimizer_update_s": 0.1}
+    ddp, ddp_record = calibrate([write_run(tmp_path / "ddp", ddp_doc)], FIG)
+    assert "zero_step_s_per_param" not in ddp_record and ddp.zero_step_s_per_param == FIG.zero_step_s_per_param
 
 
 def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):

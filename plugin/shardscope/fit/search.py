@@ -204,7 +204,9 @@ def why_lost(cand: Candidate, winner: Candidate) -> str:
     parts = {"compute": "compute" + (" (checkpointing recomputes the forward: +33% matmul FLOPs)"
                                      if cand.gradient_checkpointing and not winner.gradient_checkpointing else ""),
              "exposed_comm": "communication not hidden behind compute",
-             "optimizer": "the optimizer step over more parameters per rank",
+             "optimizer": "the optimizer step" + (" (DeepSpeed ZeRO's copies around the update)"
+                                                  if family(cand.strategy) == "deepspeed" != family(winner.strategy)
+                                                  else " over more parameters per rank"),
              "offload": "offload copies over PCIe and the CPU optimizer step",
              "overhead": f"{cand.gradient_accumulation_steps} micro-batches per step instead of "
                          f"{winner.gradient_accumulation_steps} (per-micro-batch overhead)"}

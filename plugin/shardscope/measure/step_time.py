@@ -6,7 +6,8 @@ window's definition, so data loading counts). Hooks mark phases as profiler rang
 - backward: from a forward's end to the next forward or the optimizer step: the backward pass, the
   gradient synchronisation a library waits for at its end, gradient clipping;
 - optimizer: the innermost torch optimizer's step, or DeepSpeed ZeRO's whole step (partition update and
-  the parameter all-gather after it);
+  the parameter all-gather after it); `optimizer_update_s`, inside it, is the innermost torch optimizer's
+  step alone (the weight update; for ZeRO, the rest of its step is DeepSpeed's copies and bookkeeping);
 - data_wait: from the step's start to its first forward: the data loader and what the Trainer does
   between steps (logging);
 - other: the rest (zero_grad, the scheduler, callbacks).
@@ -17,7 +18,7 @@ CUDA): the wait that overlap did not hide. Exposed time is taken out of the phas
 
     forward_s + backward_s + optimizer_s + exposed_comm_s + data_wait_s + other_s = step_s
 
-(up to float rounding); `comm_s`, overlapped or not, stands beside the sum.
+(up to float rounding); `comm_s`, overlapped or not, and `optimizer_update_s` stand beside the sum.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from .guard import Instrument, MethodWrap
 
 PREFIX = "shardscope::"
 PARTS = ("forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_wait_s", "other_s")  # sum to step_s
-BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "comm_s", "exposed_comm_s", "data_wait_s", "other_s",
-             "step_s")
+BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "optimizer_update_s", "comm_s", "exposed_comm_s", "data_wait_s",
+             "other_s", "step_s")
 RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
 
 
@@ -43,7 +44,7 @@ class StepTimer:
     def __init__(self, model, optimizer, device: torch.device | None, instrument: Instrument):
         self.model, self.optimizer, self.instrument = model, optimizer, instrument
         self.cuda = device is not None and device.type == "cuda"
-        self._open = self._step = self._profiler = None
+        self._open = self._step = self._profiler = self._update = None
 
     def start(self) -> "StepTimer":
         from torch.profiler import ProfilerActivity, profile
@@ -77,18 +78,30 @@ class StepTimer:
         if phase is not None:
             self._open = record_function(PREFIX + phase).__enter__()
 
+    def _updating(self, on: bool, whole: bool) -> None:
+        """Open (on) or close the range of the innermost optimizer's step (ZeRO-3 runs it once per sub-group);
+        `whole`: it is the optimizer phase too (no ZeRO around it)."""
+        if on:
+            if whole:
+                self._mark("optimizer")
+            self._update = record_function(PREFIX + "update").__enter__()
+            return
+        if self._update is not None:
+            self._update, update = None, self._update
+            update.__exit__(None, None, None)
+        if whole:
+            self._mark(None)
+
     def _install(self) -> None:
         model, hook = self.model, self.instrument.hook
         hook(model.register_forward_pre_hook, lambda *_: self._mark("forward"), prepend=True)
         hook(model.register_forward_hook, lambda *_: self._mark("backward"), always_call=True)
-        zero = zero_optimizer(self.optimizer)
+        zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
         if zero is not None:  # ZeRO's step holds the partition update and the all-gather: time it whole
             MethodWrap(self.instrument, zero, "step", lambda *_: self._mark("optimizer"), lambda: self._mark(None))
-            return
-        base = base_optimizer(self.optimizer)
         if base is not None:
-            hook(base.register_step_pre_hook, lambda *_: self._mark("optimizer"))
-            hook(base.register_step_post_hook, lambda *_: self._mark(None))
+            hook(base.register_step_pre_hook, lambda *_: self._updating(True, whole=zero is None))
+            hook(base.register_step_post_hook, lambda *_: self._updating(False, whole=zero is None))
 
 
 def _intervals(events, cuda: bool) -> dict:
@@ -123,6 +136,7 @@ def breakdown(spans: dict) -> dict:
     phases["other"] = _minus(step, _union([s for spans_ in phases.values() for s in spans_]))
     comm = _clip(_union(spans["comm"]), step)
     exposed = _minus(comm, _union(spans["compute"]))
+    phases["optimizer_update"] = _clip(_union(spans.get("update", [])), step)  # inside optimizer, not a part
     out = {f"{p}_s": (_length(x) - _length(_clip(exposed, x))) / 1e6 for p, x in phases.items()}
     out.update(comm_s=_length(comm) / 1e6, exposed_comm_s=_length(exposed) / 1e6, step_s=_length(step) / 1e6)
     return {key: out[key] for key in BREAKDOWN}

@@ -8,7 +8,10 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
                              (kinds under 1% of the sent bytes left out)
     hidden_share[kind]     = (comm_s - exposed_comm_s) / (comm_s x the overlapped kinds' share of sent bytes),
                              for each kind the strategy runs beside compute (`time_model.overlapped`), at most 1
-    optimizer_s_per_param  = optimizer_s / (trainable params / (dp_shard x tp))
+    optimizer_s_per_param  = optimizer_update_s (the torch optimizer's step; optimizer_s in summaries without it)
+                             / (trainable params / (dp_shard x tp))
+    zero_step_s_per_param  = (optimizer_s - optimizer_update_s) / the same, from a DeepSpeed ZeRO run: its step's
+                             copies and bookkeeping around the update
     overhead_s             = (data_wait_s + other_s) / gradient_accumulation_steps
 From a preflight's measurements (`from_links`, given `preflight.calibration.calibration_from_preflight`'s
 record by the command line, which reads the file): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..safe_io import load_json
+from ..strategy import family
 from ..summary import SUMMARY_FILE
 from .time_model import Figures, overlapped
 
@@ -117,8 +121,11 @@ def from_summary(doc, where) -> dict:
         out.update(comm_figures(doc["strategy"], ranks, part))
         mesh = doc.get("mesh") or {}
         shard = (mesh.get("dp_shard") or 1) * (mesh.get("tp") or 1)
-        trainable = doc["model"].get("trainable_params") or doc["model"]["params_total"]
-        out["optimizer_s_per_param"] = part["optimizer_s"] / (trainable / shard)
+        stepped = (doc["model"].get("trainable_params") or doc["model"]["params_total"]) / shard
+        update = part.get("optimizer_update_s", part["optimizer_s"])
+        out["optimizer_s_per_param"] = update / stepped
+        if family(doc["strategy"]) == "deepspeed" and "optimizer_update_s" in part:
+            out["zero_step_s_per_param"] = (part["optimizer_s"] - update) / stepped
         return out
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
         raise UsageError(f"--calibrate {where}: malformed summary ({type(error).__name__}: {error})") from None

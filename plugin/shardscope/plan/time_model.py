@@ -7,8 +7,9 @@
                    of its collective kind; a term the library runs beside compute (`OVERLAPPED`) hides the share
                    `hidden_share[kind]` of its seconds behind compute, the rest is exposed, and so is whatever
                    hidden time exceeds compute; tensor-parallel terms are never hidden
-    optimizer    = trainable parameters this rank steps (trainable / shard degree) x optimizer_s_per_param
-                   (offload rows: 0, their CPU step is in offload)
+    optimizer    = trainable parameters this rank steps (trainable / shard degree) x (optimizer_s_per_param,
+                   + zero_step_s_per_param for DeepSpeed ZeRO: its step's copies and bookkeeping around the
+                   update) (offload rows: 0, their CPU step is in offload)
     offload      = PCIe copies of the offloaded states + the CPU optimizer step (`offload_seconds`)
     overhead     = accumulation x overhead_s (per micro-batch: launches, Python, data)
     step_time_s  = compute + exposed_comm + optimizer + offload + overhead
@@ -37,6 +38,9 @@ NODE_LOCAL = ("fsdp_hybrid_shard", "hsdp_tp")  # their gathers / reduce-scatters
 HBM = {"H200": 4.8e12, "H100-NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12, "V100": 0.9e12, "L40S": 0.864e12,
        "L4": 0.3e12, "T4": 0.32e12, "A10": 0.6e12}
 ADAM_BYTES_PER_PARAM = 36  # fused AdamW: read and write fp32 master, both moments (24), read fp32 grad, write 16-bit
+# ZeRO's step around the update: the 16-bit gradient into the fp32 partition (read 2, write 4), the updated fp32
+# master back into the 16-bit weights (read 4, write 2)
+ZERO_STEP_BYTES_PER_PARAM = 12
 
 # Per GPU, GB/s one direction (datasheets): NVLink (or PCIe where the card has none) and its PCIe link.
 LINKS = {
@@ -107,10 +111,11 @@ class Figures:
     bus_bytes_per_s: dict                   # collective kind -> sent bytes/s per rank inside a node
     network_bytes_per_s: float              # per GPU across nodes
     hidden_share: dict                      # collective kind -> share of an overlapped collective hidden
-    optimizer_s_per_param: float            # per parameter this rank steps
+    optimizer_s_per_param: float            # per parameter this rank steps: the torch optimizer's update
     overhead_s: float                       # per micro-batch
     pcie_bytes_per_s: float
     cpu_adam_params_per_s: float
+    zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
     sources: dict = field(default_factory=dict)
 
     def bus(self, kind: str) -> float:
@@ -127,10 +132,11 @@ def datasheet_figures(hw: Hardware) -> Figures:
     peak = f"{hw.peak_source}: dense peak {hw.peak_flops / 1e12:g} TFLOP/s at MFU {hw.mfu:.0%}"
     return Figures(hw.peak_flops * hw.mfu, dict.fromkeys(kinds, hw.nvlink_bytes_per_s), hw.network_bytes_per_s,
                    dict.fromkeys(kinds, 1.0), ADAM_BYTES_PER_PARAM / hbm, hw.micro_step_overhead_s,
-                   hw.pcie_bytes_per_s, hw.cpu_adam_params_per_s,
+                   hw.pcie_bytes_per_s, hw.cpu_adam_params_per_s, ZERO_STEP_BYTES_PER_PARAM / hbm,
                    {"flops_per_s": peak, "bus_bytes_per_s": f"{hw.link_source or source}",
                     "hidden_share": f"assumed: {source}", "optimizer_s_per_param": f"{source}: {ADAM_BYTES_PER_PARAM} "
-                    f"B/param at {hbm / 1e12:g} TB/s HBM", "overhead_s": f"assumed: {source}"})
+                    f"B/param at {hbm / 1e12:g} TB/s HBM", "overhead_s": f"assumed: {source}",
+                    "zero_step_s_per_param": f"{source}: {ZERO_STEP_BYTES_PER_PARAM} B/param at {hbm / 1e12:g} TB/s"})
 
 
 def flops_per_token(spec, model: dict, tokens: int, checkpointing: bool) -> float:
@@ -183,7 +189,8 @@ def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     exposed, hideable = comm_seconds(row, setup, fig)
     offload = offload_seconds(row, model, setup, fig)
     steps_here = row.strategy not in OFFLOAD
-    optimizer = model["trainable_params"] / row.shard_degree * fig.optimizer_s_per_param * steps_here
+    per_param = fig.optimizer_s_per_param + (fig.zero_step_s_per_param if family(row.strategy) == "deepspeed" else 0)
+    optimizer = model["trainable_params"] / row.shard_degree * per_param * steps_here
     parts = {"compute": compute, "exposed_comm": exposed + max(0.0, hideable - compute), "optimizer": optimizer,
              "offload": offload, "overhead": setup.grad_accum_steps * fig.overhead_s}
     return {"step_time_s": sum(parts.values()), "step_time_parts": parts, "flops_per_token": fpt}
@@ -203,5 +210,6 @@ def describe(fig: Figures) -> list[str]:
             f"overlap: share hidden behind compute of a collective the strategy runs beside it: {hidden} "
             f"({s['hidden_share']}); ZeRO-1/2's and tensor-parallel collectives are exposed (docs/fit.md)",
             f"optimizer: {fig.optimizer_s_per_param * 1e9:.3g} ns per parameter this rank steps "
-            f"({s['optimizer_s_per_param']}); offload: CPU step at {fig.cpu_adam_params_per_s / 1e9:g} G params/s",
+            f"({s['optimizer_s_per_param']}), DeepSpeed ZeRO's step + {fig.zero_step_s_per_param * 1e9:.3g} ns around "
+            f"it ({s['zero_step_s_per_param']}); offload: CPU step at {fig.cpu_adam_params_per_s / 1e9:g} G params/s",
             f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"]
