@@ -229,6 +229,39 @@ def test_tp_dry_run_cli_on_a_tiny_model(tiny_llama, capsys):
     assert "transformers' maybe_distribute_model" in capsys.readouterr().out
 
 
+def test_tp_dry_run_of_a_model_with_tied_embeddings_is_built_as_from_pretrained_builds_it(tmp_path, capsys):
+    """tie_word_embeddings (Qwen2.5-0.5B, Gemma, Llama-3.2): from_pretrained distributes the weights, then ties them;
+    the head's colwise shard is the embedding's, and its gradient (the head's Shard(0) plus the embedding's) stays a
+    shard. Distributing a tied model instead fails inside transformers (KeyError 'lm_head.weight')."""
+    import json
+
+    from shardscope.recipes.tiny import make_causal_lm
+
+    make_causal_lm(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    assert main(["plan", "--model", str(tmp_path / "tied"), "--dry-run", "--gpus", "2", "--strategy", "tp",
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["computed_matches_built"] and row["ranks"]["max"]["rel_diff"] == dict.fromkeys(
+        ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes"), 0.0)
+
+
+def test_a_strategy_transformers_refuses_is_a_row_that_says_so(tiny_llama, monkeypatch, capsys):
+    """transformers' own sharding code failing on a model is that strategy's note; the other rows are built."""
+    from transformers import PreTrainedModel
+
+    def refuse(*_, **__):
+        raise KeyError("lm_head.weight")
+
+    monkeypatch.setattr(PreTrainedModel, "maybe_distribute_model", classmethod(refuse))
+    monkeypatch.setenv("SHARDSCOPE_CACHE", "off")
+    assert main(["plan", "--model", str(tiny_llama), "--dry-run", "--gpus", "2", "--strategy", "tp",
+                 "--strategy", "fsdp_full_shard"]) == 0
+    out = capsys.readouterr().out
+    assert "tp dry run" in out and "could not apply its tensor-parallel plan to this model (KeyError: " \
+        "'lm_head.weight')" in out
+    assert "dry run max: rank 0 (built)" in out  # fsdp_full_shard's row
+
+
 @pytest.mark.parametrize("strategy, world, nodes, tp, message", [
     ("fsdp_tp", 6, 1, 3, "--tp 3 must divide num_attention_heads (4) and num_key_value_heads (2)"),
     ("fsdp_tp", 4, 2, 4, "--tp 4 must divide the GPUs per node (--gpus 2)"),

@@ -323,12 +323,12 @@ def _tp_layout(model, params) -> tuple[tuple | None, str]:
         plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
     except (ValueError, AttributeError) as error:
         return None, f"transformers cannot resolve a tensor-parallel plan: {str(error).splitlines()[0]}"
-    names = {}
-    for name, param in model.named_parameters():  # tied weights: the first name, as `parameters()` dedups
-        names.setdefault(id(param), name)
+    names: dict = {}
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights: every name, the first first
+        names.setdefault(id(param), []).append(name)
     layout, unknown = [], set()
     for param in params:
-        name = names[id(param)]
+        name, *tied = names[id(param)]
         style = ALL_PARALLEL_STYLES[plan[name]] if name in plan else None
         dim = -1 if style is None else _tp_style_dim(style, name.rsplit(".", 1)[-1], param.dim())
         if dim is None:
@@ -337,8 +337,10 @@ def _tp_layout(model, params) -> tuple[tuple | None, str]:
         # embedding_rowwise runs DTensor's embedding op (vocab-sharded weight, replicated ids): its weight
         # gradient comes back Replicate, the whole (V, h) on every TP rank (measured: torch 2.13,
         # transformers 5.23; `plan --dry-run` runs a backward to see it). Under FSDP2 the reduce-scatter
-        # leaves each rank its shard instead.
-        grad_whole = dim == 0 and type(style).__name__ == "EmbeddingParallel"
+        # leaves each rank its shard instead. Tied to a colwise head (tie_word_embeddings), the head's Shard(0)
+        # gradient is added in and the sum stays a shard (the dry run's backward, transformers 5.24).
+        grad_whole = dim == 0 and type(style).__name__ == "EmbeddingParallel" and not any(
+            t in plan and type(ALL_PARALLEL_STYLES[plan[t]]).__name__ != "EmbeddingParallel" for t in tied)
         layout.append((tuple(param.shape), dim, grad_whole))
     note = f"TP styles {', '.join(sorted(unknown))} counted as replicated (not modelled)" if unknown else ""
     return tuple(layout), note

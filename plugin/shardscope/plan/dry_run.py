@@ -83,6 +83,16 @@ NOT_DRY_RUN = {
               "meta-device/fake-process-group path. Shown: the planner's formula only."),
 }
 MOMENTS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+class LibraryRefused(Exception):
+    """The library's own sharding code failed on this model: the strategy's row carries the reason."""
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 OUTPUT_KEYS = ("model", "params_total", "world_size", "nodes", "precision", "optimizer", "results")
 FOUNDATION = ("errors.py", "safe_io.py", "state_bytes.py", "strategy.py", "units.py")  # used by plan/ and model/
 
@@ -222,6 +232,18 @@ def _signature(layer) -> tuple:
     return type(layer), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
 
 
+def untie(model) -> None:
+    """Give each tied weight (`all_tied_weights_keys`: target -> source) a parameter of its own, as the model is
+    when from_pretrained distributes it (it builds under `no_tie_weights` and ties after loading)."""
+    import torch
+
+    for target in (getattr(model, "all_tied_weights_keys", None) or {}):
+        module_name, _, name = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        tied = getattr(module, name)
+        setattr(module, name, torch.nn.Parameter(torch.empty_like(tied), requires_grad=tied.requires_grad))
+
+
 def _shard_model(model, config, strategy: str, mesh_shape: tuple):
     """`model` (on the meta device) sharded as `strategy` on the current (fake) process group, and the mesh dim
     names."""
@@ -237,7 +259,14 @@ def _shard_model(model, config, strategy: str, mesh_shape: tuple):
         dense = init_device_mesh("cpu", (1, r, s, t), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
         expert = init_device_mesh("cpu", (1, r, dc.efsdp_size, dc.ep_size),
                                   mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-        model = type(model).maybe_distribute_model(model, dc, TransformersDeviceMesh(dense, expert))
+        untie(model)  # from_pretrained distributes the weights before it ties them
+        try:
+            model = type(model).maybe_distribute_model(model, dc, TransformersDeviceMesh(dense, expert))
+            model.tie_weights()
+        except Exception as error:  # transformers' own code refusing this model: the row says so, the others go on
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise LibraryRefused(f"not dry-run: transformers {_version('transformers')} could not apply its "
+                                 f"tensor-parallel plan to this model ({type(error).__name__}: {first})") from None
         return model, ("dp_replicate", "fsdp", "tp")
     names = ("replicate", "shard") if strategy == "fsdp_hybrid_shard" else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -427,19 +456,22 @@ def dry_run_sources() -> tuple[str, ...]:
 def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: LibraryKnobs) -> dict:
     spec, results, models = model_spec(config), [], {}
     for strategy in strategies or default_strategies(config, world_size, nodes, setup.tp_size):
-        if strategy in NOT_DRY_RUN:
+        world, where = world_size, nodes
+        if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
+            world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
+        try:
+            if strategy in NOT_DRY_RUN:
+                raise LibraryRefused(NOT_DRY_RUN[strategy])
+            result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
+                             setup.tp_size if strategy != "tp" else world, models)
+        except LibraryRefused as refused:
             row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes),
                                knobs=knobs)
-            results.append({"strategy": strategy, "dry_run": None, "note": NOT_DRY_RUN[strategy],
+            results.append({"strategy": strategy, "dry_run": None, "note": str(refused),
                             "planned": {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
                                         "optimizer_bytes": row.optimizer_bytes,
                                         "model_states_bytes": row.model_states_bytes}})
             continue
-        world, where = world_size, nodes
-        if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
-            world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
-        result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
-                         setup.tp_size if strategy != "tp" else world, models)
         results.append({"strategy": strategy, "world_size": world, "nodes": where,
                         "shard_degree": result.shard_degree, "mesh": list(result.mesh),
                         "mesh_dim_names": list(result.mesh_dim_names), "tp": result.tp, "dtype": result.dtype,

@@ -111,8 +111,9 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
     points = []
     for depth in depths:
         try:
-            points.append(_trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing,
-                                 attention, image_size, lora))
+            with _quiet_fake_tensor_log():
+                points.append(_trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing,
+                                     attention, image_size, lora))
         except TraceError:
             raise
         except Exception as error:  # the model's code on fake tensors: any failure means "cannot trace"
@@ -125,6 +126,21 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
     (m1, p1), (m2, p2) = points
     scaled = {name: Moment(*((2 * v1 - v2, v2 - v1) for v1, v2 in zip(m1[name], m2[name]))) for name in m1}
     return StepTrace(scaled, (2 * p1 - p2, p2 - p1), regime)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch logs an operator its fake kernel refuses, with a traceback, before raising: the raise is what the trace
+    reports (one line, in TraceError), so the log is silenced meanwhile."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _layers_key(config) -> str:
