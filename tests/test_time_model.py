@@ -137,6 +137,17 @@ def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):
     assert fig.bus_bytes_per_s["all_gather"] == 5e10
     assert fig.bus_bytes_per_s["all_reduce"] == pytest.approx(6e6 / 0.15)  # the run's, preflight had none
     assert fig.bus_bytes_per_s["reduce_scatter"] == pytest.approx(6e6 / 0.15)  # neither: the slowest measured
+    both = tmp_path / "both" / "preflight.json"
+    both.parent.mkdir()
+    both.write_text(json.dumps({"schema_version": 1, "dtype": "bf16", "backend": "gloo", "compute": [],
+                                "links": [{"kind": kind, "scope": "intra", "size_bytes": 1 << 20,
+                                           "busbw_bytes_per_s": speed}
+                                          for kind, speed in (("all_reduce", 8e7), ("all_gather", 2e7))]}))
+    run_first, record = calibrate([a, both], FIG)
+    in_training = 6e6 / 0.15  # the run's all_reduce: half the preflight's 8e7, so the preflight's kinds at half
+    assert run_first.bus_bytes_per_s["all_reduce"] == pytest.approx(in_training)
+    assert run_first.bus_bytes_per_s["all_gather"] == pytest.approx(2e7 * in_training / 8e7)
+    assert record["bus_bytes_per_s"]["all_gather"]["run"].startswith(f"{both} x 0.5 (its all_reduce against {a}")
 
 
 def test_fit_calibrated_from_a_preflight_file(capsys, tmp_path):

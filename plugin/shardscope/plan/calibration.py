@@ -17,7 +17,8 @@ From a preflight's measurements (`from_links`, given `preflight.calibration.cali
 record by the command line, which reads the file): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth
 per kind inside a node; the slowest across-node bandwidth as the network.
 A figure several runs give is taken from the first run given that has it (so `RUN_DIR preflight.json`: the run's
-figures, and the preflight's bandwidth for the collective kinds the run never issued); a kind nothing measured takes
+figures, and for the collective kinds the run never issued the preflight's bandwidth scaled by the run's over the
+preflight's on the kinds both measured: `scaled_to`); a kind nothing measured takes
 the slowest measured kind's bandwidth and hidden share (the same link: NCCL's bus bandwidths compare across kinds,
 gloo's do not, its all_gather and reduce_scatter being far slower than its all_reduce: benchmarks/results/
 time_prediction.md); figures no run measured stay datasheet.
@@ -45,7 +46,11 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
     record: dict = {}
     for source, figures in measured:
         for name, value in figures.items():
-            if name in PER_KIND:
+            if name == "bus_bytes_per_s":
+                kinds = record.setdefault(name, {})
+                for kind, entry in scaled_to(kinds, source, value).items():
+                    kinds.setdefault(kind, entry)
+            elif name in PER_KIND:
                 for kind, v in value.items():
                     record.setdefault(name, {}).setdefault(kind, {"value": v, "run": str(source)})
             else:
@@ -64,6 +69,18 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
             changes[name] = entry["value"]
             sources[name] = f"measured on {entry['run']}"
     return replace(base, **changes, sources=sources), record
+
+
+def scaled_to(earlier: dict, source, speeds: dict) -> dict:
+    """A later source's bus bandwidths {kind: {value, run}}, scaled by the mean ratio earlier / later over the kinds
+    both measured (a run's in-training speed against a preflight's isolated one: the level from the run, the
+    ratios between kinds from the preflight); unscaled when they share no kind."""
+    common = [k for k in speeds if k in earlier and speeds[k] > 0]
+    if not common:
+        return {k: {"value": v, "run": str(source)} for k, v in speeds.items()}
+    scale = mean(earlier[k]["value"] / speeds[k] for k in common)
+    label = f"{source} x {scale:.3g} (its {', '.join(common)} against {earlier[common[0]]['run']}'s)"
+    return {k: {"value": v * scale, "run": label} for k, v in speeds.items()}
 
 
 def run_figures(path) -> dict:
