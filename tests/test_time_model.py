@@ -235,3 +235,10 @@ def test_a_run_is_predicted_at_its_own_setup(tmp_path):
     assert double["parts"]["overhead"] == pytest.approx(2 * FIG.overhead_s)
     assert base["measured"]["median"] == 0.4 and base["error"] == pytest.approx(base["predicted_s"] / 0.4 - 1)
     assert (base["strategy"], double["accumulation"], recompute["checkpointing"]) == ("ddp", 2, True)
+    # the folder is gone: the prediction says what stood for the model, and report prints it under its table
+    from shardscope.report.time_prediction import markdown_lines
+
+    assert base["model_note"] == (f"predicted from the parameter count (1,000,000, a Llama shape assumed): its model "
+                                  f"folder {tmp_path / 'gone'} is not on this machine")
+    lines = markdown_lines([{"run": "a1", "predicted_step": base}])
+    assert f"- a1: {base['model_note']}" in lines

@@ -24,23 +24,27 @@ PRECISION = {"fp32": "fp32", "fp16": "fp16-mixed", "fp16-mixed": "fp16-mixed", "
 
 
 def run_setup(doc: dict, where) -> tuple:
-    """(spec, setup, strategy) of a summary's run."""
+    """(spec, setup, strategy, note) of a summary's run; `note` says when the model's folder could not be read and
+    its parameter count stood for it (a Llama shape of that size), else ""."""
     strategy = strategy_from_summary(doc)
     step = (doc["ranks"][0].get("peak_step") or {}) if doc.get("ranks") else {}
     if strategy is None or not step.get("micro_batch"):
         raise UsageError(f"{where}: no strategy the planner knows or no recorded step shape ('peak_step')")
-    name = doc["model"].get("name_or_path")
+    name, note = doc["model"].get("name_or_path"), ""
     try:
-        spec = model_spec(name) if name and Path(name).exists() else model_spec(None,
-                                                                               params=doc["model"]["params_total"])
-    except UsageError:
+        if not name or not Path(name).exists():
+            raise UsageError(f"its model folder {name or '(not recorded)'} is not on this machine")
+        spec = model_spec(name)
+    except UsageError as error:
         spec = model_spec(None, params=doc["model"]["params_total"])
+        note = (f"predicted from the parameter count ({doc['model']['params_total']:,}, a Llama shape assumed): "
+                f"{str(error).rstrip('.')}")
     nodes = int(doc.get("num_nodes") or 1)
     setup = Setup(gpus_per_node=int(doc["world_size"]) // nodes, nodes=nodes,
                   precision=PRECISION.get(str(doc.get("precision")), "bf16-mixed"), micro_batch=int(step["micro_batch"]),
                   seq_len=int(step.get("seq_len") or 2048), grad_accum_steps=int(doc.get("gradient_accumulation_steps") or 1),
                   activation_checkpointing=bool(step.get("gradient_checkpointing"))).validate()
-    return spec, setup, strategy
+    return spec, setup, strategy, note
 
 
 def measured(doc: dict) -> dict | None:
@@ -55,14 +59,15 @@ def predict_run(path, fig: Figures) -> dict:
     """{run, strategy, accumulation, checkpointing, predicted_s, parts, measured {median, p10, p90}, error} of a run."""
     path = Path(path)
     doc = load_json(path / SUMMARY_FILE if path.is_dir() else path, "run summary")
-    spec, setup, strategy = run_setup(doc, path)
+    spec, setup, strategy, note = run_setup(doc, path)
     planned = estimate(spec, setup)
     row = next(r for r in planned["rows"] if r.strategy == strategy)
     predicted = step_time(row, spec, planned["model"], setup, planned["activations"]["tokens_per_sample"], fig)
     real = measured(doc)
     error = (predicted["step_time_s"] - real["median"]) / real["median"] if real else None
     return {"run": str(path), "strategy": strategy, "accumulation": setup.grad_accum_steps,
-            "checkpointing": setup.activation_checkpointing, "predicted_s": predicted["step_time_s"],
+            "checkpointing": setup.activation_checkpointing, "model_note": note,
+            "predicted_s": predicted["step_time_s"],
             "parts": predicted["step_time_parts"], "measured": real, "error": error,
             "measured_parts": measured_parts(doc)}
 
@@ -132,4 +137,5 @@ def markdown_lines(runs: list[dict]) -> list[str]:
         error = f"{p['error']:+.1%}" if p["error"] is not None else "-"
         lines.append(f"| {r['run']} | {p['predicted_s']:.3g} s | {real} | {spread} | {error} | "
                      f"{explaining_part(p) or '-'} |")
-    return lines + [""]
+    notes = [f"- {r['run']}: {r['predicted_step']['model_note']}" for r in rows if r["predicted_step"].get("model_note")]
+    return lines + [""] + (notes + [""] if notes else [])
