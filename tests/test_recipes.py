@@ -371,15 +371,31 @@ def run_recipe(script, *args):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def run_recipe_in_process(capfd, monkeypatch, script, *args):
+    """The recipe run as `__main__` in this process (its imports already paid): exit code and what it printed."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, args), "--output_dir", "/tmp/never_written"])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    out, err = capfd.readouterr()
+    return exit_.value.code, out + err
+
+
+# The image recipe's case runs as a subprocess, as a user runs it; the SFT recipe's cases run in process (its
+# entry point meets bad input under `accelerate launch` in the last test of this file).
 @pytest.mark.parametrize("case", ["missing_column", "not_causal_lm", "image_folder_no_classes"])
-def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets):
+def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets, capfd, monkeypatch):
     if case == "missing_column":
         data = tmp_path / "qa.jsonl"
         data.write_text(json.dumps({"instruction": "Say hi.", "response": "hi"}) + "\n")
-        code, output = run_recipe(SFT, "--model_name_or_path", sft_assets["model"], "--dataset", data)
+        code, output = run_recipe_in_process(capfd, monkeypatch, SFT, "--model_name_or_path", sft_assets["model"],
+                                             "--dataset", data)
         expected = f"causal_lm_sft.py: error: dataset '{data}' has no column(s) 'output'"
     elif case == "not_causal_lm":
-        code, output = run_recipe(SFT, "--model_name_or_path", image_assets["model"], "--dataset", sft_assets["data"])
+        code, output = run_recipe_in_process(capfd, monkeypatch, SFT, "--model_name_or_path", image_assets["model"],
+                                             "--dataset", sft_assets["data"])
         expected = f"causal_lm_sft.py: error: model '{image_assets['model']}' is a dinov2 model"
     elif case == "image_folder_no_classes":
         flat = tmp_path / "flat"
