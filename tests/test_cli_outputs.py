@@ -135,7 +135,7 @@ def test_every_recording_has_its_command():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
     RECORDED.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as cache, ThreadPoolExecutor(2) as pool:
-        for name, text in zip(COMMANDS, pool.map(lambda argv: run(argv, cache), COMMANDS.values())):
+    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(2) as pool:
+        for name, text in zip(COMMANDS, pool.map(lambda argv: run(argv, folder), COMMANDS.values())):
             (RECORDED / f"{name}.txt").write_text(text)
     print(json.dumps(sorted(COMMANDS)))
