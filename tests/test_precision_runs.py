@@ -41,27 +41,46 @@ def fp16_on_cpu() -> bool:
     return bool(mkldnn._is_mkldnn_fp16_supported())
 
 
+# The DDP runs differ only in the script's own flags: they train one after another in one launched process
+# (tests/workers/several_runs.py), one launch instead of three.
+SHARED_LAUNCHES = {"ddp": [("--fp16",), ("--bf16",), ("--bf16", "--dtype", "bfloat16")]}
+
+
 @pytest.fixture(scope="module")
 def precision_run(strategy_model, tmp_path_factory):
-    """Launch tests/workers/train_tiny.py once per (config, flags); returns (summary, final loss)."""
+    """Train tests/workers/train_tiny.py once per (config, flags), launched with the other flags of its
+    SHARED_LAUNCHES entry or alone; returns (summary, final loss, summary path)."""
     from launch import ROOT, accelerate_launch
 
+    worker = ROOT / "tests" / "workers" / "train_tiny.py"
+    common = ["--model", strategy_model("shard_llama"), "--max_steps", STEPS, "--logging_steps", 1,
+              "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no", "--use_cpu"]
     cache = {}
 
+    def name(config, flags):
+        return f"{config}{''.join(flags).replace('-', '_')}"
+
+    def read(out):
+        summary = json.loads((out / "shardscope_summary.json").read_text())
+        losses = [e["loss"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+        assert len(losses) == STEPS
+        return summary, float(losses[-1]), out / "shardscope_summary.json"
+
     def run(config, *flags):
-        key = (config, flags)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{config}{''.join(flags).replace('-', '_')}")
-            args = ["--model", strategy_model("shard_llama"), "--max_steps", STEPS, "--logging_steps", 1,
-                    "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no",
-                    "--use_cpu", *flags]
-            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" /
-                              "train_tiny.py", args, out).check()
-            summary = json.loads((out / "shardscope_summary.json").read_text())
-            losses = [e["loss"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
-            assert len(losses) == STEPS
-            cache[key] = summary, float(losses[-1]), out / "shardscope_summary.json"
-        return cache[key]
+        if (config, flags) not in cache:
+            yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
+            if flags in SHARED_LAUNCHES.get(config, ()):
+                out, args = tmp_path_factory.mktemp(f"shared_{config}"), []
+                for shared in SHARED_LAUNCHES[config]:
+                    args += ["--run", name(config, shared), worker, *common, *shared]
+                accelerate_launch(yaml, ROOT / "tests" / "workers" / "several_runs.py", args, out).check()
+                for shared in SHARED_LAUNCHES[config]:
+                    cache[(config, shared)] = read(out / name(config, shared))
+            else:
+                out = tmp_path_factory.mktemp(name(config, flags))
+                accelerate_launch(yaml, worker, [*common, *flags], out).check()
+                cache[(config, flags)] = read(out)
+        return cache[(config, flags)]
 
     return run
 

@@ -70,36 +70,63 @@ IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
 }
 
 
+# Runs under the same shipped config and launcher flags train one after another in one launched process
+# (tests/workers/several_runs.py): one launch instead of one each. Resumes stay launches of their own (a fresh
+# process resumes), as do runs with launcher flags of their own and the `deepspeed` launcher's run.
+SHARED_LAUNCHES = {  # config -> the (kind, name) runs one launch trains, in order
+    "ddp": [("sft", "ddp"), ("image", "ddp")],
+    "fsdp_full_shard": [("sft", "fsdp"), ("sft", "lora_fsdp")],
+    "zero2": [("sft", "zero2"), ("image", "zero2")],
+    "zero3": [("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen")],
+}
+SEVERAL = ROOT / "tests" / "workers" / "several_runs.py"
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, sft_assets, image_assets):
-    """`runs(kind, name)` launches a run the first time it is asked for and returns the cached `Run`."""
+    """`runs(kind, name)` launches a run (with the others of its SHARED_LAUNCHES entry) the first time it is asked
+    for and returns the cached `Run`."""
     cache: dict[tuple[str, str], Run] = {}
+
+    def command(kind: str, name: str) -> tuple[str, Path, list, list]:
+        """(config, recipe, recipe arguments, launcher flags) of an sft or image run."""
+        if kind == "sft":
+            _, config, extra = SFT_RUNS[name]
+            return config, SFT, sft_args(sft_assets, *extra), SFT_LAUNCHER_ARGS.get(name, [])
+        config, extra, launcher_args = IMAGE_RUNS[name]
+        return config, IMAGE, ["--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path",
+                               image_assets["model"], "--dataset", image_assets["data"], "--save_final_logits",
+                               "true", *extra], launcher_args
+
+    def launch_shared(config: str) -> None:
+        out = tmp_path_factory.mktemp(f"shared_{config}")
+        args = []
+        for kind, name in SHARED_LAUNCHES[config]:
+            _, script, recipe_args, _ = command(kind, name)
+            args += ["--run", f"{kind}_{name}", script, *recipe_args]
+        launched = accelerate_launch(ACC / f"{config}.yaml", SEVERAL, args, out)
+        for kind, name in SHARED_LAUNCHES[config]:  # each run's output: the launcher's and its ranks' own
+            ranks = "".join(log.read_text() for log in sorted((out / "logs").glob(f"{kind}_{name}.rank*.log")))
+            cache[(kind, name)] = Run(launched.cmd, launched.returncode, launched.output + ranks, out / f"{kind}_{name}")
 
     def get(kind: str, name: str) -> Run:
         if (kind, name) not in cache:
-            out = tmp_path_factory.mktemp(f"{kind}_{name}")
-            if kind == "sft":
-                launcher, config, extra = SFT_RUNS[name]
-                if launcher == "deepspeed":
-                    run = deepspeed_launch(SFT, sft_args(sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json",
-                                                         *extra), out)
-                else:
-                    run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), out,
-                                            launcher_args=SFT_LAUNCHER_ARGS.get(name, []))
-            elif kind == "resume":  # resume the uninterrupted run's step-SAVE_AT checkpoint in a new folder
-                first = get("sft", name)
-                _, config, extra = SFT_RUNS[name]
-                run = accelerate_launch(ACC / f"{config}.yaml", SFT, sft_args(
-                    sft_assets, *extra, "--resume_from_checkpoint", first.output_dir / f"checkpoint-{SAVE_AT}"), out,
-                    launcher_args=SFT_LAUNCHER_ARGS.get(name, []))
-            else:
-                config, extra, launcher_args = IMAGE_RUNS[name]
-                run = accelerate_launch(ACC / f"{config}.yaml", IMAGE, [
-                    "--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path", image_assets["model"],
-                    "--dataset", image_assets["data"], "--save_final_logits", "true", *extra], out,
-                    launcher_args=launcher_args)
-            cache[(kind, name)] = run.check()
-        return cache[(kind, name)]
+            shared = next((c for c, members in SHARED_LAUNCHES.items() if (kind, name) in members), None)
+            if shared:
+                launch_shared(shared)
+            elif kind == "sft" and SFT_RUNS[name][0] == "deepspeed":
+                out = tmp_path_factory.mktemp(f"{kind}_{name}")
+                cache[(kind, name)] = deepspeed_launch(SFT, sft_args(
+                    sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json", *SFT_RUNS[name][2]), out)
+            else:  # its own launch; a resume starts from the uninterrupted run's step-SAVE_AT checkpoint
+                resume = kind == "resume"
+                config, script, args, launcher_args = command("sft" if resume else kind, name)
+                if resume:
+                    args = [*args, "--resume_from_checkpoint", get("sft", name).output_dir / f"checkpoint-{SAVE_AT}"]
+                cache[(kind, name)] = accelerate_launch(ACC / f"{config}.yaml", script, args,
+                                                        tmp_path_factory.mktemp(f"{kind}_{name}"),
+                                                        launcher_args=launcher_args)
+        return cache[(kind, name)].check()
 
     return get
 
@@ -344,15 +371,31 @@ def run_recipe(script, *args):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def run_recipe_in_process(capfd, monkeypatch, script, *args):
+    """The recipe run as `__main__` in this process (its imports already paid): exit code and what it printed."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, args), "--output_dir", "/tmp/never_written"])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    out, err = capfd.readouterr()
+    return exit_.value.code, out + err
+
+
+# The image recipe's case runs as a subprocess, as a user runs it; the SFT recipe's cases run in process (its
+# entry point meets bad input under `accelerate launch` in the last test of this file).
 @pytest.mark.parametrize("case", ["missing_column", "not_causal_lm", "image_folder_no_classes"])
-def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets):
+def test_bad_input_is_one_clear_line(case, tmp_path, sft_assets, image_assets, capfd, monkeypatch):
     if case == "missing_column":
         data = tmp_path / "qa.jsonl"
         data.write_text(json.dumps({"instruction": "Say hi.", "response": "hi"}) + "\n")
-        code, output = run_recipe(SFT, "--model_name_or_path", sft_assets["model"], "--dataset", data)
+        code, output = run_recipe_in_process(capfd, monkeypatch, SFT, "--model_name_or_path", sft_assets["model"],
+                                             "--dataset", data)
         expected = f"causal_lm_sft.py: error: dataset '{data}' has no column(s) 'output'"
     elif case == "not_causal_lm":
-        code, output = run_recipe(SFT, "--model_name_or_path", image_assets["model"], "--dataset", sft_assets["data"])
+        code, output = run_recipe_in_process(capfd, monkeypatch, SFT, "--model_name_or_path", image_assets["model"],
+                                             "--dataset", sft_assets["data"])
         expected = f"causal_lm_sft.py: error: model '{image_assets['model']}' is a dinov2 model"
     elif case == "image_folder_no_classes":
         flat = tmp_path / "flat"
