@@ -22,7 +22,8 @@ from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
-from .rank_gather import Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan, start_gather
+from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
+                          process_rank, start_gather)
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
 from ..state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
@@ -117,7 +118,7 @@ class ShardingProfiler:
         self.instruments, self.last_step = list(instruments), last_step  # last_step: when known (max_steps)
         self.summary_extra = dict(summary_extra or {})  # top-level summary keys the caller owns (the callback's fit)
         self.global_step = start_step  # optimizer steps taken (a resumed Trainer run starts past 0)
-        self.warn_once = WarnOnce()
+        self.warn_once, self._guards = WarnOnce(), {}  # _guards: one per figure (a Guard holds no state of its own)
         # What the profiler installs into the loop, by instrument (guard.py): "ok" or why not, in the summary
         self._throughput, self._state, self._memory, self._precision_probe = (
             Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
@@ -135,6 +136,7 @@ class ShardingProfiler:
         with self.guard("strategy"):
             self._module = self._visible_module(model)
             self.preflight.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
+        self._tp = (self.preflight.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
         self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
@@ -152,7 +154,7 @@ class ShardingProfiler:
         with self.guard("device peak FLOP/s"):
             self._peak = self._peak_flops()
         self._preflight_due = self._device.type == "cuda" and self.plan_preflight is not None  # at the first batch
-        if _rank() == 0:
+        if process_rank() == 0:
             with self.guard("preflight log"):
                 logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
@@ -190,14 +192,16 @@ class ShardingProfiler:
         if self._closed:
             self.warn_once("closed", "step() after close(): nothing more is measured")
             return {}
-        metrics = self.logged()  # a deferred measurement not collected since
+        metrics = {} if self._pending is None else self.logged()  # a deferred measurement not collected since
         for micro in (batch if isinstance(batch, list) else [] if batch is None else [batch]):
             self.add_batch(micro)
-        instrumented = self._sampled.end() or self._step_peak is not None
-        self._end_step_peak(keep=True)
-        self._instruments("stop", self.global_step + 1)
+        instrumented = self._sampled.active and self._sampled.end() or self._step_peak is not None
+        if instrumented:
+            self._end_step_peak(keep=True)
+        if self.instruments:
+            self._instruments("stop", self.global_step + 1)
         for instrument in self._all_instruments():
-            if not instrument.ok:  # a failed instrument's hooks come out here, outside them
+            if instrument.failure is not None:  # a failed instrument's hooks come out here, outside them
                 instrument.remove()
         with self.guard("throughput"):
             counted = self._counts.close(samples, tokens, self._flops_model, self._tp)
@@ -241,7 +245,7 @@ class ShardingProfiler:
             gathered = gather_objects({"status": self._statuses(), "results": self._instruments("result")})
             extra, statuses = [g["results"] for g in gathered], [g["status"] for g in gathered]
         self._release()
-        if _rank() != 0 or not self.summary_file:
+        if process_rank() != 0 or not self.summary_file:
             return None
         with self.guard("summary file"):
             summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
@@ -306,7 +310,8 @@ class ShardingProfiler:
             adapters_off = self._adapter_layer is not None and self._adapter_layer.disable_adapters
             training = torch.is_grad_enabled() and not adapters_off
             if training:
-                self._windows("step_begin")  # the first training forward anchors the step's time
+                if self._run.anchor is None:  # (begin_step anchored it, most often)
+                    self._windows("step_begin")  # the first training forward anchors the step's time
                 if self._counts.given:  # the loop hands its batches over (the callback does): nothing to count
                     return
             samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
@@ -477,7 +482,7 @@ class ShardingProfiler:
         flags = SimpleNamespace(bf16=self.precision == "bf16", fp16=self.precision == "fp16")
         self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.preflight.get("strategy"),
                                          self._precision_probe)
-        if _rank() == 0:
+        if process_rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
 
     def _peak_flops(self):
@@ -497,7 +502,7 @@ class ShardingProfiler:
                                    torch.cuda.get_device_properties(self._device).total_memory, inputs)
         if plan is not None:
             self.preflight["plan"] = plan
-        if plan and plan["fits"] is False and _rank() == 0:
+        if plan and plan["fits"] is False and process_rank() == 0:
             logger.warning("shardscope preflight: %s", plan["warning"])
 
     # --- Helpers -----------------------------------------------------------------------------------------------
@@ -506,7 +511,8 @@ class ShardingProfiler:
         the collective counter and the timer, unless `sampled` is False: then at the next begin_step)."""
         upcoming = self.global_step + 1
         self._sampled_due = True
-        self._instruments("start", upcoming)
+        if self.instruments:
+            self._instruments("start", upcoming)
         if self.memory_step is not None and upcoming == self.memory_step and self._memory.ok:
             with self._memory:
                 self._step_peak = StepPeak(self._module, self.optimizer, self._memory, self.model).__enter__()
@@ -541,11 +547,6 @@ class ShardingProfiler:
             torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
         for window in (self._interval, self._run):
             getattr(window, method)(*args, **kwargs)
-
-    @property
-    def _tp(self) -> int:
-        """Tensor-parallel degree of the run (1 without TP)."""
-        return (self.preflight.get("mesh") or {}).get("tp", 1)
 
     def _is_measure_step(self, step: int) -> bool:
         return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
@@ -585,7 +586,8 @@ class ShardingProfiler:
 
     def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""
-        return Guard(self.warn_once, what)
+        guard = self._guards.get(what)
+        return guard if guard is not None else self._guards.setdefault(what, Guard(self.warn_once, what))
 
 
 def _device_of(accelerator, module) -> torch.device:
@@ -593,8 +595,3 @@ def _device_of(accelerator, module) -> torch.device:
         return torch.device(accelerator.device)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return torch.device("cpu") if device.type == "meta" else device
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
