@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import __version__
-from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises
+from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
 from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
@@ -43,19 +43,7 @@ RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_para
                "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
-
-
-def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
-    """A wrong type fails when the profiler (or callback) is made, not at step 0 inside the user's loop.
-    `steps`: memory_step, comm_step, time_step, time_every_n_steps (positive integers or None)."""
-    for name, value in (("every_n_steps", every_n_steps), *steps.items()):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or isinstance(peak_tflops, bool)
-                                    or not 0 < peak_tflops < math.inf):
-        raise ValueError(f"peak_tflops must be a positive number of TFLOP/s or None, got {peak_tflops!r}")
-    if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
-        raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")
+LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
 
 
 class ShardingProfiler:
@@ -166,9 +154,11 @@ class ShardingProfiler:
     def begin_step(self) -> None:
         """Optional: where a step's time starts (by default at its first training forward, or where the previous
         `step()` returned); the Trainer callback calls it at each step begin."""
-        with self.guard("throughput"):
-            self._windows("step_begin")
-        self._begin_sampled()
+        if self._run.anchor is None:  # (the previous step's end anchored it unless it paused)
+            with self.guard("throughput"):
+                self._windows("step_begin")
+        if self._sampled_due:
+            self._begin_sampled()
 
     @never_raises()
     def add_batch(self, batch, samples: int | None = None) -> None:
@@ -305,7 +295,8 @@ class ShardingProfiler:
             with self.guard("planner preflight"):
                 self._plan_preflight({"input_ids": args[0], **kwargs} if args else kwargs)
             self._windows("restart")  # the preflight's seconds are not the step's
-        self._begin_sampled()  # deferred by a pause: starts before the first training forward at the latest
+        if self._sampled_due:  # deferred by a pause: starts before the first training forward at the latest
+            self._begin_sampled()
         with self.guard("batch counting"):
             adapters_off = self._adapter_layer is not None and self._adapter_layer.disable_adapters
             training = torch.is_grad_enabled() and not adapters_off
@@ -412,21 +403,22 @@ class ShardingProfiler:
 
     def _complete(self, rank: dict, summary: bool = True) -> dict:
         """Turn one rank's raw counts into reported figures (`summary=False`: those the logs reduce, no more)."""
-        out = {k: int_or_none(rank[k]) for k in COUNTED_BYTES}
+        out = {k: int_or_none(rank[k]) for k in (COUNTED_BYTES if summary else LOGGED_BYTES)}
         out["frozen_models"] = {name: int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
         out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
-        out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
+        if summary:
+            out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
         with self._memory:
             out.update(peak_reported(rank) if summary else
                        {"peak_tensor_bytes": int_or_none(rank["peak_tensor_bytes"])})
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
-        out["throughput"] = {**rates(totals, self._peak), "samples": int_or_none(totals.samples),
-                             "tokens": int_or_none(totals.tokens), "seconds": totals.seconds,
-                             "flops_convention": FLOPS_CONVENTION}
+        out["throughput"] = rates(totals, self._peak)
         if summary:
+            out["throughput"].update(samples=int_or_none(totals.samples), tokens=int_or_none(totals.tokens),
+                                     seconds=totals.seconds, flops_convention=FLOPS_CONVENTION)
             step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
             out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
             out.update(self._sampled.complete(rank))
