@@ -132,6 +132,7 @@ class ShardingProfiler:
             self._device = _device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
         self._sampled_due = True  # the next step's counter and timer are still to start
+        self._instrument_list = self._all_instruments()  # (read at every step)
         forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
         with self.guard("parameter counts"):
             self._describe_models()
@@ -166,11 +167,16 @@ class ShardingProfiler:
         `step()` without a batch); `samples` overrides the rows counted from the batch."""
         with self.guard("batch counting"):
             try:
-                counted, tokens, flops = self._batch_totals(batch)
+                counted, tokens, seq_len = count_batch(batch, self._patch_size)
+                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
+                    if tokens is not None and self._flops_model else None
             except TypeError as error:  # rows not yet collated (GRPO hands its prompts over): count the forwards
                 self.warn_once("uncountable batch", f"{error}: samples, tokens and FLOPs are counted from the "
                                "training forwards instead", note=True)
                 return
+            if tokens is None:
+                self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from "
+                               "its first dimension, tokens and FLOP/s are left out", note=True)
             self._counts.add_batch(counted if samples is None else samples, tokens, flops)
 
     @never_raises(default=dict)
@@ -190,7 +196,7 @@ class ShardingProfiler:
             self._end_step_peak(keep=True)
         if self.instruments:
             self._instruments("stop", self.global_step + 1)
-        for instrument in self._all_instruments():
+        for instrument in self._instrument_list:
             if instrument.failure is not None:  # a failed instrument's hooks come out here, outside them
                 instrument.remove()
         with self.guard("throughput"):
@@ -251,16 +257,6 @@ class ShardingProfiler:
         self.close()
 
     # --- Counting ----------------------------------------------------------------------------------------------
-    def _batch_totals(self, batch):
-        """(samples, tokens, training FLOPs) of one micro-batch; tokens None (noted once) when it has none."""
-        samples, tokens, seq_len = count_batch(batch, self._patch_size)
-        if tokens is None:
-            self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from its "
-                                        "first dimension, tokens and FLOP/s are left out", note=True)
-            return samples, None, None
-        flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) if self._flops_model else None
-        return samples, tokens, flops
-
     def _install_hooks(self):
         """Forward hooks tell training forwards from those that do not train; a step hook snapshots gradients."""
         self._throughput.hook(self._module.register_forward_pre_hook, self._on_forward, with_kwargs=True)
@@ -337,6 +333,7 @@ class ShardingProfiler:
     def instrument(self, name: str) -> Instrument:
         """A new instrument for what the loop's adapter installs (warned, reported and removed as the profiler's)."""
         self._loop_instruments.append(Instrument(name, self.warn_once))
+        self._instrument_list = self._all_instruments()
         return self._loop_instruments[-1]
 
     def _statuses(self) -> dict:
