@@ -244,8 +244,20 @@ def held_gradients(model, optimizer=None) -> list:
     """
     found = [*model_parameters(model), *master_weights(optimizer)]
     owners = dict(zip(map(id, found), found))
-    grads = chain(map(_grad, owners.values()), zero_grad_buffers(optimizer))
-    return list(map(storage_entry, filter(_present, grads)))
+    return storage_entries([*filter(_present, chain(map(_grad, owners.values()), zero_grad_buffers(optimizer)))])
+
+
+def storage_entries(tensors: list) -> list:
+    """`[storage_entry(t) for t in tensors]`, plain CPU tensors read inline (a measuring step reads every gradient)."""
+    entries = []
+    for tensor in tensors:
+        if type(tensor) in _PLAIN and tensor.is_cpu:  # not meta either
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            entries.append(((_CPU, pointer), storage.nbytes(), "cpu") if pointer else None)
+        else:
+            entries.append(storage_entry(tensor))
+    return entries
 
 
 def _live_objects(model, optimizer) -> tuple:

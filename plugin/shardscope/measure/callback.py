@@ -13,8 +13,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from .guard import Guard, MethodWrap, WarnOnce, never_raises
-from .profiler import ShardingProfiler, validate_arguments
+from .guard import Guard, MethodWrap, WarnOnce, never_raises, validate_arguments
+from .profiler import ShardingProfiler
 from .step_counts import describe_flops
 from ..summary import SUMMARY_FILE
 

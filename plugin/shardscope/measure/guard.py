@@ -10,11 +10,15 @@
   `with instrument:` guards the profiler's own work for that instrument (set-up, the gather, the summary) the same
   way. `Instrument.status` is "ok" or the reason: the summary's `instruments`.
 - `WarnOnce`: the one warning per key.
+- `validate_arguments`: a wrong argument fails where the profiler (or callback) is made, before the loop runs.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import math
+
+from ..summary import SUMMARY_FILE
 
 logger = logging.getLogger("shardscope")
 
@@ -183,3 +187,16 @@ def never_raises(default=lambda: None):
         return safe
 
     return decorate
+
+
+def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
+    """A wrong type fails when the profiler (or callback) is made, not at step 0 inside the user's loop.
+    `steps`: memory_step, comm_step, time_step, time_every_n_steps (positive integers or None)."""
+    for name, value in (("every_n_steps", every_n_steps), *steps.items()):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or isinstance(peak_tflops, bool)
+                                    or not 0 < peak_tflops < math.inf):
+        raise ValueError(f"peak_tflops must be a positive number of TFLOP/s or None, got {peak_tflops!r}")
+    if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
+        raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")

@@ -17,12 +17,13 @@ from types import SimpleNamespace
 import torch
 
 from .. import __version__
-from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises
+from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
 from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
-from .rank_gather import Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan, start_gather
+from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
+                          process_rank, start_gather)
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
 from ..state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
@@ -42,19 +43,7 @@ RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_para
                "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
-
-
-def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
-    """A wrong type fails when the profiler (or callback) is made, not at step 0 inside the user's loop.
-    `steps`: memory_step, comm_step, time_step, time_every_n_steps (positive integers or None)."""
-    for name, value in (("every_n_steps", every_n_steps), *steps.items()):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or isinstance(peak_tflops, bool)
-                                    or not 0 < peak_tflops < math.inf):
-        raise ValueError(f"peak_tflops must be a positive number of TFLOP/s or None, got {peak_tflops!r}")
-    if summary_file is not None and (not isinstance(summary_file, str) or not summary_file.strip()):
-        raise ValueError(f"summary_file must be a file name or None, got {summary_file!r}")
+LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
 
 
 class ShardingProfiler:
@@ -117,7 +106,7 @@ class ShardingProfiler:
         self.instruments, self.last_step = list(instruments), last_step  # last_step: when known (max_steps)
         self.summary_extra = dict(summary_extra or {})  # top-level summary keys the caller owns (the callback's fit)
         self.global_step = start_step  # optimizer steps taken (a resumed Trainer run starts past 0)
-        self.warn_once = WarnOnce()
+        self.warn_once, self._guards = WarnOnce(), {}  # _guards: one per figure (a Guard holds no state of its own)
         # What the profiler installs into the loop, by instrument (guard.py): "ok" or why not, in the summary
         self._throughput, self._state, self._memory, self._precision_probe = (
             Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
@@ -135,6 +124,7 @@ class ShardingProfiler:
         with self.guard("strategy"):
             self._module = self._visible_module(model)
             self.preflight.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
+        self._tp = (self.preflight.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
         self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
@@ -142,6 +132,7 @@ class ShardingProfiler:
             self._device = _device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
         self._sampled_due = True  # the next step's counter and timer are still to start
+        self._instrument_list = self._all_instruments()  # (read at every step)
         forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
         with self.guard("parameter counts"):
             self._describe_models()
@@ -152,7 +143,7 @@ class ShardingProfiler:
         with self.guard("device peak FLOP/s"):
             self._peak = self._peak_flops()
         self._preflight_due = self._device.type == "cuda" and self.plan_preflight is not None  # at the first batch
-        if _rank() == 0:
+        if process_rank() == 0:
             with self.guard("preflight log"):
                 logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
@@ -164,9 +155,11 @@ class ShardingProfiler:
     def begin_step(self) -> None:
         """Optional: where a step's time starts (by default at its first training forward, or where the previous
         `step()` returned); the Trainer callback calls it at each step begin."""
-        with self.guard("throughput"):
-            self._windows("step_begin")
-        self._begin_sampled()
+        if self._run.anchor is None:  # (the previous step's end anchored it unless it paused)
+            with self.guard("throughput"):
+                self._windows("step_begin")
+        if self._sampled_due:
+            self._begin_sampled()
 
     @never_raises()
     def add_batch(self, batch, samples: int | None = None) -> None:
@@ -174,11 +167,16 @@ class ShardingProfiler:
         `step()` without a batch); `samples` overrides the rows counted from the batch."""
         with self.guard("batch counting"):
             try:
-                counted, tokens, flops = self._batch_totals(batch)
+                counted, tokens, seq_len = count_batch(batch, self._patch_size)
+                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
+                    if tokens is not None and self._flops_model else None
             except TypeError as error:  # rows not yet collated (GRPO hands its prompts over): count the forwards
                 self.warn_once("uncountable batch", f"{error}: samples, tokens and FLOPs are counted from the "
                                "training forwards instead", note=True)
                 return
+            if tokens is None:
+                self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from "
+                               "its first dimension, tokens and FLOP/s are left out", note=True)
             self._counts.add_batch(counted if samples is None else samples, tokens, flops)
 
     @never_raises(default=dict)
@@ -190,14 +188,16 @@ class ShardingProfiler:
         if self._closed:
             self.warn_once("closed", "step() after close(): nothing more is measured")
             return {}
-        metrics = self.logged()  # a deferred measurement not collected since
+        metrics = {} if self._pending is None else self.logged()  # a deferred measurement not collected since
         for micro in (batch if isinstance(batch, list) else [] if batch is None else [batch]):
             self.add_batch(micro)
-        instrumented = self._sampled.end() or self._step_peak is not None
-        self._end_step_peak(keep=True)
-        self._instruments("stop", self.global_step + 1)
-        for instrument in self._all_instruments():
-            if not instrument.ok:  # a failed instrument's hooks come out here, outside them
+        instrumented = self._sampled.active and self._sampled.end() or self._step_peak is not None
+        if instrumented:
+            self._end_step_peak(keep=True)
+        if self.instruments:
+            self._instruments("stop", self.global_step + 1)
+        for instrument in self._instrument_list:
+            if instrument.failure is not None:  # a failed instrument's hooks come out here, outside them
                 instrument.remove()
         with self.guard("throughput"):
             counted = self._counts.close(samples, tokens, self._flops_model, self._tp)
@@ -241,7 +241,7 @@ class ShardingProfiler:
             gathered = gather_objects({"status": self._statuses(), "results": self._instruments("result")})
             extra, statuses = [g["results"] for g in gathered], [g["status"] for g in gathered]
         self._release()
-        if _rank() != 0 or not self.summary_file:
+        if process_rank() != 0 or not self.summary_file:
             return None
         with self.guard("summary file"):
             summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
@@ -257,16 +257,6 @@ class ShardingProfiler:
         self.close()
 
     # --- Counting ----------------------------------------------------------------------------------------------
-    def _batch_totals(self, batch):
-        """(samples, tokens, training FLOPs) of one micro-batch; tokens None (noted once) when it has none."""
-        samples, tokens, seq_len = count_batch(batch, self._patch_size)
-        if tokens is None:
-            self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from its "
-                                        "first dimension, tokens and FLOP/s are left out", note=True)
-            return samples, None, None
-        flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) if self._flops_model else None
-        return samples, tokens, flops
-
     def _install_hooks(self):
         """Forward hooks tell training forwards from those that do not train; a step hook snapshots gradients."""
         self._throughput.hook(self._module.register_forward_pre_hook, self._on_forward, with_kwargs=True)
@@ -301,12 +291,14 @@ class ShardingProfiler:
             with self.guard("planner preflight"):
                 self._plan_preflight({"input_ids": args[0], **kwargs} if args else kwargs)
             self._windows("restart")  # the preflight's seconds are not the step's
-        self._begin_sampled()  # deferred by a pause: starts before the first training forward at the latest
+        if self._sampled_due:  # deferred by a pause: starts before the first training forward at the latest
+            self._begin_sampled()
         with self.guard("batch counting"):
             adapters_off = self._adapter_layer is not None and self._adapter_layer.disable_adapters
             training = torch.is_grad_enabled() and not adapters_off
             if training:
-                self._windows("step_begin")  # the first training forward anchors the step's time
+                if self._run.anchor is None:  # (begin_step anchored it, most often)
+                    self._windows("step_begin")  # the first training forward anchors the step's time
                 if self._counts.given:  # the loop hands its batches over (the callback does): nothing to count
                     return
             samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
@@ -341,6 +333,7 @@ class ShardingProfiler:
     def instrument(self, name: str) -> Instrument:
         """A new instrument for what the loop's adapter installs (warned, reported and removed as the profiler's)."""
         self._loop_instruments.append(Instrument(name, self.warn_once))
+        self._instrument_list = self._all_instruments()
         return self._loop_instruments[-1]
 
     def _statuses(self) -> dict:
@@ -407,21 +400,22 @@ class ShardingProfiler:
 
     def _complete(self, rank: dict, summary: bool = True) -> dict:
         """Turn one rank's raw counts into reported figures (`summary=False`: those the logs reduce, no more)."""
-        out = {k: int_or_none(rank[k]) for k in COUNTED_BYTES}
+        out = {k: int_or_none(rank[k]) for k in (COUNTED_BYTES if summary else LOGGED_BYTES)}
         out["frozen_models"] = {name: int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
         frozen = [v for v in out["frozen_models"].values() if v is not None]
         out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
         out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
-        out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
+        if summary:
+            out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
         with self._memory:
             out.update(peak_reported(rank) if summary else
                        {"peak_tensor_bytes": int_or_none(rank["peak_tensor_bytes"])})
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
-        out["throughput"] = {**rates(totals, self._peak), "samples": int_or_none(totals.samples),
-                             "tokens": int_or_none(totals.tokens), "seconds": totals.seconds,
-                             "flops_convention": FLOPS_CONVENTION}
+        out["throughput"] = rates(totals, self._peak)
         if summary:
+            out["throughput"].update(samples=int_or_none(totals.samples), tokens=int_or_none(totals.tokens),
+                                     seconds=totals.seconds, flops_convention=FLOPS_CONVENTION)
             step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
             out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
             out.update(self._sampled.complete(rank))
@@ -477,7 +471,7 @@ class ShardingProfiler:
         flags = SimpleNamespace(bf16=self.precision == "bf16", fp16=self.precision == "fp16")
         self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.preflight.get("strategy"),
                                          self._precision_probe)
-        if _rank() == 0:
+        if process_rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
 
     def _peak_flops(self):
@@ -497,7 +491,7 @@ class ShardingProfiler:
                                    torch.cuda.get_device_properties(self._device).total_memory, inputs)
         if plan is not None:
             self.preflight["plan"] = plan
-        if plan and plan["fits"] is False and _rank() == 0:
+        if plan and plan["fits"] is False and process_rank() == 0:
             logger.warning("shardscope preflight: %s", plan["warning"])
 
     # --- Helpers -----------------------------------------------------------------------------------------------
@@ -506,7 +500,8 @@ class ShardingProfiler:
         the collective counter and the timer, unless `sampled` is False: then at the next begin_step)."""
         upcoming = self.global_step + 1
         self._sampled_due = True
-        self._instruments("start", upcoming)
+        if self.instruments:
+            self._instruments("start", upcoming)
         if self.memory_step is not None and upcoming == self.memory_step and self._memory.ok:
             with self._memory:
                 self._step_peak = StepPeak(self._module, self.optimizer, self._memory, self.model).__enter__()
@@ -541,11 +536,6 @@ class ShardingProfiler:
             torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
         for window in (self._interval, self._run):
             getattr(window, method)(*args, **kwargs)
-
-    @property
-    def _tp(self) -> int:
-        """Tensor-parallel degree of the run (1 without TP)."""
-        return (self.preflight.get("mesh") or {}).get("tp", 1)
 
     def _is_measure_step(self, step: int) -> bool:
         return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
@@ -585,7 +575,8 @@ class ShardingProfiler:
 
     def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""
-        return Guard(self.warn_once, what)
+        guard = self._guards.get(what)
+        return guard if guard is not None else self._guards.setdefault(what, Guard(self.warn_once, what))
 
 
 def _device_of(accelerator, module) -> torch.device:
@@ -593,8 +584,3 @@ def _device_of(accelerator, module) -> torch.device:
         return torch.device(accelerator.device)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return torch.device("cpu") if device.type == "meta" else device
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -5,6 +5,7 @@ Every rank starts these at the same step (collectives); without a process group 
 from __future__ import annotations
 
 import math
+from array import array
 
 import torch
 
@@ -41,10 +42,17 @@ def start_gather(values: dict, step: int, device: torch.device, fields) -> Gathe
     if world == 1:
         return Gathered(values, step, ranks=[values])
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor([float(values[k]) for k in fields], dtype=torch.float64, device=on)
+    # through an array: torch.tensor(list) reads each float on its own (several times slower)
+    mine = torch.frombuffer(array("d", map(float, map(values.__getitem__, fields))), dtype=torch.float64).to(on)
     out = mine.new_empty(world * len(fields))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     return Gathered(values, step, fields, mine, out, gather(out, mine, async_op=True))
+
+
+def process_rank() -> int:
+    """This process's rank (0 when not distributed)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def gather_objects(mine) -> list:

@@ -31,6 +31,7 @@ class SampledSteps:
         self._counter = self._timer = None
         self._padded_tokens = 0
         self._fields = None  # `fields()` until `end()` keeps a new result
+        self._last = max(comm_step or 0, time_step or 0)
 
     @property
     def instruments(self) -> tuple[Instrument, Instrument]:
@@ -41,6 +42,8 @@ class SampledSteps:
         return self._counter is not None or self._timer is not None
 
     def begin(self, step: int, max_steps: int, model, optimizer) -> None:
+        if step > self._last and self.time_every_n_steps is None:  # past every sampled step (most steps)
+            return
         if self.comm_step is not None and step == min(self.comm_step, max_steps or self.comm_step) \
                 and self.collectives.ok:  # max_steps None: not known
             with self.collectives:
