@@ -34,16 +34,39 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("config,checkpointing,precision", RUNS)
-def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, precision, model_dir, tmp_path):
+def run_name(config: str, checkpointing: bool, precision: str) -> str:
+    return f"{config}-{precision}" + ("-ckpt" if checkpointing else "")
+
+
+@pytest.fixture(scope="module")
+def peak_runs(model_dir, tmp_path_factory):
+    """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config, trained in one
+    `accelerate launch` of its shipped yaml (tests/workers/train_tiny.py --runs: one after another), once."""
     from launch import ROOT, accelerate_launch
 
-    args = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size", BATCH,
-            "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-            *(["--gradient_checkpointing"] if checkpointing else []), *(["--bf16"] if precision != "fp32" else [])]
-    accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" / "train_tiny.py",
-                      args, tmp_path).check()
-    path = tmp_path / "shardscope_summary.json"
+    done = {}
+
+    def get(config):
+        if config not in done:
+            out = tmp_path_factory.mktemp(f"peak-{config}")
+            runs = {run: out / run_name(*run) for run in RUNS if run[0] == config}
+            (out / "runs.json").write_text(json.dumps([
+                [*(["--gradient_checkpointing"] if ckpt else []), *(["--bf16"] if precision != "fp32" else []),
+                 "--output_dir", str(folder)] for (_, ckpt, precision), folder in runs.items()]))
+            args = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size",
+                    BATCH, "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+                    "--runs", out / "runs.json"]
+            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" /
+                              "train_tiny.py", args, out).check()
+            done[config] = runs
+        return done[config]
+
+    return get
+
+
+@pytest.mark.parametrize("config,checkpointing,precision", RUNS)
+def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, precision, peak_runs):
+    path = peak_runs(config)[config, checkpointing, precision] / "shardscope_summary.json"
     summary = json.loads(path.read_text())
     if "zero" in config:  # the shipped ZeRO yamls set no reduce_bucket_size: DeepSpeed's default of 5e8 elements
         assert summary["strategy_detail"]["reduce_bucket_size"] == 5 * 10 ** 8
