@@ -5,10 +5,12 @@ wrapped model after training). Full models are exported with a tight `--max-shar
 seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
 must equal DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`). These exports all take
 the safe (weights_only) path; --trust-pickle must give the same weights. Fault cases: truncated file, missing
-shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py."""
+shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py,
+checked here on the ZeRO-3 checkpoint."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,9 @@ from launch import ROOT, accelerate_launch
 from shardscope.cli import main
 from shardscope.errors import UsageError
 from shardscope.checkpoint.export import export
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import export_memory  # noqa: E402  (benchmarks/export_memory.py, measured here on this file's ZeRO-3 checkpoint)
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
@@ -112,6 +117,17 @@ def test_zero_full_fine_tune_in_shards_and_trust_pickle(trained, strategy_model,
     assert all(torch.equal(sharded[k], deepspeed_own[k]) for k in sharded)
     trusted = load_file(export(checkpoint, tmp_path / "trusted", trust_pickle=True) / "model.safetensors")
     assert trusted.keys() == sharded.keys() and all(torch.equal(trusted[k], sharded[k]) for k in sharded)
+
+
+def test_export_memory_benchmark_measures_each_exporter_of_a_checkpoint(trained, strategy_model, tmp_path):
+    """benchmarks/export_memory.py --quick on the ZeRO-3 checkpoint above (--checkpoint: no launch of its own)."""
+    out = tmp_path / "export.md"
+    export_memory.main(["--quick", "--checkpoint", str(trained("zero3")[0]), "--model",
+                        str(strategy_model("shard_llama")), "--out", str(out)])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| checkpoint |", "| --- |"))]
+    assert [r[2] for r in rows] == list(export_memory.EXPORTERS)[:2]
+    assert all(r[0] == "ZeRO-3" and float(r[3].removesuffix(" MB").replace(",", "")) > 0 for r in rows)
 
 
 def test_zero3_lora_adapter(trained, strategy_model, tmp_path):

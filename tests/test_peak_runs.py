@@ -8,10 +8,16 @@ shape and ZeRO's reduce bucket as the summary recorded them, activations traced 
 on fake tensors.
 """
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from shardscope import plan_vs_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import peak_agreement  # noqa: E402  (the benchmark that tables these runs for docs/planner.md)
 
 pytestmark = pytest.mark.launch
 
@@ -80,6 +86,18 @@ def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, preci
         assert peak["planned"]["activations_source"] == "traced"
         assert abs(peak["error"]) <= TOLERANCE, (rank["rank"], peak)
         assert peak["planned"]["peak_phase"] == peak["measured"]["peak_phase"]
+
+
+def test_peak_agreement_benchmark_tables_these_runs(peak_runs, tmp_path):
+    """benchmarks/peak_agreement.py given this file's run folders (its runs, read as they are: no launch of its own;
+    its --launch path is `shardscope compare`'s launcher, which tests/test_compare.py runs): a row per run, and the
+    plot."""
+    folders = [folder for config in dict.fromkeys(c for c, *_ in RUNS) for folder in peak_runs(config).values()]
+    peak_agreement.main([*map(str, folders), "--out", str(tmp_path / "peak.md")])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in (tmp_path / "peak.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| run ")]
+    assert sorted(row[0] for row in rows) == sorted(folder.name for folder in folders)
+    assert all(re.fullmatch(r"[+-]\d+\.\d\d%", row[4]) for row in rows) and (tmp_path / "peak.png").is_file()
 
 
 # The ~50M Llama (tests/conftest.py STRATEGY_MODELS) at 2 x 16 tokens, 2 micro-batches per optimizer step: the
