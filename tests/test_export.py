@@ -1,14 +1,15 @@
-"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
-ZeRO-3 LoRA, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder
-must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
-wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about a
-seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
+"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full and
+ZeRO-3 LoRA in one launch, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the
+exported folder must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on
+every rank's wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about
+a seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
 must equal DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`). These exports all take
 the safe (weights_only) path; --trust-pickle must give the same weights. Fault cases: truncated file, missing
 shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py,
 checked here on the ZeRO-3 checkpoint."""
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -37,12 +38,14 @@ RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
 
 @pytest.fixture(scope="module")
 def trained(strategy_model, tmp_path_factory):
-    """Launch each run once, lazily: returns (checkpoint-3 folder, reference logits file)."""
+    """Launch each run once, lazily, in one launch with the runs of the same config (zero3 and zero3_lora:
+    tests/workers/train_tiny.py --runs): returns (checkpoint-3 folder, reference logits file)."""
     done = {}
 
     def get(name):
         if name not in done:
-            config, fsdp, lora_r = RUNS[name]
+            config, fsdp, _ = RUNS[name]
+            together = [other for other, (c, f, _) in RUNS.items() if (c, f) == (config, fsdp)]
             out = tmp_path_factory.mktemp(name)
             config_file = ROOT / "accelerate_configs" / config
             if fsdp:  # the shipped yaml with the state dict type overridden
@@ -50,11 +53,16 @@ def trained(strategy_model, tmp_path_factory):
                 data["fsdp_config"].update(fsdp)
                 config_file = out.parent / f"{name}.yaml"
                 config_file.write_text(yaml.safe_dump(data))
+            for run in together:
+                (out / run).mkdir()
+            (out / "runs.json").write_text(json.dumps([
+                ["--lora_r", RUNS[run][2], "--logits_out", str(out / run / "logits.pt"), "--output_dir", str(out / run)]
+                for run in together]))
             args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
-                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--lora_r", lora_r, "--use_cpu",
-                    "--report_to", "none", "--logits_out", out / "logits.pt"]
+                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none",
+                    "--runs", out / "runs.json"]
             accelerate_launch(config_file, WORKER, args, out).check()
-            done[name] = out / "checkpoint-3", out / "logits.pt"
+            done.update({run: (out / run / "checkpoint-3", out / run / "logits.pt") for run in together})
         return done[name]
 
     return get
@@ -83,8 +91,6 @@ def assert_nothing_left(parent: Path, before: set):
 def assert_sharded(out: Path, limit: int) -> dict:
     """The folder holds model-0000k-of-0000n.safetensors shards within `limit` (a lone tensor may exceed
     it) and an index naming every tensor's shard; returns all tensors."""
-    import json
-
     from safetensors.torch import load_file
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -299,7 +305,6 @@ def test_reshard_never_runs_planted_code(tmp_path, capsys, where, protocol):
 def test_tied_embeddings_are_written_once_and_reload_tied(tmp_path):
     """In process: a tied Llama's weights saved as accelerate saves FSDP's SHARDED_STATE_DICT ({"model": ...},
     both names present); the export drops the tied copy as save_pretrained does and the reload ties it back."""
-    import json
 
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
