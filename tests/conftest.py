@@ -123,7 +123,7 @@ def strategy_model_for(config: str) -> str:
     return "shard_mistral" if "mistral" in config else "shard_dinov2" if "dinov2" in config else "shard_llama"
 
 
-# Runs (config, model, lora_r, grad_accum) that one launch trains together (tests/workers/train_tiny.py --runs): a
+# Runs (config, model, lora_r, grad_accum) that one launch trains together (tests/workers/several_runs.py): a
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
 # accelerate config, the planner agreement's two shapes (and DDP's LoRA run); every single-node DeepSpeed JSON under
 # one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script arguments).
@@ -154,6 +154,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
     cache = {}
     launches = shared_launches()
     worker = ROOT / "tests" / "workers" / "train_tiny.py"
+    several = ROOT / "tests" / "workers" / "several_runs.py"
     common = ["--max_steps", 3, "--logging_steps", 1, "--per_device_train_batch_size", 2, "--report_to", "none",
               "--save_strategy", "no"]
 
@@ -161,27 +162,25 @@ def strategy_runs(strategy_model, tmp_path_factory):
         shipped = {key: find_config(key[0]) for key in keys}
         kinds = {s.kind for s in shipped.values()}
         assert len(kinds) == 1 and (kinds != {"accelerate"} or len({k[0] for k in keys}) == 1), keys
-        runs, outs = [], {}
+        out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum = key
-            outs[key] = tmp_path_factory.mktemp(f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}")
-            runs.append(["--model", strategy_model(model), "--lora_r", lora_r, "--gradient_accumulation_steps",
-                         grad_accum, *{"deepspeed": ["--deepspeed", config.path],
-                                       "fsdp": ["--fsdp_config", config.path]}.get(config.kind, []),
-                         "--output_dir", outs[key]])
-        out = tmp_path_factory.mktemp("launch")
-        (out / "runs.json").write_text(json.dumps(runs, default=str))
-        args, first = [*common, "--runs", out / "runs.json"], shipped[keys[0]]
+            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}"
+            args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
+                     "--gradient_accumulation_steps", grad_accum,
+                     *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
+                       "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[config.kind]]
+        first = shipped[keys[0]]
         if first.kind == "accelerate":
-            launched = accelerate_launch(first.path, worker, [*args, "--use_cpu"], out)
+            launched = accelerate_launch(first.path, several, args, out)
         elif first.kind == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
-            launched = deepspeed_launch(worker, args, out)
-        else:
-            launched = torchrun_launch(worker, [*args, "--use_cpu", "--fsdp"], out)
+            launched = deepspeed_launch(several, args, out)
+        else:  # `--`: torchrun's own parser would read `--run` as short for its --run-path
+            launched = torchrun_launch(several, ["--", *args], out)
         launched.check()
-        for key, run_dir in outs.items():
-            summary = json.loads((run_dir / "shardscope_summary.json").read_text())
-            independent = [json.loads((run_dir / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
+        for key, name in names.items():
+            summary = json.loads((out / name / "shardscope_summary.json").read_text())
+            independent = [json.loads((out / name / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
             cache[key] = summary, independent
 
     def run(config, model="shard_llama", lora_r=0, grad_accum=1):

@@ -38,8 +38,8 @@ RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
 
 @pytest.fixture(scope="module")
 def trained(strategy_model, tmp_path_factory):
-    """Launch each run once, lazily, in one launch with the runs of the same config (zero3 and zero3_lora:
-    tests/workers/train_tiny.py --runs): returns (checkpoint-3 folder, reference logits file)."""
+    """Launch each run once, lazily, in one launch with the runs of the same config (zero3 and zero3_lora, one after
+    another: tests/workers/several_runs.py): returns (checkpoint-3 folder, reference logits file)."""
     done = {}
 
     def get(name):
@@ -53,15 +53,13 @@ def trained(strategy_model, tmp_path_factory):
                 data["fsdp_config"].update(fsdp)
                 config_file = out.parent / f"{name}.yaml"
                 config_file.write_text(yaml.safe_dump(data))
-            for run in together:
-                (out / run).mkdir()
-            (out / "runs.json").write_text(json.dumps([
-                ["--lora_r", RUNS[run][2], "--logits_out", str(out / run / "logits.pt"), "--output_dir", str(out / run)]
-                for run in together]))
             args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
-                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none",
-                    "--runs", out / "runs.json"]
-            accelerate_launch(config_file, WORKER, args, out).check()
+                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
+            runs = [arg for run in together for arg in ["--run", run, WORKER, *args, "--lora_r", RUNS[run][2],
+                                                        "--logits_out", out / run / "logits.pt"]]
+            for run in together:  # rank 0 saves the logits there
+                (out / run).mkdir()
+            accelerate_launch(config_file, ROOT / "tests" / "workers" / "several_runs.py", runs, out).check()
             done.update({run: (out / run / "checkpoint-3", out / run / "logits.pt") for run in together})
         return done[name]
 

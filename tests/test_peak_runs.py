@@ -1,11 +1,11 @@
 """The planner's peak held against the callback's measured peak on 2 CPU ranks, per strategy.
 
 A 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, so activations, gradients and
-optimizer state all weigh in. Each run is a real `accelerate launch` of tests/workers/train_tiny.py
-with a shipped config; the callback measures step 3 with torch's MemTracker (`peak_tensor_bytes`), and
-the plan of that step comes from `planner.plan_vs_run` (what `plan --compare` and `report` print): the step's
-shape and ZeRO's reduce bucket as the summary recorded them, activations traced from the model's saved config
-on fake tensors.
+optimizer state all weigh in. Each run is tests/workers/train_tiny.py under a real `accelerate launch` of a
+shipped config (a config's runs one after another in one launch); the callback measures step 3 with torch's
+MemTracker (`peak_tensor_bytes`), and the plan of that step comes from `planner.plan_vs_run` (what `plan --compare`
+and `report` print): the step's shape and ZeRO's reduce bucket as the summary recorded them, activations traced
+from the model's saved config on fake tensors.
 """
 import json
 import re
@@ -46,24 +46,24 @@ def run_name(config: str, checkpointing: bool, precision: str) -> str:
 
 @pytest.fixture(scope="module")
 def peak_runs(model_dir, tmp_path_factory):
-    """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config, trained in one
-    `accelerate launch` of its shipped yaml (tests/workers/train_tiny.py --runs: one after another), once."""
+    """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config, trained one after
+    another in one `accelerate launch` of its shipped yaml (tests/workers/several_runs.py), once."""
     from launch import ROOT, accelerate_launch
 
+    worker = ROOT / "tests" / "workers" / "train_tiny.py"
+    common = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size", BATCH,
+              "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no"]
     done = {}
 
     def get(config):
         if config not in done:
-            out = tmp_path_factory.mktemp(f"peak-{config}")
+            out, args = tmp_path_factory.mktemp(f"peak-{config}"), []
             runs = {run: out / run_name(*run) for run in RUNS if run[0] == config}
-            (out / "runs.json").write_text(json.dumps([
-                [*(["--gradient_checkpointing"] if ckpt else []), *(["--bf16"] if precision != "fp32" else []),
-                 "--output_dir", str(folder)] for (_, ckpt, precision), folder in runs.items()]))
-            args = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size",
-                    BATCH, "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-                    "--runs", out / "runs.json"]
+            for (_, ckpt, precision), folder in runs.items():
+                args += ["--run", folder.name, worker, *common, *(["--gradient_checkpointing"] if ckpt else []),
+                         *(["--bf16"] if precision != "fp32" else [])]
             accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" /
-                              "train_tiny.py", args, out).check()
+                              "several_runs.py", args, out).check()
             done[config] = runs
         return done[config]
 

@@ -8,13 +8,7 @@ storage walk, so the test compares two different ways of counting the same live 
 also writes what the engine's config says of its buckets (`zero_reduce_bucket_size()`, `zero_overlap_comm()`,
 `zero_allgather_bucket_size()`, `zero_prefetch_bucket_size()`, `zero_param_persistence_threshold()`); under DDP, the bytes its reducer's buckets
 hold (`ddp_bucket_bytes`: each trainable parameter's gradient once, in the parameter's dtype).
-
-`--runs FILE` (a JSON list of argument lists) trains several runs one after another in this one launched process,
-each with its list's arguments on top of the command line's (its own `--output_dir`): a launch's start-up is most of
-a tiny run's time, so tests that need several runs under one launcher share a launch.
 """
-import argparse
-import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,9 +111,8 @@ class IndependentCount(TrainerCallback):
         Path(args.output_dir, f"independent_count_rank{rank}.json").write_text(json.dumps(counts))
 
 
-def train(argv: list[str]) -> None:
-    """One run: the model, data and Trainer its arguments name, trained; its files in its --output_dir."""
-    worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses(argv)
+def main():
+    worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
     config = AutoConfig.from_pretrained(worker.model)
     if config.model_type == "dinov2":
         model = AutoModelForImageClassification.from_pretrained(worker.model)
@@ -143,20 +136,6 @@ def train(argv: list[str]) -> None:
 
         batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask")}
         save_final_logits(trainer, batch, worker.logits_out)
-
-
-def main():
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--runs", type=Path)
-    known, argv = parser.parse_known_args()
-    for extra in json.loads(known.runs.read_text()) if known.runs else [[]]:
-        AcceleratorState._reset_state()  # each run's Trainer builds its own accelerator state (DeepSpeed plugin too)
-        unset_hf_deepspeed_config()  # and its own DeepSpeed config (ZeRO-3 loading reads it)
-        train([*argv, *map(str, extra)])
-        gc.collect()  # the previous run's model, engine and optimizer go before the next is built
     end_of_run()
 
 
