@@ -19,6 +19,9 @@ costs ~47 MB). Memory bound claimed by `export --help`: baseline + one shard + t
 largest tensor).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/export_memory.py --out benchmarks/results/export_memory.md
+
+`--checkpoint C --model M` measures a checkpoint already saved (its model folder M) instead of training one: one
+`--only` name labels its rows (tests/test_export.py runs `--quick` so on its own ZeRO-3 checkpoint).
 """
 from __future__ import annotations
 
@@ -96,6 +99,16 @@ def train(work: Path, name: str, model: Path) -> Path:
     return out / "checkpoint-3"
 
 
+def build_model(model: Path, args) -> Path:
+    """The random Llama of the sizes asked for, saved in a child process (this one imports no torch)."""
+    sizes = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                 num_attention_heads=8, num_key_value_heads=8)
+    subprocess.run([sys.executable, "-c", f"from shardscope.recipes.tiny import make_causal_lm; "
+                    f"make_causal_lm({str(model)!r}, 'llama', vocab_size={args.vocab}, **{sizes!r})"],
+                   env=cpu_env(), check=True, cwd=ROOT)
+    return model
+
+
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -111,22 +124,26 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS), help="these checkpoints only")
     parser.add_argument("--quick", action="store_true", help="a tiny ZeRO-3 checkpoint, the baseline and `shardscope "
                         "export` only: checks the script works, not a result")
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint already saved, instead of training")
+    parser.add_argument("--model", type=Path, help="the model folder of --checkpoint (its sizes replace the above)")
     args = parser.parse_args(argv)
+    if bool(args.checkpoint) != bool(args.model):
+        parser.error("give --checkpoint and --model together")
     exporters = dict(list(EXPORTERS.items())[:2]) if args.quick else EXPORTERS
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.vocab, args.shard, args.only = 64, 128, 2, 512, "1MB", ["ZeRO-3"]
+    if args.checkpoint and len(args.only) != 1:
+        parser.error("--checkpoint: one --only name labels its rows")
     work = Path(tempfile.mkdtemp(prefix="export-memory-"))
-    sizes = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                 num_attention_heads=8, num_key_value_heads=8)
-    model = work / "model"
-    subprocess.run([sys.executable, "-c", f"from shardscope.recipes.tiny import make_causal_lm; "
-                    f"make_causal_lm({str(model)!r}, 'llama', vocab_size={args.vocab}, **{sizes!r})"],
-                   env=cpu_env(), check=True, cwd=ROOT)
+    model = args.model or build_model(work / "model", args)
+    config = json.loads((model / "config.json").read_text())
+    args.hidden, args.intermediate = config["hidden_size"], config["intermediate_size"]
+    args.layers, args.vocab = config["num_hidden_layers"], config["vocab_size"]
     weights = folder_bytes(model) - sum(p.stat().st_size for p in model.glob("*.json"))
     largest = 4 * args.vocab * args.hidden  # the embedding (and the untied lm_head), fp32
     rows = []
     for name in args.only:
-        checkpoint = train(work, name, model)
+        checkpoint = args.checkpoint or train(work, name, model)
         for exporter, code in exporters.items():
             if "DeepSpeed" in exporter and not name.startswith("ZeRO"):
                 continue

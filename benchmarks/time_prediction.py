@@ -5,7 +5,7 @@
 
 Without --runs it trains them first (tests/workers/train_time.py under torchrun, at the highest CPU priority the
 machine allows: DDP, ZeRO-1/2/3 through the Trainer's DeepSpeed integration, FSDP2 full shard and shard-grad-op
-through tests/cpu_shim), each strategy's configurations (accumulation 1 and 2, checkpointing off and on) one after
+through tests/cpu_shim), every strategy's configurations (accumulation 1 and 2, checkpointing off and on) one after
 another in one launched process, 8 steps each (instrumented steps 1-3, plain steps 4-8), then `shardscope preflight`
 on the same 2 ranks (each collective kind's bus bandwidth at the runs' message sizes, PREFLIGHT_SIZES). Then:
 calibrated from the DDP run at accumulation 1 without checkpointing and the preflight (the collective kinds DDP
@@ -28,9 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugin"))
 
-STRATEGIES = {"ddp": [], "zero1": ["--deepspeed_stage", "1"], "zero2": ["--deepspeed_stage", "2"],
-              "zero3": ["--deepspeed_stage", "3"], "fsdp_full_shard": ["--fsdp", "full_shard"],
-              "fsdp_shard_grad_op": ["--fsdp", "shard_grad_op"]}
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")  # train_time.py's names
 CONFIGS = ("a1c0", "a2c0", "a1c1", "a2c1")  # accumulation x checkpointing
 TOLERANCE = 0.15  # the issue's bar for a prediction against a measured median
 MODEL = dict(vocab_size=408, hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
@@ -53,11 +51,12 @@ PREFLIGHT = "preflight.json"
 PREFLIGHT_SIZES = "1MiB,4MiB,16MiB,32MiB"  # the runs' messages: per-layer gathers of 1-3 MB up to DDP's 25 MB bucket
 
 
-def train_all(root: Path, strategies=tuple(STRATEGIES), configs=CONFIGS, priority: bool = False,
+def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False,
               timeout: int = 900) -> None:
-    """Each strategy's configurations in one torchrun launch; with `priority`, at a raised CPU priority where the
-    machine allows it (the benchmark: other work on the machine then takes less of the timed steps' cores; not in
-    the test suite, whose other worker runs tests with deadlines of their own)."""
+    """Every strategy's configurations in one torchrun launch (`timeout` seconds per strategy), then the preflight
+    in another; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
+    the machine then takes less of the timed steps' cores; not in the test suite, whose other worker runs tests with
+    deadlines of their own)."""
     from shardscope.recipes.tiny import make_causal_lm
 
     make_causal_lm(root / "model", "llama", **MODEL)
@@ -66,13 +65,13 @@ def train_all(root: Path, strategies=tuple(STRATEGIES), configs=CONFIGS, priorit
     nice = ["nice", "-n", "-20"] if priority and priority_raised() else []
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     launch = [*nice, torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    commands = [[*launch, "--master_port", free_port(), str(ROOT / "tests" / "workers" / "train_time.py"), "--model",
-                 str(root / "model"), "--configs", ",".join(configs), *STRATEGIES[name], "--output_dir", str(root / name)]
-                for name in strategies]
-    commands.append([*launch, "--master_port", free_port(), "-m", "shardscope", "preflight", "--output-dir", str(root),
-                     "--sizes", PREFLIGHT_SIZES])
-    for cmd in commands:
-        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    commands = [([*launch, "--master_port", free_port(), str(ROOT / "tests" / "workers" / "train_time.py"), "--model",
+                  str(root / "model"), "--configs", ",".join(configs), "--strategies", ",".join(strategies),
+                  "--output_dir", str(root)], timeout * len(strategies)),
+                ([*launch, "--master_port", free_port(), "-m", "shardscope", "preflight", "--output-dir", str(root),
+                  "--sizes", PREFLIGHT_SIZES], timeout)]
+    for cmd, seconds in commands:
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 

@@ -118,37 +118,75 @@ def strategy_model(tmp_path_factory):
     return build
 
 
+def strategy_model_for(config: str) -> str:
+    """The STRATEGY_MODELS model a shipped config is for: its family's where its name says one, else the Llama."""
+    return "shard_mistral" if "mistral" in config else "shard_dinov2" if "dinov2" in config else "shard_llama"
+
+
+# Runs (config, model, lora_r, grad_accum) that one launch trains together (tests/workers/several_runs.py): a
+# launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
+# accelerate config, the planner agreement's two shapes (and DDP's LoRA run); every single-node DeepSpeed JSON under
+# one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script arguments).
+AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
+
+
+def shared_launches() -> list[tuple]:
+    from shardscope.configs import shipped_configs
+
+    launches = [((c, "shard_llama", 0, 1), (c, "llama_50m", 0, 2), *([(c, "shard_llama", 4, 1)] if c == "ddp" else []))
+                for c in AGREEING]
+    for kind in ("deepspeed", "fsdp"):
+        launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1) for c in shipped_configs()
+                              if c.kind == kind and not c.multinode))
+    return launches
+
+
 @pytest.fixture(scope="session")
 def strategy_runs(strategy_model, tmp_path_factory):
     """Train tests/workers/train_tiny.py for 3 steps on 2 CPU ranks under a shipped config, through the
     launcher that config is for (accelerate yaml: `accelerate launch`; DeepSpeed JSON: `deepspeed`;
-    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments). Once per (config, model, lora_r, grad_accum);
-    returns (profiler summary, [independent count per rank])."""
+    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments). Once per (config, model, lora_r, grad_accum),
+    in one launch with the runs shared_launches() puts beside it; returns (profiler summary, [independent count
+    per rank])."""
     from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
     from shardscope.configs import find_config
 
     cache = {}
+    launches = shared_launches()
+    worker = ROOT / "tests" / "workers" / "train_tiny.py"
+    several = ROOT / "tests" / "workers" / "several_runs.py"
+    common = ["--max_steps", 3, "--logging_steps", 1, "--per_device_train_batch_size", 2, "--report_to", "none",
+              "--save_strategy", "no"]
+
+    def launch(keys):
+        shipped = {key: find_config(key[0]) for key in keys}
+        kinds = {s.kind for s in shipped.values()}
+        assert len(kinds) == 1 and (kinds != {"accelerate"} or len({k[0] for k in keys}) == 1), keys
+        out, args, names = tmp_path_factory.mktemp("launch"), [], {}
+        for key, config in shipped.items():
+            _, model, lora_r, grad_accum = key
+            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}"
+            args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
+                     "--gradient_accumulation_steps", grad_accum,
+                     *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
+                       "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[config.kind]]
+        first = shipped[keys[0]]
+        if first.kind == "accelerate":
+            launched = accelerate_launch(first.path, several, args, out)
+        elif first.kind == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
+            launched = deepspeed_launch(several, args, out)
+        else:  # `--`: torchrun's own parser would read `--run` as short for its --run-path
+            launched = torchrun_launch(several, ["--", *args], out)
+        launched.check()
+        for key, name in names.items():
+            summary = json.loads((out / name / "shardscope_summary.json").read_text())
+            independent = [json.loads((out / name / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
+            cache[key] = summary, independent
 
     def run(config, model="shard_llama", lora_r=0, grad_accum=1):
         key = (config, model, lora_r, grad_accum)
         if key not in cache:
-            shipped = find_config(config)
-            out = tmp_path_factory.mktemp(f"{shipped.path.stem}-{model}-lora{lora_r}-accum{grad_accum}")
-            worker = ROOT / "tests" / "workers" / "train_tiny.py"
-            args = ["--model", strategy_model(model), "--max_steps", 3, "--logging_steps", 1, "--lora_r", lora_r,
-                    "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no",
-                    "--gradient_accumulation_steps", grad_accum]
-            if shipped.kind == "accelerate":
-                launched = accelerate_launch(shipped.path, worker, [*args, "--use_cpu"], out)
-            elif shipped.kind == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
-                launched = deepspeed_launch(worker, [*args, "--deepspeed", shipped.path], out)
-            else:
-                launched = torchrun_launch(worker, [*args, "--use_cpu", "--fsdp", "--fsdp_config", shipped.path],
-                                           out)
-            launched.check()
-            summary = json.loads((out / "shardscope_summary.json").read_text())
-            independent = [json.loads((out / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
-            cache[key] = summary, independent
+            launch(next((keys for keys in launches if key in keys), (key,)))
         return cache[key]
 
     return run

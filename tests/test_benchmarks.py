@@ -1,6 +1,7 @@
 """The benchmarks: each script runs at a small size and writes its results file in the expected format, into
 tmp_path (no timing thresholds: a figure is a positive number, not a bound); every script is documented with its
-results; and timings live there, not in the test suite."""
+results; and timings live there, not in the test suite. Scripts that can read runs already made are checked beside
+the tests that make them, with no launch of their own (benchmarks/README.md names where)."""
 import importlib.util
 import math
 import os
@@ -171,32 +172,3 @@ def test_exit_abort_rate_counts_a_profiled_run(tmp_path):
     [row] = table_rows(out.read_text())
     assert row[:2] == ["profiled", "1"] and row[2] in ("0", "1") and 0 < float(row[3].rstrip("%")) <= 100
     assert "--runs 1 --arms profiled`" in out.read_text()
-
-
-@pytest.mark.launch
-def test_export_memory_measures_each_exporter_of_a_small_checkpoint(tmp_path):
-    out = tmp_path / "export.md"
-    module = script("export_memory")
-    module.main(["--quick", "--out", str(out)])
-    rows = table_rows(out.read_text())
-    assert [r[2] for r in rows] == list(module.EXPORTERS)[:2]
-    assert all(r[0] == "ZeRO-3" and seconds(r[3].removesuffix(" MB")) > 0 for r in rows)
-
-
-@pytest.mark.launch
-def test_strategies_cpu_and_peak_agreement_tables_from_one_small_run(tmp_path):
-    """One launch for two scripts: strategies_cpu.sh at one strategy and 4 steps, then peak_agreement.py reading
-    that run's folder (its --launch path is compare's launcher, which tests/test_compare.py runs)."""
-    env = {**os.environ, "CONFIGS": "ddp", "STEPS": "4", "SKIP": "1", "RESULT": str(tmp_path / "strategies.md"),
-           "IMG": str(tmp_path / "img"), "OUT": str(tmp_path / "out")}
-    done = subprocess.run(["bash", str(BENCHMARKS / "strategies_cpu.sh")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    row = next(r for r in table_rows((tmp_path / "strategies.md").read_text()) if r[0] == "ddp")
-    assert row[-1] == "ok" and seconds(row[1].split()[0]) > 0 and int(row[4]) >= 1
-    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
-        "strategies_cpu_memory.png", "strategies_cpu_throughput.png", "strategies_cpu_time.png"]
-    script("peak_agreement").main([str(tmp_path / "out" / "ddp"), "--out", str(tmp_path / "peak.md")])
-    [peak] = table_rows((tmp_path / "peak.md").read_text())
-    assert peak[0] == "ddp" and re.fullmatch(r"[+-]\d+\.\d\d%", peak[4]) and (tmp_path / "peak.png").is_file()
-

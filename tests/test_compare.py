@@ -34,9 +34,9 @@ def comparison(tmp_path_factory):
     from shardscope.recipes.tiny import make_sft_assets
 
     root = tmp_path_factory.mktemp("compare")
-    assets = make_sft_assets(root / "assets", "llama", n=32)
-    (root / "clip_mismatch.yaml").write_text(CLIP_MISMATCH)
     out = root / "out"
+    assets = make_sft_assets(out / "assets", "llama", n=32)  # where benchmarks/strategies_cpu.sh puts them
+    (root / "clip_mismatch.yaml").write_text(CLIP_MISMATCH)
     done = shardscope("compare", "--recipe", "recipes/causal_lm_sft.py", "--configs", "ddp", "fsdp_full_shard",
                       root / "clip_mismatch.yaml", "--output-dir", out,
                       "--launcher-args", "--num_processes 2 --mixed_precision no", "--",
@@ -172,6 +172,25 @@ def test_report_from_run_dirs_matches_compare(comparison, tmp_path):
     assert done.returncode == 1, done.stderr  # clip_mismatch failed
     # same rows (a folder's runs come in name order, compare's in --configs order)
     assert sorted(table_rows((tmp_path / "report.md").read_text())) == sorted(table_rows((out / "report.md").read_text()))
+
+
+def test_strategies_cpu_benchmark_tables_the_comparison(comparison, tmp_path):
+    """benchmarks/strategies_cpu.sh with COMPARED=1 on this comparison (its table and plots from a `compare`
+    output, no launch of its own; its compare command is the one `comparison` runs, at its own sizes)."""
+    _, out = comparison
+    env = {**os.environ, "COMPARED": "1", "SKIP": "1", "RESULT": str(tmp_path / "strategies.md"),
+           "IMG": str(tmp_path / "img"), "OUT": str(out)}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "strategies_cpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {}
+    for row in table_rows((tmp_path / "strategies.md").read_text()):
+        rows.setdefault(row[0], row)  # its own table first; compare's report.md, appended below, has rows too
+    for name in ("ddp", "fsdp_full_shard"):
+        assert rows[name][-1] == "ok" and float(rows[name][1].split()[0]) > 0 and int(rows[name][4]) >= 1
+    assert rows["clip_mismatch"][-1].startswith("failed: ValueError")
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
+        "strategies_cpu_memory.png", "strategies_cpu_throughput.png", "strategies_cpu_time.png"]
 
 
 def test_report_errors_name_the_file(tmp_path):

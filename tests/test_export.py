@@ -1,14 +1,17 @@
-"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full,
-ZeRO-3 LoRA, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the exported folder
-must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on every rank's
-wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about a
-seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
+"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full and
+ZeRO-3 LoRA in one launch, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the
+exported folder must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on
+every rank's wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about
+a seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
 must equal DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`). These exports all take
 the safe (weights_only) path; --trust-pickle must give the same weights. Fault cases: truncated file, missing
-shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py."""
+shard, existing output folder (hostile files: test_hostile_input.py). Peak memory: benchmarks/export_memory.py,
+checked here on the ZeRO-3 checkpoint."""
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,9 @@ from launch import ROOT, accelerate_launch
 from shardscope.cli import main
 from shardscope.errors import UsageError
 from shardscope.checkpoint.export import export
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import export_memory  # noqa: E402  (benchmarks/export_memory.py, measured here on this file's ZeRO-3 checkpoint)
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
@@ -32,12 +38,14 @@ RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
 
 @pytest.fixture(scope="module")
 def trained(strategy_model, tmp_path_factory):
-    """Launch each run once, lazily: returns (checkpoint-3 folder, reference logits file)."""
+    """Launch each run once, lazily, in one launch with the runs of the same config (zero3 and zero3_lora, one after
+    another: tests/workers/several_runs.py): returns (checkpoint-3 folder, reference logits file)."""
     done = {}
 
     def get(name):
         if name not in done:
-            config, fsdp, lora_r = RUNS[name]
+            config, fsdp, _ = RUNS[name]
+            together = [other for other, (c, f, _) in RUNS.items() if (c, f) == (config, fsdp)]
             out = tmp_path_factory.mktemp(name)
             config_file = ROOT / "accelerate_configs" / config
             if fsdp:  # the shipped yaml with the state dict type overridden
@@ -46,10 +54,13 @@ def trained(strategy_model, tmp_path_factory):
                 config_file = out.parent / f"{name}.yaml"
                 config_file.write_text(yaml.safe_dump(data))
             args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
-                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--lora_r", lora_r, "--use_cpu",
-                    "--report_to", "none", "--logits_out", out / "logits.pt"]
-            accelerate_launch(config_file, WORKER, args, out).check()
-            done[name] = out / "checkpoint-3", out / "logits.pt"
+                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
+            runs = [arg for run in together for arg in ["--run", run, WORKER, *args, "--lora_r", RUNS[run][2],
+                                                        "--logits_out", out / run / "logits.pt"]]
+            for run in together:  # rank 0 saves the logits there
+                (out / run).mkdir()
+            accelerate_launch(config_file, ROOT / "tests" / "workers" / "several_runs.py", runs, out).check()
+            done.update({run: (out / run / "checkpoint-3", out / run / "logits.pt") for run in together})
         return done[name]
 
     return get
@@ -78,8 +89,6 @@ def assert_nothing_left(parent: Path, before: set):
 def assert_sharded(out: Path, limit: int) -> dict:
     """The folder holds model-0000k-of-0000n.safetensors shards within `limit` (a lone tensor may exceed
     it) and an index naming every tensor's shard; returns all tensors."""
-    import json
-
     from safetensors.torch import load_file
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -112,6 +121,17 @@ def test_zero_full_fine_tune_in_shards_and_trust_pickle(trained, strategy_model,
     assert all(torch.equal(sharded[k], deepspeed_own[k]) for k in sharded)
     trusted = load_file(export(checkpoint, tmp_path / "trusted", trust_pickle=True) / "model.safetensors")
     assert trusted.keys() == sharded.keys() and all(torch.equal(trusted[k], sharded[k]) for k in sharded)
+
+
+def test_export_memory_benchmark_measures_each_exporter_of_a_checkpoint(trained, strategy_model, tmp_path):
+    """benchmarks/export_memory.py --quick on the ZeRO-3 checkpoint above (--checkpoint: no launch of its own)."""
+    out = tmp_path / "export.md"
+    export_memory.main(["--quick", "--checkpoint", str(trained("zero3")[0]), "--model",
+                        str(strategy_model("shard_llama")), "--out", str(out)])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| checkpoint |", "| --- |"))]
+    assert [r[2] for r in rows] == list(export_memory.EXPORTERS)[:2]
+    assert all(r[0] == "ZeRO-3" and float(r[3].removesuffix(" MB").replace(",", "")) > 0 for r in rows)
 
 
 def test_zero3_lora_adapter(trained, strategy_model, tmp_path):
@@ -283,7 +303,6 @@ def test_reshard_never_runs_planted_code(tmp_path, capsys, where, protocol):
 def test_tied_embeddings_are_written_once_and_reload_tied(tmp_path):
     """In process: a tied Llama's weights saved as accelerate saves FSDP's SHARDED_STATE_DICT ({"model": ...},
     both names present); the export drops the tied copy as save_pretrained does and the reload ties it back."""
-    import json
 
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM

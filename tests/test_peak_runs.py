@@ -1,17 +1,23 @@
 """The planner's peak held against the callback's measured peak on 2 CPU ranks, per strategy.
 
 A 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, so activations, gradients and
-optimizer state all weigh in. Each run is a real `accelerate launch` of tests/workers/train_tiny.py
-with a shipped config; the callback measures step 3 with torch's MemTracker (`peak_tensor_bytes`), and
-the plan of that step comes from `planner.plan_vs_run` (what `plan --compare` and `report` print): the step's
-shape and ZeRO's reduce bucket as the summary recorded them, activations traced from the model's saved config
-on fake tensors.
+optimizer state all weigh in. Each run is tests/workers/train_tiny.py under a real `accelerate launch` of a
+shipped config (a config's runs one after another in one launch); the callback measures step 3 with torch's
+MemTracker (`peak_tensor_bytes`), and the plan of that step comes from `planner.plan_vs_run` (what `plan --compare`
+and `report` print): the step's shape and ZeRO's reduce bucket as the summary recorded them, activations traced
+from the model's saved config on fake tensors.
 """
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from shardscope import plan_vs_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import peak_agreement  # noqa: E402  (the benchmark that tables these runs for docs/planner.md)
 
 pytestmark = pytest.mark.launch
 
@@ -34,16 +40,39 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("config,checkpointing,precision", RUNS)
-def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, precision, model_dir, tmp_path):
+def run_name(config: str, checkpointing: bool, precision: str) -> str:
+    return f"{config}-{precision}" + ("-ckpt" if checkpointing else "")
+
+
+@pytest.fixture(scope="module")
+def peak_runs(model_dir, tmp_path_factory):
+    """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config, trained one after
+    another in one `accelerate launch` of its shipped yaml (tests/workers/several_runs.py), once."""
     from launch import ROOT, accelerate_launch
 
-    args = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size", BATCH,
-            "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-            *(["--gradient_checkpointing"] if checkpointing else []), *(["--bf16"] if precision != "fp32" else [])]
-    accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" / "train_tiny.py",
-                      args, tmp_path).check()
-    path = tmp_path / "shardscope_summary.json"
+    worker = ROOT / "tests" / "workers" / "train_tiny.py"
+    common = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size", BATCH,
+              "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no"]
+    done = {}
+
+    def get(config):
+        if config not in done:
+            out, args = tmp_path_factory.mktemp(f"peak-{config}"), []
+            runs = {run: out / run_name(*run) for run in RUNS if run[0] == config}
+            for (_, ckpt, precision), folder in runs.items():
+                args += ["--run", folder.name, worker, *common, *(["--gradient_checkpointing"] if ckpt else []),
+                         *(["--bf16"] if precision != "fp32" else [])]
+            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" /
+                              "several_runs.py", args, out).check()
+            done[config] = runs
+        return done[config]
+
+    return get
+
+
+@pytest.mark.parametrize("config,checkpointing,precision", RUNS)
+def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, precision, peak_runs):
+    path = peak_runs(config)[config, checkpointing, precision] / "shardscope_summary.json"
     summary = json.loads(path.read_text())
     if "zero" in config:  # the shipped ZeRO yamls set no reduce_bucket_size: DeepSpeed's default of 5e8 elements
         assert summary["strategy_detail"]["reduce_bucket_size"] == 5 * 10 ** 8
@@ -57,6 +86,18 @@ def test_planned_peak_within_5_percent_of_each_rank(config, checkpointing, preci
         assert peak["planned"]["activations_source"] == "traced"
         assert abs(peak["error"]) <= TOLERANCE, (rank["rank"], peak)
         assert peak["planned"]["peak_phase"] == peak["measured"]["peak_phase"]
+
+
+def test_peak_agreement_benchmark_tables_these_runs(peak_runs, tmp_path):
+    """benchmarks/peak_agreement.py given this file's run folders (its runs, read as they are: no launch of its own;
+    its --launch path is `shardscope compare`'s launcher, which tests/test_compare.py runs): a row per run, and the
+    plot."""
+    folders = [folder for config in dict.fromkeys(c for c, *_ in RUNS) for folder in peak_runs(config).values()]
+    peak_agreement.main([*map(str, folders), "--out", str(tmp_path / "peak.md")])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in (tmp_path / "peak.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| run ")]
+    assert sorted(row[0] for row in rows) == sorted(folder.name for folder in folders)
+    assert all(re.fullmatch(r"[+-]\d+\.\d\d%", row[4]) for row in rows) and (tmp_path / "peak.png").is_file()
 
 
 # The ~50M Llama (tests/conftest.py STRATEGY_MODELS) at 2 x 16 tokens, 2 micro-batches per optimizer step: the

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from conftest import strategy_model_for as model_for
 from shardscope.configs import shipped_configs
 
 # tp.yaml and fsdp_tp.yaml shard while the model loads (transformers DistributedConfig), which the recipe
@@ -55,10 +56,6 @@ def fsdp2_shard_bytes(shapes, rank, world=2) -> tuple[int, int]:
         rows = max(0, min(chunk, shape[0] - rank * chunk))
         local, padded = local + rows * math.prod(shape[1:]), padded + chunk * math.prod(shape[1:])
     return 4 * local, 4 * padded
-
-
-def model_for(config: str) -> str:
-    return "shard_mistral" if "mistral" in config else "shard_dinov2" if "dinov2" in config else "shard_llama"
 
 
 def test_every_single_node_config_has_a_promise():

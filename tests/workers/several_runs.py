@@ -20,16 +20,18 @@ from shardscope.recipes import training
 
 
 def parse(argv: list[str]) -> tuple[Path, list[tuple[str, str, list[str]]]]:
-    """(OUT, [(NAME, SCRIPT, ARGS)]); OUT is the last `--output_dir` (the one the launch appends)."""
+    """(OUT, [(NAME, SCRIPT, ARGS)]); OUT is the last `--output_dir` (the one the launch appends). Arguments before
+    the first `--run` are the launcher's (the `deepspeed` launcher's `--local_rank=N`): every run gets them."""
     at = len(argv) - 1 - argv[::-1].index("--output_dir")
     output_dir, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
+    first = argv.index("--run")
     groups: list[list[str]] = []
-    for token in argv:
+    for token in argv[first:]:
         if token == "--run":
             groups.append([])
         else:
             groups[-1].append(token)
-    return output_dir, [(name, script, args) for name, script, *args in groups]
+    return output_dir, [(name, script, [*argv[:first], *args]) for name, script, *args in groups]
 
 
 def run_one(script: str, args: list[str], log: Path) -> None:
