@@ -46,10 +46,12 @@ def test_the_benchmark_writes_every_run_beside_its_prediction(runs, tmp_path):
     out = tmp_path / "time_prediction.md"
     bench.main(["--runs", str(runs), "--output", str(out)])
     text = out.read_text()
-    for row in bench.predictions(runs, "ddp/a1c0"):
+    for row in bench.predictions(runs, "ddp/a1c0", bench.PREFLIGHT):  # the DDP run, then the preflight's links
         assert f"| {row['name']} | {row['accumulation']} | " in text
         assert f"| {row['predicted_s']:.3f} | {row['measured']['median']:.3f} |" in text
-    assert "Predicted order: " in text and "### Runs in time_prediction" in text
+    alone = bench.predictions(runs, "ddp/a1c0")
+    assert f"without the preflight: {bench.within(alone)} of {len(alone)} within 15%" in text
+    assert "Predicted order: " in text and "### Runs in time_prediction" in text and "<!-- part:summary -->" in text
 
 
 def test_report_puts_predicted_beside_measured(runs, tmp_path, capsys):

@@ -8,7 +8,7 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
                              (kinds under 1% of the sent bytes left out)
     hidden_share[kind]     = (comm_s - exposed_comm_s) / (comm_s x the overlapped kinds' share of sent bytes),
                              for each kind the strategy runs beside compute (`time_model.overlapped`), at most 1
-    optimizer_s_per_param  = optimizer_update_s (the torch optimizer's step; optimizer_s in summaries without it)
+    optimizer_s_per_param  = optimizer_s (for ZeRO: optimizer_update_s, the torch optimizer's step inside DeepSpeed's)
                              / (trainable params / (dp_shard x tp))
     zero_step_s_per_param  = (optimizer_s - optimizer_update_s) / the same, from a DeepSpeed ZeRO run: its step's
                              copies and bookkeeping around the update
@@ -139,9 +139,10 @@ def from_summary(doc, where) -> dict:
         mesh = doc.get("mesh") or {}
         shard = (mesh.get("dp_shard") or 1) * (mesh.get("tp") or 1)
         stepped = (doc["model"].get("trainable_params") or doc["model"]["params_total"]) / shard
-        update = part.get("optimizer_update_s", part["optimizer_s"])
+        zero = family(doc["strategy"]) == "deepspeed" and "optimizer_update_s" in part
+        update = part["optimizer_update_s"] if zero else part["optimizer_s"]  # without ZeRO: the same phase
         out["optimizer_s_per_param"] = update / stepped
-        if family(doc["strategy"]) == "deepspeed" and "optimizer_update_s" in part:
+        if zero:
             out["zero_step_s_per_param"] = (part["optimizer_s"] - update) / stepped
         return out
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
