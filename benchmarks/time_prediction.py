@@ -53,8 +53,8 @@ PREFLIGHT_SIZES = "1MiB,4MiB,16MiB,32MiB"  # the runs' messages: per-layer gathe
 
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False,
               timeout: int = 900) -> None:
-    """Every strategy's configurations in one torchrun launch (`timeout` seconds per strategy), then the preflight
-    in another; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
+    """The strategies' configurations in one torchrun launch per library (the Trainer refuses FSDP in a process
+    where a DeepSpeed run set its flag), `timeout` seconds per strategy, then the preflight; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
     the machine then takes less of the timed steps' cores; not in the test suite, whose other worker runs tests with
     deadlines of their own)."""
     from shardscope.recipes.tiny import make_causal_lm
@@ -65,11 +65,13 @@ def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool
     nice = ["nice", "-n", "-20"] if priority and priority_raised() else []
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     launch = [*nice, torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    groups = [g for g in ([s for s in strategies if not s.startswith("fsdp")],
+                          [s for s in strategies if s.startswith("fsdp")]) if g]
     commands = [([*launch, "--master_port", free_port(), str(ROOT / "tests" / "workers" / "train_time.py"), "--model",
-                  str(root / "model"), "--configs", ",".join(configs), "--strategies", ",".join(strategies),
-                  "--output_dir", str(root)], timeout * len(strategies)),
-                ([*launch, "--master_port", free_port(), "-m", "shardscope", "preflight", "--output-dir", str(root),
-                  "--sizes", PREFLIGHT_SIZES], timeout)]
+                  str(root / "model"), "--configs", ",".join(configs), "--strategies", ",".join(group),
+                  "--output_dir", str(root)], timeout * len(group)) for group in groups]
+    commands.append(([*launch, "--master_port", free_port(), "-m", "shardscope", "preflight", "--output-dir",
+                      str(root), "--sizes", PREFLIGHT_SIZES], timeout))
     for cmd, seconds in commands:
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
         if done.returncode:
