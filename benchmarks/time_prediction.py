@@ -90,9 +90,13 @@ def calibrated(root: Path, *calibrate_from: str):
 
 def predictions(root: Path, *calibrate_from: str) -> list[dict]:
     """Every run under `root` predicted by the model calibrated from `calibrate_from` alone."""
+    return predicted(root, calibrated(root, *calibrate_from))
+
+
+def predicted(root: Path, fig) -> list[dict]:
+    """Every run under `root` predicted with the figures `fig`."""
     from shardscope.report.time_prediction import explaining_part, predict_run
 
-    fig = calibrated(root, *calibrate_from)
     out = []
     for name in STRATEGIES:
         for config in CONFIGS:
@@ -137,8 +141,7 @@ def within(rows: list[dict]) -> int:
     return sum(abs(r["error"]) <= TOLERANCE for r in rows)
 
 
-def links_line(root: Path, *calibrate_from: str) -> str:
-    fig = calibrated(root, *calibrate_from)
+def links_line(root: Path, fig) -> str:
     bus = ", ".join(f"{kind} {speed / 1e9:.3g} GB/s" for kind, speed in sorted(fig.bus_bytes_per_s.items()))
     return f"Bus bandwidth per collective kind ({fig.sources['bus_bytes_per_s'].replace(f'{root}/', '')}): {bus}."
 
@@ -146,12 +149,13 @@ def links_line(root: Path, *calibrate_from: str) -> str:
 def section(root: Path, first: bool = True) -> list[str]:
     """The section of one folder of runs; the first folder's also carries the summary docs/fit.md places."""
     links = (PREFLIGHT,) if (root / PREFLIGHT).is_file() else ()
-    main_rows = predictions(root, "ddp/a1c0", *links)
+    main_fig, zero3_fig = calibrated(root, "ddp/a1c0", *links), calibrated(root, "zero3/a1c0", *links)
+    main_rows = predicted(root, main_fig)
     passes = [compute_per_pass(r) for r in main_rows]
     apart, wrong = order_disagreements(main_rows)
     text = [f"## Runs in {root.name}: calibrated from ddp/a1c0 (DDP, accumulation 1, checkpointing off)"
             f"{' and ' + PREFLIGHT if links else ''}, {within(main_rows)} of {len(main_rows)} within {TOLERANCE:.0%}",
-            "", links_line(root, "ddp/a1c0", *links), "", *table(main_rows), "",
+            "", links_line(root, main_fig), "", *table(main_rows), "",
             f"Predicted order: {apart - len(wrong)} of the {apart} pairs of runs whose measured p10-p90 spreads do not "
             "overlap are ordered as measured" + (f"; not: {', '.join(f'{a} / {b}' for a, b in wrong)}." if wrong
                                                  else "."), "",
@@ -159,12 +163,13 @@ def section(root: Path, first: bool = True) -> list[str]:
             f"{min(passes):.3f} to {max(passes):.3f} s, a {max(passes) / min(passes):.2f}x spread between runs; the "
             "model has one achieved FLOP/s, so the compute part alone is off by up to that spread.", ""]
     if links:
-        alone = predictions(root, "ddp/a1c0")
+        alone_fig = calibrated(root, "ddp/a1c0")
+        alone = predicted(root, alone_fig)
         text += [f"From ddp/a1c0 alone, without the preflight: {within(alone)} of {len(alone)} within "
-                 f"{TOLERANCE:.0%}. {links_line(root, 'ddp/a1c0')}", ""]
-    from_zero3 = [r for r in predictions(root, "zero3/a1c0", *links) if r["strategy"] == "ddp"]
-    if links and first:
-        ddp, zero3 = calibrated(root, "ddp/a1c0"), calibrated(root, "zero3/a1c0")
+                 f"{TOLERANCE:.0%}. {links_line(root, alone_fig)}", ""]
+    from_zero3 = [r for r in predicted(root, zero3_fig) if r["strategy"] == "ddp"]
+    if links and first:  # a run's optimizer figures are its own, whatever the preflight beside it
+        ddp, zero3 = main_fig, zero3_fig
         text += ["<!-- part:summary -->",
                  f"- Calibrated from ddp/a1c0 and {PREFLIGHT}: {within(main_rows)} of {len(main_rows)} runs within "
                  f"{TOLERANCE:.0%} of their measured median; predicted order right for {apart - len(wrong)} of "
@@ -178,7 +183,7 @@ def section(root: Path, first: bool = True) -> list[str]:
                  "<!-- /part:summary -->", ""]
     return text + [f"### Runs in {root.name}: DDP calibrated from zero3/a1c0{' and ' + PREFLIGHT if links else ''}, "
                    f"{within(from_zero3)} of {len(from_zero3)} within {TOLERANCE:.0%}", "",
-                   links_line(root, "zero3/a1c0", *links), "", *table(from_zero3), ""]
+                   links_line(root, zero3_fig), "", *table(from_zero3), ""]
 
 
 def main(argv=None) -> None:

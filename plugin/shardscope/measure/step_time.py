@@ -61,7 +61,7 @@ class StepTimer:
     def stop(self) -> dict | None:
         """The step's breakdown (None when the instrument failed during the step)."""
         try:
-            self._mark(None)
+            self._updating(False, whole=True)  # the open phase, and an update range a failed step left open
             if self.cuda and self.instrument.ok:
                 torch.cuda.synchronize()
             self._step.__exit__(None, None, None)

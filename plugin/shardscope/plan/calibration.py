@@ -46,13 +46,12 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
     record: dict = {}
     for source, figures in measured:
         for name, value in figures.items():
-            if name == "bus_bytes_per_s":
+            if name in PER_KIND:
                 kinds = record.setdefault(name, {})
-                for kind, entry in scaled_to(kinds, source, value).items():
+                entries = scaled_to(kinds, source, value) if name == "bus_bytes_per_s" else \
+                    {kind: {"value": v, "run": str(source)} for kind, v in value.items()}
+                for kind, entry in entries.items():
                     kinds.setdefault(kind, entry)
-            elif name in PER_KIND:
-                for kind, v in value.items():
-                    record.setdefault(name, {}).setdefault(kind, {"value": v, "run": str(source)})
             else:
                 record.setdefault(name, {"value": value, "run": str(source)})
     changes, sources = {}, dict(base.sources)

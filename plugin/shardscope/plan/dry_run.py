@@ -459,15 +459,17 @@ def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: 
         world, where = world_size, nodes
         if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
             world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
-        try:
-            if strategy in NOT_DRY_RUN:
-                raise LibraryRefused(NOT_DRY_RUN[strategy])
-            result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
-                             setup.tp_size if strategy != "tp" else world, models)
-        except LibraryRefused as refused:
+        note = NOT_DRY_RUN.get(strategy)
+        if note is None:
+            try:
+                result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
+                                 setup.tp_size if strategy != "tp" else world, models)
+            except LibraryRefused as refused:
+                note = str(refused)
+        if note is not None:  # the planner's formula row, and why there is no dry run beside it
             row = strategy_row(strategy, spec, replace(setup, gpus_per_node=world_size // nodes, nodes=nodes),
                                knobs=knobs)
-            results.append({"strategy": strategy, "dry_run": None, "note": str(refused),
+            results.append({"strategy": strategy, "dry_run": None, "note": note,
                             "planned": {"params_bytes": row.params_bytes, "grads_bytes": row.grads_bytes,
                                         "optimizer_bytes": row.optimizer_bytes,
                                         "model_states_bytes": row.model_states_bytes}})
