@@ -6,12 +6,12 @@
 Without --runs it trains them first (tests/workers/train_time.py under torchrun, at the highest CPU priority the
 machine allows: DDP, ZeRO-1/2/3 through the Trainer's DeepSpeed integration, FSDP2 full shard and shard-grad-op
 through tests/cpu_shim), every strategy's configurations (accumulation 1 and 2, checkpointing off and on) one after
-another in one launched process, 8 steps each (instrumented steps 1-3, plain steps 4-8), then `shardscope preflight`
-on the same 2 ranks (each collective kind's bus bandwidth at the runs' message sizes, PREFLIGHT_SIZES). Then:
-calibrated from the DDP run at accumulation 1 without checkpointing and the preflight (the collective kinds DDP
-never issues, all_gather and reduce_scatter, at the preflight's speed), every run's prediction beside its measured
-median; the predicted order against the measured one wherever two runs' p10-p90 spreads do not overlap; the same
-from the DDP run alone; and DDP predicted from ZeRO-3 and the preflight.
+another in one launched process, 8 steps each (instrumented steps 1-3, plain steps 4-8; each run's profiler times
+every collective kind once at its end: the summary's `link_probe`). Then: calibrated from the DDP run at
+accumulation 1 without checkpointing alone (the collective kinds DDP never issues, all_gather and reduce_scatter,
+from its link probe scaled to its all-reduces), every run's prediction beside its measured median; the predicted
+order against the measured one wherever two runs' p10-p90 spreads do not overlap; the same without the link probe;
+and DDP predicted from the ZeRO-3 run alone.
 `--small`: DDP and ZeRO-3 only, two configurations (the test suite's size).
 """
 from __future__ import annotations
@@ -47,14 +47,12 @@ def priority_raised() -> bool:
 
 
 SMALL = {"strategies": ("ddp", "zero3"), "configs": ("a1c0", "a2c1")}
-PREFLIGHT = "preflight.json"
-PREFLIGHT_SIZES = "1MiB,4MiB,16MiB,32MiB"  # the runs' messages: per-layer gathers of 1-3 MB up to DDP's 25 MB bucket
 
 
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False,
               timeout: int = 900) -> None:
     """The strategies' configurations in one torchrun launch per library (the Trainer refuses FSDP in a process
-    where a DeepSpeed run set its flag), `timeout` seconds per strategy, then the preflight; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
+    where a DeepSpeed run set its flag), `timeout` seconds per strategy; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
     the machine then takes less of the timed steps' cores; not in the test suite, whose other worker runs tests with
     deadlines of their own)."""
     from shardscope.recipes.tiny import make_causal_lm
@@ -70,27 +68,26 @@ def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool
     commands = [([*launch, "--master_port", free_port(), str(ROOT / "tests" / "workers" / "train_time.py"), "--model",
                   str(root / "model"), "--configs", ",".join(configs), "--strategies", ",".join(group),
                   "--output_dir", str(root)], timeout * len(group)) for group in groups]
-    commands.append(([*launch, "--master_port", free_port(), "-m", "shardscope", "preflight", "--output-dir",
-                      str(root), "--sizes", PREFLIGHT_SIZES], timeout))
     for cmd, seconds in commands:
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
-def calibrated(root: Path, *calibrate_from: str):
-    """The model's figures calibrated from `calibrate_from` (runs under `root`, or its preflight.json), read as
-    `--calibrate` reads them, the first given first."""
+def calibrated(root: Path, run: str, probe: bool = True):
+    """The model's figures calibrated from `run` under `root`, read as `--calibrate` reads it (its link probe
+    included unless `probe` is false)."""
     from shardscope.cli.step_time import measured_figures
     from shardscope.plan.calibration import calibrate
     from shardscope.plan.time_model import datasheet_figures, hardware
 
-    return calibrate(measured_figures([root / s for s in calibrate_from]), datasheet_figures(hardware("H100", "fp32")))[0]
+    measured = measured_figures([root / run])
+    return calibrate(measured if probe else measured[:1], datasheet_figures(hardware("H100", "fp32")))[0]
 
 
-def predictions(root: Path, *calibrate_from: str) -> list[dict]:
-    """Every run under `root` predicted by the model calibrated from `calibrate_from` alone."""
-    return predicted(root, calibrated(root, *calibrate_from))
+def predictions(root: Path, run: str) -> list[dict]:
+    """Every run under `root` predicted by the model calibrated from `run` alone."""
+    return predicted(root, calibrated(root, run))
 
 
 def predicted(root: Path, fig) -> list[dict]:
@@ -148,13 +145,12 @@ def links_line(root: Path, fig) -> str:
 
 def section(root: Path, first: bool = True) -> list[str]:
     """The section of one folder of runs; the first folder's also carries the summary docs/fit.md places."""
-    links = (PREFLIGHT,) if (root / PREFLIGHT).is_file() else ()
-    main_fig, zero3_fig = calibrated(root, "ddp/a1c0", *links), calibrated(root, "zero3/a1c0", *links)
+    main_fig, zero3_fig = calibrated(root, "ddp/a1c0"), calibrated(root, "zero3/a1c0")
     main_rows = predicted(root, main_fig)
     passes = [compute_per_pass(r) for r in main_rows]
     apart, wrong = order_disagreements(main_rows)
-    text = [f"## Runs in {root.name}: calibrated from ddp/a1c0 (DDP, accumulation 1, checkpointing off)"
-            f"{' and ' + PREFLIGHT if links else ''}, {within(main_rows)} of {len(main_rows)} within {TOLERANCE:.0%}",
+    text = [f"## Runs in {root.name}: calibrated from ddp/a1c0 alone (DDP, accumulation 1, checkpointing off), "
+            f"{within(main_rows)} of {len(main_rows)} within {TOLERANCE:.0%}",
             "", links_line(root, main_fig), "", *table(main_rows), "",
             f"Predicted order: {apart - len(wrong)} of the {apart} pairs of runs whose measured p10-p90 spreads do not "
             "overlap are ordered as measured" + (f"; not: {', '.join(f'{a} / {b}' for a, b in wrong)}." if wrong
@@ -162,26 +158,25 @@ def section(root: Path, first: bool = True) -> list[str]:
             f"Measured compute per forward + backward pass of the same micro-batch (same FLOPs in every run): "
             f"{min(passes):.3f} to {max(passes):.3f} s, a {max(passes) / min(passes):.2f}x spread between runs; the "
             "model has one achieved FLOP/s, so the compute part alone is off by up to that spread.", ""]
-    if links:
-        alone_fig = calibrated(root, "ddp/a1c0")
-        alone = predicted(root, alone_fig)
-        text += [f"From ddp/a1c0 alone, without the preflight: {within(alone)} of {len(alone)} within "
-                 f"{TOLERANCE:.0%}. {links_line(root, alone_fig)}", ""]
+    unprobed_fig = calibrated(root, "ddp/a1c0", probe=False)
+    unprobed = predicted(root, unprobed_fig)
+    text += [f"From ddp/a1c0 without its link probe: {within(unprobed)} of {len(unprobed)} within "
+             f"{TOLERANCE:.0%}. {links_line(root, unprobed_fig)}", ""]
     from_zero3 = [r for r in predicted(root, zero3_fig) if r["strategy"] == "ddp"]
-    if links and first:  # a run's optimizer figures are its own, whatever the preflight beside it
+    if first:
         ddp, zero3 = main_fig, zero3_fig
         text += ["<!-- part:summary -->",
-                 f"- Calibrated from ddp/a1c0 and {PREFLIGHT}: {within(main_rows)} of {len(main_rows)} runs within "
-                 f"{TOLERANCE:.0%} of their measured median; predicted order right for {apart - len(wrong)} of "
-                 f"{apart} clearly separated pairs.",
-                 f"- From ddp/a1c0 alone (all_gather and reduce_scatter taken at all_reduce's speed): {within(alone)} "
-                 f"of {len(alone)} within {TOLERANCE:.0%}.",
-                 f"- DDP calibrated from zero3/a1c0 and {PREFLIGHT}: {within(from_zero3)} of {len(from_zero3)} within "
+                 f"- Calibrated from ddp/a1c0 alone (its steps and the link probe at its end): {within(main_rows)} of "
+                 f"{len(main_rows)} runs within {TOLERANCE:.0%} of their measured median; predicted order right for "
+                 f"{apart - len(wrong)} of {apart} clearly separated pairs.",
+                 f"- Without the link probe (all_gather and reduce_scatter taken at all_reduce's speed): "
+                 f"{within(unprobed)} of {len(unprobed)} within {TOLERANCE:.0%}.",
+                 f"- DDP calibrated from zero3/a1c0 alone: {within(from_zero3)} of {len(from_zero3)} within "
                  f"{TOLERANCE:.0%}. Optimizer, per parameter a rank steps: the update {ddp.optimizer_s_per_param * 1e9:.2g}"
                  f" ns on DDP (torch's AdamW), {zero3.optimizer_s_per_param * 1e9:.2g} ns inside DeepSpeed's step on "
                  f"ZeRO-3, and DeepSpeed's step around it {zero3.zero_step_s_per_param * 1e9:.2g} ns.",
                  "<!-- /part:summary -->", ""]
-    return text + [f"### Runs in {root.name}: DDP calibrated from zero3/a1c0{' and ' + PREFLIGHT if links else ''}, "
+    return text + [f"### Runs in {root.name}: DDP calibrated from zero3/a1c0 alone, "
                    f"{within(from_zero3)} of {len(from_zero3)} within {TOLERANCE:.0%}", "",
                    links_line(root, zero3_fig), "", *table(from_zero3), ""]
 

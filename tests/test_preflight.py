@@ -21,7 +21,7 @@ from launch import BIN, ROOT, accelerate_multinode_launch, cpu_env, free_port, m
 from shardscope.cli import main
 from shardscope.configs import find_config
 from shardscope.preflight import calibration_from_preflight
-from shardscope.preflight.links import KINDS
+from shardscope.measure.collective_timing import KINDS
 
 SIZES = [64 * 2 ** 10, 256 * 2 ** 10]  # small: a launch takes seconds on CPU
 SIZE_ARG = ",".join(f"{s // 2 ** 10}KiB" for s in SIZES)

@@ -46,12 +46,37 @@ def test_the_benchmark_writes_every_run_beside_its_prediction(runs, tmp_path):
     out = tmp_path / "time_prediction.md"
     bench.main(["--runs", str(runs), "--output", str(out)])
     text = out.read_text()
-    for row in bench.predictions(runs, "ddp/a1c0", bench.PREFLIGHT):  # the DDP run, then the preflight's links
+    for row in bench.predictions(runs, "ddp/a1c0"):  # the DDP run, then its link probe
         assert f"| {row['name']} | {row['accumulation']} | " in text
         assert f"| {row['predicted_s']:.3f} | {row['measured']['median']:.3f} |" in text
-    alone = bench.predictions(runs, "ddp/a1c0")
-    assert f"without the preflight: {bench.within(alone)} of {len(alone)} within 15%" in text
+    unprobed = bench.predicted(runs, bench.calibrated(runs, "ddp/a1c0", probe=False))
+    assert f"without its link probe: {bench.within(unprobed)} of {len(unprobed)} within 15%" in text
     assert "Predicted order: " in text and "### Runs in time_prediction" in text and "<!-- part:summary -->" in text
+
+
+def test_each_run_times_every_collective_kind_at_its_end(runs):
+    """The summary's link probe: every kind, at the counted step's largest mean message (within the probe's
+    bounds), its bus bandwidth the nccl-tests formula of its size and seconds; the DDP run, which issued only
+    all-reduces, is calibrated with all_gather and reduce_scatter from it."""
+    from shardscope.measure.collective_timing import BUS_FACTOR, PROBE_BYTES
+    from shardscope.safe_io import load_json
+
+    for run in ("ddp/a1c0", "zero3/a2c1"):
+        doc = load_json(runs / run / "shardscope_summary.json", "summary")
+        probe = doc["link_probe"]
+        largest = max(k["bytes"] / k["calls"] for r in doc["ranks"] for k in r["comm"].values())
+        wanted = min(max(int(largest), PROBE_BYTES[0]), PROBE_BYTES[1])
+        assert wanted - 4 * probe["ranks"] < probe["size_bytes"] <= wanted  # whole fp32 elements per rank
+        assert probe["ranks"] == doc["world_size"] == 2 and probe["backend"] == "gloo"
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            assert probe["bus_bytes_per_s"][kind] == pytest.approx(
+                probe["size_bytes"] / probe["seconds"][kind] * BUS_FACTOR[kind](2))
+    ddp = load_json(runs / "ddp/a1c0" / "shardscope_summary.json", "summary")
+    assert "reduce_scatter" not in ddp["ranks"][0]["comm"]  # DDP: buckets all-reduced (+ buffers, the profiler's own)
+    fig = bench.calibrated(runs, "ddp/a1c0")
+    level = bench.calibrated(runs, "ddp/a1c0", probe=False).bus_bytes_per_s["all_reduce"]
+    probed = ddp["link_probe"]["bus_bytes_per_s"]
+    assert fig.bus_bytes_per_s["reduce_scatter"] == pytest.approx(probed["reduce_scatter"] * level / probed["all_reduce"])
 
 
 def test_report_puts_predicted_beside_measured(runs, tmp_path, capsys):

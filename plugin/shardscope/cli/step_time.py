@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
-from ..plan.calibration import calibrate, from_links, run_figures
+from ..plan.calibration import calibrate, from_links, run_sources
 from ..plan.time_model import PARTS, Figures, datasheet_figures, describe, hardware, step_time
 from ..summary import SUMMARY_FILE
 
@@ -22,7 +22,7 @@ def measured_figures(paths) -> list[tuple[str, dict]]:
     out = []
     for path in map(Path, paths):
         if path.is_dir() and (path / SUMMARY_FILE).is_file() or path.name == SUMMARY_FILE and path.is_file():
-            out.append((str(path), run_figures(path)))
+            out.extend(run_sources(path))
             continue
         preflight = path / "preflight.json" if path.is_dir() else path
         if not preflight.is_file():

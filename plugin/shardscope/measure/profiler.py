@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import __version__
+from .collective_timing import probe_links, probe_size
 from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
 from .memory import read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
@@ -111,6 +112,7 @@ class ShardingProfiler:
         self._throughput, self._state, self._memory, self._precision_probe = (
             Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
         self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
+        self._link_probe = None  # collectives timed at close(): `collective_timing.probe_links`
         self._closed, self._pending = False, None  # _pending: a measurement whose gather step(defer=True) started
         clock = time.perf_counter
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
@@ -234,6 +236,8 @@ class ShardingProfiler:
         self._sampled.end(keep=False)  # a timer started for a step that never ran
         self._end_step_peak(keep=False)  # a step begun and never closed is not measured
         ranks = self._complete_all(self._measure_rank(self._run))
+        with self.guard("link probe"):  # collectives on every rank, at the counted step's message size
+            self._link_probe = probe_links(probe_size(ranks), self._device)
         with self.guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
         extra, statuses = [{}] * len(ranks), [self._statuses()] * len(ranks)
@@ -561,6 +565,7 @@ class ShardingProfiler:
             "global_step": self.global_step,
             "state_locations": self.locations,
             "straggler": straggler(ranks),
+            "link_probe": self._link_probe,
             "memory_details_rank0": self.memory,
             "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r), **(extra or {}),
                        **{k: v for k, v in p.items() if k != "precision_verdict"}}

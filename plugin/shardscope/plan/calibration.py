@@ -16,9 +16,11 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
 From a preflight's measurements (`from_links`, given `preflight.calibration.calibration_from_preflight`'s
 record by the command line, which reads the file): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth
 per kind inside a node; the slowest across-node bandwidth as the network.
-A figure several runs give is taken from the first run given that has it (so `RUN_DIR preflight.json`: the run's
-figures, and for the collective kinds the run never issued the preflight's bandwidth scaled by the run's over the
-preflight's on the kinds both measured: `scaled_to`); a kind nothing measured takes
+From the summary's `link_probe` (each kind timed once at the end of the run, `measure.collective_timing`): bus
+bandwidth per kind, a source after the run's own figures.
+A figure several sources give is taken from the first that has it (so a run with its link probe, or `RUN_DIR
+preflight.json`: the run's figures, and for the collective kinds the run never issued the probe's or preflight's
+bandwidth scaled by the run's over theirs on the kinds both measured: `scaled_to`); a kind nothing measured takes
 the slowest measured kind's bandwidth and hidden share (the same link: NCCL's bus bandwidths compare across kinds,
 gloo's do not, its all_gather and reduce_scatter being far slower than its all_reduce: benchmarks/results/
 time_prediction.md); figures no run measured stay datasheet.
@@ -62,7 +64,7 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
             runs = sorted({e["run"] for e in entry.values()})
             missing = sorted(set(getattr(base, name)) - set(entry))
             sources[name] = "measured on " + ", ".join(runs) + (
-                f" ({', '.join(missing)}: as {', '.join(sorted(entry))}; a preflight.json measures each kind)"
+                f" ({', '.join(missing)}: as {', '.join(sorted(entry))}; a run's link probe or a preflight.json measures each kind)"
                 if missing else "")
         else:
             changes[name] = entry["value"]
@@ -82,11 +84,22 @@ def scaled_to(earlier: dict, source, speeds: dict) -> dict:
     return {k: {"value": v * scale, "run": label} for k, v in speeds.items()}
 
 
-def run_figures(path) -> dict:
-    """The figures a run folder's summary (or the summary file itself) measured."""
+def run_sources(path) -> list[tuple[str, dict]]:
+    """[(source, figures)] a run folder's summary (or the summary file itself) measured: the run's, then its link
+    probe's bus bandwidths when it has one (`calibrate` scales them to the run's on the kinds both measured)."""
     path = Path(path)
     summary = path / SUMMARY_FILE if path.is_dir() else path
-    return from_summary(load_json(summary, "run summary"), summary)
+    doc = load_json(summary, "run summary")
+    out = [(str(path), from_summary(doc, summary))]
+    probe = doc.get("link_probe") if isinstance(doc, dict) else None
+    if probe:
+        try:
+            out.append((f"{path}'s link probe", {"bus_bytes_per_s": {
+                k: float(v) for k, v in probe["bus_bytes_per_s"].items() if k in TERM_OF_KIND and float(v) > 0}}))
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise UsageError(f"--calibrate {summary}: malformed 'link_probe' ({type(error).__name__}: {error})") \
+                from None
+    return out
 
 
 def from_links(doc: dict) -> dict:

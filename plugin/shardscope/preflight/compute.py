@@ -26,7 +26,7 @@ def measure(me: int, world: int, device, dtype, slow_rank: int | None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .links import sync
+    from ..measure.collective_timing import sync
 
     side = SIDE.get(device.type, SIDE["cuda"])
     a, b = (torch.randn(side, side, device=device).to(dtype) for _ in range(2))

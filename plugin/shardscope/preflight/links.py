@@ -1,25 +1,13 @@
 """Timing the links: collectives inside each node and across nodes, and send/recv between every pair of nodes.
 
-Bus bandwidth follows nccl-tests' convention (its doc/PERFORMANCE.md), with `size` the whole buffer (all_reduce:
-the tensor; all_gather: the gathered output; reduce_scatter: the input) and `n` ranks in the group:
-    algbw = size / seconds;  busbw = algbw x 2(n-1)/n (all_reduce), x (n-1)/n (all_gather, reduce_scatter)
-so that busbw is comparable to one link's speed whatever n is. A collective's time is the slowest rank's,
-averaged over ITERS calls after WARMUP calls. Pairs: in round d = 1..N-1 every node sends to node k+d and
-receives from node k-d at once (N-1 rounds cover every ordered pair); a pair's figure is bytes/s one way.
+Bus bandwidth and one collective's timing: `measure.collective_timing` (nccl-tests' convention). Pairs: in round
+d = 1..N-1 every node sends to node k+d and receives from node k-d at once (N-1 rounds cover every ordered pair); a pair's figure is bytes/s one way.
 """
 from __future__ import annotations
 
 import time
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n}
-WARMUP, ITERS = 2, 5
-
-
-def bus_bandwidth(kind: str, size_bytes: int, seconds: float, ranks: int) -> float:
-    """nccl-tests' bus bandwidth (bytes/s) of one collective call (formula in the module docstring)."""
-    return size_bytes / seconds * BUS_FACTOR[kind](ranks)
+from ..measure.collective_timing import ITERS, KINDS, bus_bandwidth, slowest, sync, time_collective
 
 
 def topology(members: list[dict]) -> tuple[dict[int, list[int]], dict[str, list[list[int]]]]:
@@ -33,55 +21,6 @@ def topology(members: list[dict]) -> tuple[dict[int, list[int]], dict[str, list[
         width = min(len(ranks) for ranks in nodes.values())
         groups["inter"] = [[ranks[i] for ranks in nodes.values()] for i in range(width)]
     return nodes, groups
-
-
-def sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _call(kind: str, buffers, group) -> None:
-    import torch.distributed as dist
-
-    full, part = buffers
-    if kind == "all_reduce":
-        dist.all_reduce(full, group=group)
-    elif kind == "all_gather":
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, part, group=group)
-    else:  # torch 2.13 renamed the tensor forms *_single
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, full, group=group)
-
-
-def time_collective(kind: str, size: int, group, ranks: int, device, dtype) -> tuple[float, int]:
-    """(seconds per call, bytes of the whole buffer: `size` rounded down to a multiple of the ranks' elements)
-    of one collective on `group`, this rank's view (the caller takes the slowest rank's)."""
-    import torch
-    import torch.distributed as dist
-
-    element = torch.empty((), dtype=dtype).element_size()
-    numel = max(size // element // ranks, 1) * ranks
-    buffers = (torch.ones(numel, dtype=dtype, device=device), torch.ones(numel // ranks, dtype=dtype, device=device))
-    for _ in range(WARMUP):
-        _call(kind, buffers, group)
-    sync(device)
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    for _ in range(ITERS):
-        _call(kind, buffers, group)
-    sync(device)
-    return (time.perf_counter() - start) / ITERS, numel * element
-
-
-def slowest(seconds: float, group, device) -> float:
-    """The slowest rank's seconds in `group` (every rank of it calls this)."""
-    import torch
-    import torch.distributed as dist
-
-    value = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return float(value.item())
 
 
 def measure_collectives(members: list[dict], me: int, sizes: list[int], device, dtype) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..model.spec import model_spec
-from ..plan.calibration import calibrate, run_figures, scaled_breakdown, timed_ranks
+from ..plan.calibration import calibrate, run_sources, scaled_breakdown, timed_ranks
 from ..plan.mesh import Setup
 from ..plan.planner import estimate
 from ..plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
@@ -99,7 +99,7 @@ def attach(runs: list[dict], measured: list[tuple[str, dict]] | None = None) -> 
     if not done and not measured:
         return
     try:
-        measured = measured or [(str(done[0]["dir"]), run_figures(done[0]["dir"]))]
+        measured = measured or run_sources(done[0]["dir"])
     except UsageError as error:  # the first run has no timed step: every row says so, the report goes on
         for r in done:
             r["predicted_step"] = {"error": str(error)}
