@@ -6,10 +6,12 @@ the tensor; all_gather: the gathered output; reduce_scatter: the input) and `n` 
 so that busbw is comparable to one link's speed whatever n is. A collective's time is the slowest rank's,
 averaged over ITERS calls after WARMUP calls.
 
-The link probe (`probe_links`, run by `ShardingProfiler.close()` on every rank): each kind once, on the whole
-world, at the run's own largest message (the counted step's largest mean message over the kinds it issued, within
-PROBE_BYTES), so a run that never issued a kind (DDP: no all_gather, no reduce_scatter) still says how fast this
-cluster moves it; the step-time model scales the probe to the run's in-training speed on the kinds both measured.
+The link probe (`probe_links`, run by `ShardingProfiler.close()` on every rank): each kind on the whole world, in
+one message as large as the counted step's traffic of its busiest kind (within PROBE_BYTES), so a run that never
+issued a kind (DDP: no all_gather, no reduce_scatter) still says how fast this cluster moves it. One large message
+times the link's throughput, not a call's latency: the step-time model takes the ratios between kinds from it and
+the level from the run (scaled on the kinds both measured). Its cost is bounded by a step's traffic x 3 kinds x
+(WARMUP + ITERS) calls.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n}
 WARMUP, ITERS = 2, 5
-PROBE_BYTES = (64 * 2 ** 10, 32 * 2 ** 20)  # the probe's message size, at least / at most (the run's largest message)
+PROBE_BYTES = (64 * 2 ** 10, 32 * 2 ** 20)  # the probe's message, at least / at most (the step's busiest kind)
 
 
 def bus_bandwidth(kind: str, size_bytes: int, seconds: float, ranks: int) -> float:
@@ -84,11 +86,10 @@ def slowest(seconds: float, group, device) -> float:
 
 
 def probe_size(ranks: list[dict]) -> int | None:
-    """The probe's message size: the largest mean message (bytes / calls) of any kind any rank's counted step
-    issued, within PROBE_BYTES; None when no step was counted."""
-    means = [kind["bytes"] / kind["calls"] for rank in ranks for kind in (rank.get("comm") or {}).values()
-             if kind.get("calls")]
-    return min(max(int(max(means)), PROBE_BYTES[0]), PROBE_BYTES[1]) if means else None
+    """The probe's message size: the counted step's bytes of its busiest kind on any rank, within PROBE_BYTES;
+    None when no step was counted."""
+    traffic = [kind["bytes"] for rank in ranks for kind in (rank.get("comm") or {}).values() if kind.get("calls")]
+    return min(max(int(max(traffic)), PROBE_BYTES[0]), PROBE_BYTES[1]) if traffic else None
 
 
 def probe_links(size: int | None, device) -> dict | None:
