@@ -95,14 +95,15 @@ def test_fields_round_trip_through_the_cross_rank_gather():
 
 def test_breakdown_partitions_the_step_and_takes_exposed_comm_out_of_its_phase():
     """step 0-100 us; forward 10-30, backward 30-70, optimizer 75-90 with its inner update 77-82 and 84-88;
-    collectives 40-60 and 80-85; compute ops 10-25, 30-45, 55-70, 75-90. Exposed: 45-55 (in backward); 80-85 is
-    hidden under the optimizer's compute."""
+    collectives 40-60 and 80-85; compute ops 10-25, 30-45, 55-70, 75-90; a library's ranges 12-16, 50-58 and 80-82.
+    Exposed: 45-55 (in backward); 80-85 is hidden under the optimizer's compute. Library: 4 us in forward, 8 - 5
+    exposed in backward; its range inside the optimizer is not forward or backward work."""
     spans = {"step": [(0, 100)], "forward": [(10, 30)], "backward": [(30, 70)], "optimizer": [(75, 90)],
-             "update": [(77, 82), (84, 88)],
+             "update": [(77, 82), (84, 88)], "library": [(12, 16), (50, 58), (80, 82)],
              "comm": [(40, 60), (80, 85)], "compute": [(10, 25), (30, 45), (55, 70), (75, 90)]}
     out = {k: round(v * 1e6, 6) for k, v in step_time.breakdown(spans).items()}
     assert out == {"forward_s": 20, "backward_s": 30, "optimizer_s": 15, "optimizer_update_s": 9, "comm_s": 25,
-                   "exposed_comm_s": 10, "data_wait_s": 10, "other_s": 15, "step_s": 100}
+                   "exposed_comm_s": 10, "data_wait_s": 10, "other_s": 15, "step_s": 100, "library_s": 7}
     assert sum(out[k] for k in step_time.PARTS) == out["step_s"]
 
 

@@ -16,7 +16,7 @@ from shardscope.plan.calibration import calibrate as calibrate_figures
 from shardscope.plan.formulas import Row
 from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
-from shardscope.plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
+from shardscope.plan.time_model import PARTS, Figures, datasheet_figures, describe, hardware, step_time
 
 
 def calibrate(paths, base):
@@ -50,6 +50,11 @@ def test_parts_by_hand():
                                                       "overhead": 0.03})  # DeepSpeed's step around the update too
     fsdp = step_time(row("fsdp_full_shard", {}), SPEC, MODEL, setup, 10, FIG)
     assert fsdp["step_time_parts"]["optimizer"] == pytest.approx(10 ** 6 / 4 * 1e-9)  # torch's step: the update
+    measured_fsdp = replace(FIG, library_s_per_param={"fsdp": 2e-9})  # FSDP's per-module work, per param, per pass
+    for strategy, library in (("fsdp_full_shard", 3 * 10 ** 6 * 2e-9), ("fsdp_shard_grad_op", 3 * 10 ** 6 * 2e-9),
+                              ("zero3", 0.0), ("zero2", 0.0)):  # DeepSpeed's not measured; ZeRO-2 gathers nothing
+        parts = step_time(row(strategy, {}), SPEC, MODEL, setup, 10, measured_fsdp)["step_time_parts"]
+        assert parts["compute"] == pytest.approx(compute + library)
     ddp = step_time(row("ddp", {"grad_all_reduce": 4e9}, shard=1), SPEC, MODEL, setup, 10, FIG)
     # 25% of 4 s exposed; the hidden 3 s exceed the compute, so the rest of them is exposed too
     assert ddp["step_time_parts"]["exposed_comm"] == pytest.approx(1.0 + (3.0 - compute))
@@ -119,6 +124,24 @@ def test_a_zero_run_splits_deepspeeds_step_into_the_update_and_the_rest(tmp_path
         rank["time_breakdown"] = {**rank["time_breakdown"], "optimizer_update_s": 0.1}
     ddp, ddp_record = calibrate([write_run(tmp_path / "ddp", ddp_doc)], FIG)
     assert "zero_step_s_per_param" not in ddp_record and ddp.zero_step_s_per_param == FIG.zero_step_s_per_param
+
+
+def test_a_gathering_run_keeps_its_librarys_module_work_out_of_the_flops(tmp_path):
+    """library_s (ZeRO-3's or FSDP's per-module work inside forward and backward) is left out of the achieved
+    FLOP/s and becomes that library's figure per parameter and micro-batch; DDP's summary carries none."""
+    for strategy, library in (("zero3", "deepspeed"), ("fsdp_full_shard", "fsdp")):
+        doc = summary(strategy)
+        for rank in doc["ranks"]:
+            rank["time_breakdown"] = {**rank["time_breakdown"], "library_s": 0.06}
+        fig, record = calibrate([write_run(tmp_path / strategy, doc)], FIG)
+        scale = 0.4 / 0.8
+        assert fig.flops_per_s == pytest.approx(0.003e12 * 4.0 / 10 / ((0.2 + 0.4 - 0.06) * scale))
+        assert fig.library_s_per_param == pytest.approx({library: 0.06 * scale / 2 / 10 ** 6})  # accumulation 2
+        assert record["library_s_per_param"][library]["run"] == str(tmp_path / strategy)
+        assert any(line.startswith("library work inside forward + backward") for line in describe(fig))
+    ddp, ddp_record = calibrate([write_run(tmp_path / "ddp", summary())], FIG)
+    assert "library_s_per_param" not in ddp_record and ddp.library_s_per_param == {}
+    assert not any(line.startswith("library work") for line in describe(ddp))
 
 
 def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):

@@ -11,6 +11,11 @@ window's definition, so data loading counts). Hooks mark phases as profiler rang
 - data_wait: from the step's start to its first forward: the data loader and what the Trainer does
   between steps (logging);
 - other: the rest (zero_grad, the scheduler, callbacks).
+Library: `library_s` is the part of forward and backward spent inside a sharding library's own per-module work
+(gathering and releasing parameters, copying gradients out), waits for collectives excepted: FSDP names it in the
+profiler itself ("FSDP::..." ranges, "FullyShardedDataParallel...." for FSDP1); DeepSpeed ZeRO-3's four
+sub-module functions (fetch before a module's forward and backward, release after) are timed in ranges of ours.
+DDP's reducer works in C++ autograd hooks and stays in compute.
 Communication: `comm_s` is the time a collective is in flight (the union of the backend's collective
 events: gloo's work on its own threads, NCCL kernels on the GPU); `exposed_comm_s` is the part of it
 when no compute operator runs (CPU operators outside the communication threads on CPU, GPU kernels on
@@ -18,7 +23,7 @@ CUDA): the wait that overlap did not hide. Exposed time is taken out of the phas
 
     forward_s + backward_s + optimizer_s + exposed_comm_s + data_wait_s + other_s = step_s
 
-(up to float rounding); `comm_s`, overlapped or not, and `optimizer_update_s` stand beside the sum.
+(up to float rounding); `comm_s`, overlapped or not, `optimizer_update_s` and `library_s` stand beside the sum.
 """
 from __future__ import annotations
 
@@ -33,7 +38,10 @@ from .guard import Instrument, MethodWrap
 PREFIX = "shardscope::"
 PARTS = ("forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_wait_s", "other_s")  # sum to step_s
 BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "optimizer_update_s", "comm_s", "exposed_comm_s", "data_wait_s",
-             "other_s", "step_s")
+             "other_s", "step_s", "library_s")
+LIBRARY_RANGES = ("FSDP::", "FullyShardedDataParallel.", PREFIX + "library")  # the libraries' own, and ours
+ZERO3_MODULE_WORK = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
+                     "pre_sub_module_backward_function", "post_sub_module_backward_function")
 RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
 
 
@@ -102,6 +110,11 @@ class StepTimer:
         if base is not None:
             hook(base.register_step_pre_hook, lambda *_: self._updating(True, whole=zero is None))
             hook(base.register_step_post_hook, lambda *_: self._updating(False, whole=zero is None))
+        offload = getattr(zero, "parameter_offload", None)  # ZeRO-3's per-module fetch and release
+        for name in ZERO3_MODULE_WORK if offload is not None else ():
+            ranges = []
+            MethodWrap(self.instrument, offload, name, lambda *_, r=ranges: r.append(
+                record_function(PREFIX + "library").__enter__()), lambda r=ranges: r.pop().__exit__(None, None, None))
 
 
 def _intervals(events, cuda: bool) -> dict:
@@ -111,7 +124,9 @@ def _intervals(events, cuda: bool) -> dict:
     for event in events:
         name, span = event.name, (event.time_range.start, event.time_range.end)
         on_device = event.device_type != torch.autograd.DeviceType.CPU
-        if name.startswith(PREFIX):
+        if name.startswith(LIBRARY_RANGES):
+            out.setdefault("library", []).append(span)
+        elif name.startswith(PREFIX):
             out.setdefault(name[len(PREFIX):], []).append(span)
         elif on_device:
             out["comm" if "nccl" in name.lower() else "compute"].append(span)
@@ -137,6 +152,7 @@ def breakdown(spans: dict) -> dict:
     comm = _clip(_union(spans["comm"]), step)
     exposed = _minus(comm, _union(spans["compute"]))
     phases["optimizer_update"] = _clip(_union(spans.get("update", [])), step)  # inside optimizer, not a part
+    phases["library"] = _clip(_union(spans.get("library", [])), _union(phases["forward"] + phases["backward"]))
     out = {f"{p}_s": (_length(x) - _length(_clip(exposed, x))) / 1e6 for p, x in phases.items()}
     out.update(comm_s=_length(comm) / 1e6, exposed_comm_s=_length(exposed) / 1e6, step_s=_length(step) / 1e6)
     return {key: out[key] for key in BREAKDOWN}

@@ -3,7 +3,10 @@
 From a run folder's shardscope_summary.json (mean over ranks; the timed step's `time_breakdown` parts
 scaled by median plain step / timed step, so the profiler's own cost is spread over the parts):
     flops_per_s            = training FLOPs per step per rank (`throughput`: TFLOP/s x window seconds / steps,
-                             + 1/3 for the recomputed forward with checkpointing) / (forward_s + backward_s)
+                             + 1/3 for the recomputed forward with checkpointing)
+                             / (forward_s + backward_s - library_s)
+    library_s_per_param    = {library: library_s / (gradient_accumulation_steps x params_total)}, from a ZeRO-3
+                             or FSDP run (`library_s`: their per-module work inside forward and backward)
     bus_bytes_per_s[kind]  = sent bytes per step of all counted collectives (`comm`) / comm_s, for each kind run
                              (kinds under 1% of the sent bytes left out)
     hidden_share[kind]     = (comm_s - exposed_comm_s) / (comm_s x the overlapped kinds' share of sent bytes),
@@ -34,17 +37,17 @@ from ..errors import UsageError
 from ..safe_io import load_json
 from ..strategy import family
 from ..summary import SUMMARY_FILE
-from .time_model import Figures, overlapped
+from .time_model import Figures, gathers, overlapped
 
 TERM_OF_KIND = {"all_reduce": "grad_all_reduce", "all_gather": "param_all_gather",
                 "reduce_scatter": "grad_reduce_scatter"}
-PER_KIND = ("bus_bytes_per_s", "hidden_share")
+PER_KIND = ("bus_bytes_per_s", "hidden_share", "library_s_per_param")  # dicts: per collective kind, per library
 MINOR = 0.01  # kinds below this share of a run's sent bytes get no figure of their own
 
 
 def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures, dict]:
     """`base` with the figures `measured` [(source, figures)] gave, the first source first; and the `calibration`
-    record {figure: {value, run}} (per collective kind for bandwidth and hidden share)."""
+    record {figure: {value, run}} (per collective kind for bandwidth and hidden share, per library for its work)."""
     record: dict = {}
     for source, figures in measured:
         for name, value in figures.items():
@@ -144,9 +147,12 @@ def from_summary(doc, where) -> dict:
         out = {"overhead_s": (part["data_wait_s"] + part["other_s"]) / accumulation}
         flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_time_s"]["steps"]
                  for r in ranks if (r.get("throughput") or {}).get("tflops_per_device")]
-        if flops and part["forward_s"] + part["backward_s"] > 0:
+        library = part.get("library_s", 0.0) if gathers(doc["strategy"]) else 0.0  # (older summaries: none)
+        if flops and part["forward_s"] + part["backward_s"] - library > 0:
             recompute = 4 / 3 if (ranks[0].get("peak_step") or {}).get("gradient_checkpointing") else 1
-            out["flops_per_s"] = mean(flops) * recompute / (part["forward_s"] + part["backward_s"])
+            out["flops_per_s"] = mean(flops) * recompute / (part["forward_s"] + part["backward_s"] - library)
+        if library > 0:
+            out["library_s_per_param"] = {family(doc["strategy"]): library / accumulation / doc["model"]["params_total"]}
         out.update(comm_figures(doc["strategy"], ranks, part))
         mesh = doc.get("mesh") or {}
         shard = (mesh.get("dp_shard") or 1) * (mesh.get("tp") or 1)

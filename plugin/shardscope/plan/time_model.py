@@ -3,6 +3,8 @@
     compute      = micro_batch x accumulation x tokens x flops_per_token / (tp x flops_per_s)
                    flops_per_token = 6 x N_trained + 4 x N_frozen + 12 x layers x hidden x tokens
                    (+ 2 x N + 4 x layers x hidden x tokens with activation checkpointing: the forward again)
+                   + for ZeRO-3 and FSDP: accumulation x N x library_s_per_param[library] (their per-module
+                   gather and release work, measured by a run of that library; none without one)
     exposed_comm = per planner comm term (bytes each rank sends, ring convention): seconds = bytes / bus bandwidth
                    of its collective kind; a term the library runs beside compute (`OVERLAPPED`) hides the share
                    `hidden_share[kind]` of its seconds behind compute, the rest is exposed, and so is whatever
@@ -116,7 +118,8 @@ class Figures:
     pcie_bytes_per_s: float
     cpu_adam_params_per_s: float
     zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
-    sources: dict = field(default_factory=dict)
+    library_s_per_param: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> per-module work, s per param
+    sources: dict = field(default_factory=dict)                # per micro-batch (`gathers`)
 
     def bus(self, kind: str) -> float:
         return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
@@ -133,7 +136,7 @@ def datasheet_figures(hw: Hardware) -> Figures:
     return Figures(hw.peak_flops * hw.mfu, dict.fromkeys(kinds, hw.nvlink_bytes_per_s), hw.network_bytes_per_s,
                    dict.fromkeys(kinds, 1.0), ADAM_BYTES_PER_PARAM / hbm, hw.micro_step_overhead_s,
                    hw.pcie_bytes_per_s, hw.cpu_adam_params_per_s, ZERO_STEP_BYTES_PER_PARAM / hbm,
-                   {"flops_per_s": peak, "bus_bytes_per_s": f"{hw.link_source or source}",
+                   sources={"flops_per_s": peak, "bus_bytes_per_s": f"{hw.link_source or source}",
                     "hidden_share": f"assumed: {source}", "optimizer_s_per_param": f"{source}: {ADAM_BYTES_PER_PARAM} "
                     f"B/param at {hbm / 1e12:g} TB/s HBM", "overhead_s": f"assumed: {source}",
                     "zero_step_s_per_param": f"{source}: {ZERO_STEP_BYTES_PER_PARAM} B/param at {hbm / 1e12:g} TB/s"})
@@ -180,12 +183,19 @@ def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
     return copies / fig.pcie_bytes_per_s + t_shard / fig.cpu_adam_params_per_s
 
 
+def gathers(strategy: str) -> bool:
+    """Whether the strategy's library gathers and releases parameters module by module (ZeRO-3, FSDP)."""
+    return strategy.startswith("zero3") or family(strategy) == "fsdp"
+
+
 def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row (`formulas.Row`) at
     `setup` (its micro-batch, accumulation and checkpointing)."""
     fpt = flops_per_token(spec, model, tokens, setup.activation_checkpointing)
     samples = setup.micro_batch * setup.grad_accum_steps
     compute = samples * tokens * fpt / (row.mesh["tp"] * fig.flops_per_s)
+    if gathers(row.strategy):
+        compute += setup.grad_accum_steps * model["params_total"] * fig.library_s_per_param.get(family(row.strategy), 0)
     exposed, hideable = comm_seconds(row, setup, fig)
     offload = offload_seconds(row, model, setup, fig)
     steps_here = row.strategy not in OFFLOAD
@@ -212,4 +222,7 @@ def describe(fig: Figures) -> list[str]:
             f"optimizer: {fig.optimizer_s_per_param * 1e9:.3g} ns per parameter this rank steps "
             f"({s['optimizer_s_per_param']}), DeepSpeed ZeRO's step + {fig.zero_step_s_per_param * 1e9:.3g} ns around "
             f"it ({s['zero_step_s_per_param']}); offload: CPU step at {fig.cpu_adam_params_per_s / 1e9:g} G params/s",
-            f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"]
+            f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"] + (
+        [f"library work inside forward + backward (ZeRO-3, FSDP), per parameter and micro-batch: "
+         f"{', '.join(f'{k} {v * 1e9:.3g} ns' for k, v in sorted(fig.library_s_per_param.items()))} "
+         f"({s['library_s_per_param']})"] if fig.library_s_per_param else [])
