@@ -79,6 +79,17 @@ def test_each_run_times_every_collective_kind_at_its_end(runs):
     assert fig.bus_bytes_per_s["reduce_scatter"] == pytest.approx(probed["reduce_scatter"] * level / probed["all_reduce"])
 
 
+def test_zero3s_module_work_is_timed_apart_from_its_matmuls(runs):
+    """ZeRO-3's fetch and release functions run inside forward and backward: `library_s` is part of that time, and
+    DDP, whose reducer works in C++ hooks, has none."""
+    from shardscope.safe_io import load_json
+
+    for run, has_library in (("zero3/a1c0", True), ("zero3/a2c1", True), ("ddp/a1c0", False)):
+        for rank in load_json(runs / run / "shardscope_summary.json", "summary")["ranks"]:
+            b = rank["time_breakdown"]
+            assert (0 < b["library_s"] < b["forward_s"] + b["backward_s"]) if has_library else b["library_s"] == 0
+
+
 def test_report_puts_predicted_beside_measured(runs, tmp_path, capsys):
     """`report` calibrates from the first run (or --calibrate) and prints each run's prediction and measured median."""
     from shardscope.cli import main
