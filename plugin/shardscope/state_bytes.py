@@ -23,7 +23,7 @@ from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, methodcaller
 
 import torch
@@ -237,12 +237,20 @@ def zero_grad_buffers(optimizer) -> list:
     return [t for name in ZERO_GRAD_BUFFERS for t in _tensors(getattr(zero, name, None))] if zero is not None else []
 
 
-def held_gradients(model, optimizer=None) -> list:
-    """Storage entries of every gradient this rank holds right now (call it as the step begins).
+def state_walk(model, optimizer=None) -> tuple:
+    """(the model's parameters, the optimizer's weight copies): what the gradient snapshot and the state count both
+    read, so that a measuring step can walk them once (they do not change within an optimizer step)."""
+    return model_parameters(model), master_weights(optimizer)
+
+
+def held_gradients(model, optimizer=None, walk=None) -> list:
+    """Storage entries of every gradient this rank holds right now (call it as the step begins); `walk`: this
+    moment's `state_walk` (None: read now).
 
     Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    found = [*model_parameters(model), *master_weights(optimizer)]
+    params, masters = walk or state_walk(model, optimizer)
+    found = [*params, *masters]
     owners = dict(zip(map(id, found), found))
     return storage_entries([*filter(_present, chain(map(_grad, owners.values()), zero_grad_buffers(optimizer)))])
 
@@ -260,16 +268,16 @@ def storage_entries(tensors: list) -> list:
     return entries
 
 
-def _live_objects(model, optimizer) -> tuple:
+def _live_objects(model, optimizer, walk=None) -> tuple:
     """What `live_tensors` reads: (parameters, each one's ZeRO-3 partition or `_NO_PARTITION`, the optimizer's
-    weight copies, its state tensors)."""
-    params = model_parameters(model)
+    weight copies, its state tensors); `walk`: the first and third, already read (`state_walk`)."""
+    params, masters = walk or state_walk(model, optimizer)
     base = base_optimizer(optimizer)
     state = [*chain.from_iterable(map(methodcaller("values"), base.state.values()))] if base is not None else []
     if not set(map(type, state)) <= _PLAIN_SET:  # numbers, None: left out (a C loop decides it, most often)
         state = [v for v in state if isinstance(v, torch.Tensor)]
     shards = list(map(getattr, params, repeat("ds_tensor"), repeat(_NO_PARTITION)))
-    return params, shards, master_weights(optimizer), state
+    return params, shards, masters, state
 
 
 def live_tensors(model, optimizer=None, objects=None) -> list:
@@ -290,9 +298,10 @@ class _LastCount:
     an id names the same object while that object lives, and a weak reference's callback marks the count stale
     as soon as one of them dies (before its id can be reused)."""
 
-    def __init__(self, current: list, sizes: tuple, trainable: list, pointers: list, counted: StateBytes):
-        self.ids, self.sizes, self.trainable, self.pointers, self.counted = \
-            list(map(id, current)), sizes, trainable, pointers, counted
+    def __init__(self, current: list, sizes: tuple, trainable: list, copies: list, pointers: list,
+                 counted: StateBytes):
+        self.ids, self.sizes, self.trainable, self.copies, self.pointers, self.counted = \
+            list(map(id, current)), sizes, trainable, copies, pointers, counted
         self._died = died = []  # the callback holds this list, not the count: no reference cycle
         self._refs = [weakref.ref(t, died.append) for t in current]
 
@@ -308,16 +317,17 @@ class _NoPartition:
 _NO_PARTITION = _NoPartition()
 
 
-def live_state(model, optimizer=None) -> StateBytes:
+def live_state(model, optimizer=None, walk=None) -> StateBytes:
     """Parameter and optimizer-state bytes (no gradients). The last count is reused while every object read is the
     same plain tensor at the same address (the `cached_entry` rule applied to the whole list) and the same
-    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops)."""
-    objects = params, shards, masters, state = _live_objects(model, optimizer)
+    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops). `walk`: as in
+    `_live_objects`."""
+    objects = params, shards, masters, state = _live_objects(model, optimizer, walk)
     current = [*params, *shards, *masters, *state]
     sizes, trainable = (len(params), len(masters), len(state)), list(map(_requires_grad, params))
     last = _LIVE.get(model)
     if (last is not None and not last.stale and last.sizes == sizes and last.trainable == trainable
-            and last.ids == list(map(id, current)) and last.pointers == _pointers(*objects)):
+            and last.ids == list(map(id, current)) and last.pointers == _pointers(*objects, last.copies)):
         return last.counted.copy()
     result = StateBytes()
     tally = StorageTally(result)
@@ -325,7 +335,9 @@ def live_state(model, optimizer=None) -> StateBytes:
         tally.add(category, cached_entry(tensor), trainable_tensor)
     # DTensor & co: counted afresh each time
     if all(type(t) in _PLAIN for t in chain(params, filter(_partition, shards), masters, state)):
-        _LIVE[model] = _LastCount(current, sizes, trainable, _pointers(*objects), result.copy())
+        claimed = set(map(id, params))
+        copies = [id(copy) not in claimed for copy in masters]  # a torch optimizer's copies are the parameters
+        _LIVE[model] = _LastCount(current, sizes, trainable, copies, _pointers(*objects, copies), result.copy())
     return result
 
 
@@ -333,19 +345,21 @@ _requires_grad, _grad, _data_ptr = attrgetter("requires_grad"), attrgetter("grad
 _present, _partition = partial(is_not, None), partial(is_not, _NO_PARTITION)
 
 
-def _pointers(params, shards, masters, state) -> list:
-    return list(map(_data_ptr, chain(params, filter(_partition, shards), masters, state)))
+def _pointers(params, shards, masters, state, copies) -> list:
+    """Data pointers of the live objects, each once: `copies` selects the weight copies that are no parameter."""
+    return list(map(_data_ptr, chain(params, filter(_partition, shards), compress(masters, copies), state)))
 
 
-def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
+def count_state(model, optimizer=None, grad_entries=None, walk=None) -> StateBytes:
     """Count params, grads and optimizer-state bytes held by this rank.
 
-    `grad_entries` is a `held_gradients` snapshot taken as the optimizer step began (None: now).
+    `grad_entries` is a `held_gradients` snapshot taken as the optimizer step began (None: now); `walk` the
+    `state_walk` it read, when no parameter or weight copy can have changed since (None: read now).
     Gradients are de-duplicated among themselves only: a snapshot's storage may have been freed
     since, and its address reused by live state.
     """
-    result = live_state(model, optimizer)
-    entries = list(filter(None, held_gradients(model, optimizer) if grad_entries is None else grad_entries))
+    result = live_state(model, optimizer, walk)
+    entries = list(filter(None, held_gradients(model, optimizer, walk) if grad_entries is None else grad_entries))
     held = result.by_device["grads"]
     for _, nbytes, device_type in dict(zip(map(_storage_key, entries), entries)).values():  # each storage once
         held[device_type] += nbytes

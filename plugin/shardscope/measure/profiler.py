@@ -23,9 +23,9 @@ from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPea
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
 from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
-                          process_rank, start_gather)
+                          process_rank, route, start_gather)
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
-from ..state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
+from ..state_bytes import base_optimizer, count_state, forget, held_gradients, state_walk, zero_optimizer
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
@@ -116,9 +116,11 @@ class ShardingProfiler:
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
         self._counts = StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
+        self._walk = None  # (step, state_bytes.state_walk) read by that step's gradient snapshot
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
         self._precision, self._precision_ranks = None, []
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
+        self._route = None  # the process group the figures travel through (rank_gather.route), read once
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
         with self.guard("strategy"):
@@ -267,8 +269,11 @@ class ShardingProfiler:
 
         def snapshot_gradients(*_):  # on the first step, steps that measure and the last one (when known)
             upcoming = self.global_step + 1
-            if self._grads is None or self._is_measure_step(upcoming) or upcoming == self.last_step:
-                self._grads = held_gradients(self._module, self.optimizer)
+            measuring = self._is_measure_step(upcoming) or upcoming == self.last_step
+            if self._grads is None or measuring:
+                walk = state_walk(self._module, self.optimizer)  # read once: the step's count reuses it
+                self._grads = held_gradients(self._module, self.optimizer, walk)
+                self._walk = (upcoming, walk) if measuring else None
 
         with self._state:
             zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
@@ -324,7 +329,7 @@ class ShardingProfiler:
         for instrument in self._all_instruments():
             instrument.remove()
         self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
-        self.frozen_models, self._grads, self._precision = {}, None, None
+        self.frozen_models, self._grads, self._precision, self._route, self._walk = {}, None, None, None, None
 
     def _all_instruments(self) -> tuple[Instrument, ...]:
         return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
@@ -363,7 +368,9 @@ class ShardingProfiler:
         fields = self._fields
         mine = dict.fromkeys(fields, math.nan)
         with self.guard("model-state bytes"):
-            counted = count_state(self._module, self.optimizer, grad_entries=self._grads)
+            walk, self._walk = self._walk, None  # the walk of this step's gradient snapshot (not of an earlier one)
+            counted = count_state(self._module, self.optimizer, grad_entries=self._grads,
+                                  walk=walk[1] if walk is not None and walk[0] == self.global_step else None)
             for category in ("params", "grads", "optimizer"):
                 mine[f"{category}_bytes"] = counted.total(category)
                 mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
@@ -390,7 +397,8 @@ class ShardingProfiler:
             mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields())
         with self.guard("cross-rank gather"):
-            return start_gather(mine, self.global_step, self._device, fields)
+            self._route = route(self._device, self._route)
+            return start_gather(mine, self.global_step, self._route, fields)
         return Gathered(mine, self.global_step, ranks=[mine])
 
     def _complete_or_empty(self, rank: dict, summary: bool) -> dict:
