@@ -76,8 +76,9 @@ def run_setting(a, model_dir, interval, tmp):
     # a new train(), where they would recur every block instead of once per run. This measures the recurring cost.
     callback = TrainerCallback() if a.aa else ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)
     times, means, acc = {}, {}, [0.0, 0.0]
-    # the gradient snapshot's work in the optimizer's step hook (state_walk: its parameter walk, where the code has one)
-    step_hook = {name: getattr(sp, name) for name in ("held_gradients", "state_walk") if hasattr(sp, name)}
+    # the gradient snapshot's work in the optimizer's step hook (its walk and reduction, where the code has them)
+    step_hook = {name: getattr(sp, name) for name in ("held_gradients", "state_walk", "gradient_bytes")
+                 if hasattr(sp, name)}
     for name in ("on_step_begin", "on_step_end", "on_log"):
         if hasattr(callback, name):
             setattr(callback, name, timed(getattr(callback, name), acc))

@@ -25,7 +25,8 @@ from .precision import PrecisionWatch, classify, effective_precision, gather_rep
 from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
                           process_rank, route, start_gather)
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
-from ..state_bytes import base_optimizer, count_state, forget, held_gradients, state_walk, zero_optimizer
+from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
+                           zero_optimizer)
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
@@ -272,7 +273,7 @@ class ShardingProfiler:
             measuring = self._is_measure_step(upcoming) or upcoming == self.last_step
             if self._grads is None or measuring:
                 walk = state_walk(self._module, self.optimizer)  # read once: the step's count reuses it
-                self._grads = held_gradients(self._module, self.optimizer, walk)
+                self._grads = gradient_bytes(held_gradients(self._module, self.optimizer, walk))
                 self._walk = (upcoming, walk) if measuring else None
 
         with self._state:
@@ -365,11 +366,11 @@ class ShardingProfiler:
 
     def _measure_rank(self, window: ThroughputWindow) -> Gathered:
         """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
-        fields = self._fields
+        fields, summary = self._fields, window is self._run  # the whole run's window: the summary's measurement
         mine = dict.fromkeys(fields, math.nan)
         with self.guard("model-state bytes"):
             walk, self._walk = self._walk, None  # the walk of this step's gradient snapshot (not of an earlier one)
-            counted = count_state(self._module, self.optimizer, grad_entries=self._grads,
+            counted = count_state(self._module, self.optimizer, grad_bytes=self._grads,
                                   walk=walk[1] if walk is not None and walk[0] == self.global_step else None)
             for category in ("params", "grads", "optimizer"):
                 mine[f"{category}_bytes"] = counted.total(category)
@@ -380,7 +381,7 @@ class ShardingProfiler:
             for name, module in self.frozen_models.items():
                 mine[f"frozen:{name}"] = count_state(module).total("params")
         with self.guard("peak memory"):
-            if window is self._run or self._device.type == "cuda":  # RSS is for the summary only
+            if summary or self._device.type == "cuda":  # RSS is for the summary only
                 self.memory = read_memory(self._device)
             mine["cpu_peak_rss_bytes"] = self.memory.get("cpu_peak_rss_bytes", math.nan)
             if self._device.type == "cuda":
@@ -394,7 +395,8 @@ class ShardingProfiler:
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
                         tokens=as_float(totals.tokens), flops=as_float(totals.flops))
-            mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
+            if summary:  # (the logs do not read the step times)
+                mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields())
         with self.guard("cross-rank gather"):
             self._route = route(self._device, self._route)

@@ -14,6 +14,9 @@ from ..summary import reduce_ranks
 PREFIX = "shardscope/"
 REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "frozen_models_bytes", "peak_memory_bytes",
            "peak_tensor_bytes", "tokens_per_s", "tflops_per_device", "mfu")
+STATS = ("min", "max", "mean")
+LOGGED_NAMES = {key: tuple(f"{PREFIX}{'tokens_per_s_per_device' if key == 'tokens_per_s' else key}_{stat}"
+                           for stat in STATS) for key in REDUCED}  # each key's logged names, made once
 
 
 class Gathered:
@@ -94,13 +97,11 @@ def gather_objects(mine) -> list:
 def log_metrics(ranks: list[dict], tp: int = 1) -> dict:
     """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s (each of the
     `tp` ranks of a tensor-parallel group counts its shared batch: the group's replica counts once)."""
-    flat = [{**{k: v for k, v in r.items() if k != "throughput"}, **r["throughput"]} for r in ranks]
-    reduced = reduce_ranks(flat, REDUCED, tp)
+    reduced = reduce_ranks([{**r, **r["throughput"]} for r in ranks], REDUCED, tp)  # ("throughput" is no REDUCED key)
     metrics = {}
-    for key in REDUCED:
+    for key, names in LOGGED_NAMES.items():
         if key in reduced:
-            name = "tokens_per_s_per_device" if key == "tokens_per_s" else key
-            metrics.update({f"{PREFIX}{name}_{k}": v for k, v in reduced[key].items()})
+            metrics.update(zip(names, map(reduced[key].__getitem__, STATS)))
     for key in ("samples_per_s", "tokens_per_s"):
         if reduced[f"global_{key}"] is not None:
             metrics[f"{PREFIX}{key}"] = reduced[f"global_{key}"]
