@@ -204,7 +204,8 @@ def _base_and_zero(optimizer) -> tuple:
     if optimizer is None:
         return None, None
     try:
-        return tuple(None if ref is None else ref() for ref in _LAYERS[optimizer])
+        base, zero = _LAYERS[optimizer]  # (read at every measurement: no generator)
+        return None if base is None else base(), None if zero is None else zero()
     except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
         pass
     layers = optimizer_layers(optimizer)

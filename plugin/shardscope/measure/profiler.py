@@ -45,6 +45,8 @@ RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_para
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
+# ... and all `_complete(summary=False)` reads: what a measurement for the logs sends (then each `frozen:<name>`)
+LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds")
 
 
 class ShardingProfiler:
@@ -117,11 +119,10 @@ class ShardingProfiler:
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
         self._counts = StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
-        self._walk = None  # (step, state_bytes.state_walk) read by that step's gradient snapshot
+        self._walk, self._route = {}, None  # {step: that step's snapshot's state_walk}; rank_gather.route, read once
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
         self._precision, self._precision_ranks = None, []
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
-        self._route = None  # the process group the figures travel through (rank_gather.route), read once
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
         with self.guard("strategy"):
@@ -130,7 +131,8 @@ class ShardingProfiler:
         self._tp = (self.preflight.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
-        self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
+        frozen_fields = tuple(f"frozen:{name}" for name in self.frozen_models)
+        self._fields, self._log_fields = (*RANK_FIELDS, *frozen_fields), (*LOGGED_FIELDS, *frozen_fields)
         with self.guard("device"):
             self._device = _device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
@@ -274,7 +276,7 @@ class ShardingProfiler:
             if self._grads is None or measuring:
                 walk = state_walk(self._module, self.optimizer)  # read once: the step's count reuses it
                 self._grads = gradient_bytes(held_gradients(self._module, self.optimizer, walk))
-                self._walk = (upcoming, walk) if measuring else None
+                self._walk = {upcoming: walk} if measuring else {}
 
         with self._state:
             zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
@@ -330,7 +332,7 @@ class ShardingProfiler:
         for instrument in self._all_instruments():
             instrument.remove()
         self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
-        self.frozen_models, self._grads, self._precision, self._route, self._walk = {}, None, None, None, None
+        self.frozen_models, self._grads, self._precision, self._route, self._walk = {}, None, None, None, {}
 
     def _all_instruments(self) -> tuple[Instrument, ...]:
         return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
@@ -366,12 +368,12 @@ class ShardingProfiler:
 
     def _measure_rank(self, window: ThroughputWindow) -> Gathered:
         """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
-        fields, summary = self._fields, window is self._run  # the whole run's window: the summary's measurement
-        mine = dict.fromkeys(fields, math.nan)
+        summary = window is self._run  # the whole run's window: the summary's measurement
+        fields = self._fields if summary else self._log_fields
+        mine = dict.fromkeys(self._fields, math.nan)
         with self.guard("model-state bytes"):
-            walk, self._walk = self._walk, None  # the walk of this step's gradient snapshot (not of an earlier one)
-            counted = count_state(self._module, self.optimizer, grad_bytes=self._grads,
-                                  walk=walk[1] if walk is not None and walk[0] == self.global_step else None)
+            walk = self._walk.pop(self.global_step, None)  # this step's snapshot's walk (not an earlier step's)
+            counted = count_state(self._module, self.optimizer, grad_bytes=self._grads, walk=walk)
             for category in ("params", "grads", "optimizer"):
                 mine[f"{category}_bytes"] = counted.total(category)
                 mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
