@@ -372,7 +372,7 @@ class ShardingProfiler:
         fields = self._fields if summary else self._log_fields
         mine = dict.fromkeys(self._fields, math.nan)
         with self.guard("model-state bytes"):
-            walk = self._walk.pop(self.global_step, None)  # this step's snapshot's walk (not an earlier step's)
+            walk = None if summary else self._walk.pop(self.global_step, None)  # this step's snapshot's walk
             counted = count_state(self._module, self.optimizer, grad_bytes=self._grads, walk=walk)
             for category in ("params", "grads", "optimizer"):
                 mine[f"{category}_bytes"] = counted.total(category)
