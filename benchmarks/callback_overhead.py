@@ -75,7 +75,10 @@ def run_setting(a, model_dir, interval, tmp):
     # The once-per-run instrumented steps (peak memory, collectives, time breakdown) are left out: every block is
     # a new train(), where they would recur every block instead of once per run. This measures the recurring cost.
     callback = TrainerCallback() if a.aa else ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)
-    times, means, acc, held = {}, {}, [0.0, 0.0], sp.held_gradients
+    times, means, acc = {}, {}, [0.0, 0.0]
+    # the gradient snapshot's work in the optimizer's step hook (its walk and reduction, where the code has them)
+    step_hook = {name: getattr(sp, name) for name in ("held_gradients", "state_walk", "gradient_bytes")
+                 if hasattr(sp, name)}
     for name in ("on_step_begin", "on_step_end", "on_log"):
         if hasattr(callback, name):
             setattr(callback, name, timed(getattr(callback, name), acc))
@@ -83,7 +86,8 @@ def run_setting(a, model_dir, interval, tmp):
     if not a.aa:  # the profiler's per-batch work runs outside the events: a training_step wrapper, a forward hook
         for name, method in hooks.items():
             setattr(sp.ShardingProfiler, name, timed(method, acc))
-    sp.held_gradients = timed(held, acc)
+    for name, function in step_hook.items():
+        setattr(sp, name, timed(function, acc))
     try:
         for pair in range(a.pairs):
             for with_cb in ((False, True) if pair % 2 == 0 else (True, False)):  # ABBA cancels drift
@@ -94,7 +98,8 @@ def run_setting(a, model_dir, interval, tmp):
                     times.setdefault((clock, with_cb), []).extend(timer.steps(clock))
                     means.setdefault((clock, with_cb), []).append(statistics.fmean(timer.steps(clock)))
     finally:
-        sp.held_gradients = held
+        for name, function in step_hook.items():
+            setattr(sp, name, function)
         for name, method in hooks.items():
             setattr(sp.ShardingProfiler, name, method)
     inside = [t / (a.pairs * (steps + 2)) for t in acc]

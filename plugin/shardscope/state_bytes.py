@@ -19,11 +19,12 @@ Bytes are also split by device type, so offloaded state shows up under "cpu".
 from __future__ import annotations
 
 import weakref
+from array import array
 from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, methodcaller
 
 import torch
@@ -66,16 +67,23 @@ def storage_entry(tensor):
         tensor = local_tensor(tensor)
         if not isinstance(tensor, torch.Tensor):
             return None
+    if tensor.is_cpu:  # no device object to build
+        return _cpu_entry(tensor)
     if tensor.is_meta:
         return None
     storage = tensor.untyped_storage()
     pointer = storage.data_ptr()
     if pointer == 0:
         return None
-    if tensor.is_cpu:  # no device object to build
-        return (_CPU, pointer), storage.nbytes(), "cpu"
     device = tensor.device
     return (device, pointer), storage.nbytes(), _device_type(device)
+
+
+def _cpu_entry(tensor):
+    """`storage_entry` of a CPU tensor's local part (`storage_entries` calls it for plain ones directly)."""
+    storage = tensor.untyped_storage()
+    pointer = storage.data_ptr()
+    return ((_CPU, pointer), storage.nbytes(), "cpu") if pointer else None
 
 
 _CPU = torch.device("cpu")
@@ -134,13 +142,13 @@ class StorageTally:
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-# model -> its last live-state count (`live_state`, `_LastCount`).
+# model -> its last live-state count (`live_state`, `_LastCount`); kept by `forget`: every count checks it against
+# all it was read from, so a new run whose tensors are unchanged (the next `train()` call) need not count afresh.
 _LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def forget(model) -> None:
     _OWNERS.pop(model, None)
-    _LIVE.pop(model, None)
 
 
 def _owners(model) -> tuple:
@@ -196,7 +204,8 @@ def _base_and_zero(optimizer) -> tuple:
     if optimizer is None:
         return None, None
     try:
-        return tuple(None if ref is None else ref() for ref in _LAYERS[optimizer])
+        base, zero = _LAYERS[optimizer]  # (read at every measurement: no generator)
+        return None if base is None else base(), None if zero is None else zero()
     except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
         pass
     layers = optimizer_layers(optimizer)
@@ -237,39 +246,40 @@ def zero_grad_buffers(optimizer) -> list:
     return [t for name in ZERO_GRAD_BUFFERS for t in _tensors(getattr(zero, name, None))] if zero is not None else []
 
 
-def held_gradients(model, optimizer=None) -> list:
-    """Storage entries of every gradient this rank holds right now (call it as the step begins).
+def state_walk(model, optimizer=None) -> tuple:
+    """(the model's parameters, the optimizer's weight copies): what the gradient snapshot and the state count both
+    read, so that a measuring step can walk them once (they do not change within an optimizer step)."""
+    return model_parameters(model), master_weights(optimizer)
+
+
+def held_gradients(model, optimizer=None, walk=None) -> list:
+    """Storage entries of every gradient this rank holds right now (call it as the step begins); `walk`: this
+    moment's `state_walk` (None: read now).
 
     Entries, not tensors: holding the tensors would keep alive memory the optimizer frees.
     """
-    found = [*model_parameters(model), *master_weights(optimizer)]
+    params, masters = walk or state_walk(model, optimizer)
+    found = [*params, *masters]
     owners = dict(zip(map(id, found), found))
     return storage_entries([*filter(_present, chain(map(_grad, owners.values()), zero_grad_buffers(optimizer)))])
 
 
 def storage_entries(tensors: list) -> list:
-    """`[storage_entry(t) for t in tensors]`, plain CPU tensors read inline (a measuring step reads every gradient)."""
-    entries = []
-    for tensor in tensors:
-        if type(tensor) in _PLAIN and tensor.is_cpu:  # not meta either
-            storage = tensor.untyped_storage()
-            pointer = storage.data_ptr()
-            entries.append(((_CPU, pointer), storage.nbytes(), "cpu") if pointer else None)
-        else:
-            entries.append(storage_entry(tensor))
-    return entries
+    """`[storage_entry(t) for t in tensors]`, plain CPU tensors read without its checks (a measuring step reads every
+    gradient)."""
+    return [_cpu_entry(t) if type(t) in _PLAIN and t.is_cpu else storage_entry(t) for t in tensors]
 
 
-def _live_objects(model, optimizer) -> tuple:
+def _live_objects(model, optimizer, walk=None) -> tuple:
     """What `live_tensors` reads: (parameters, each one's ZeRO-3 partition or `_NO_PARTITION`, the optimizer's
-    weight copies, its state tensors)."""
-    params = model_parameters(model)
+    weight copies, its state tensors); `walk`: the first and third, already read (`state_walk`)."""
+    params, masters = walk or state_walk(model, optimizer)
     base = base_optimizer(optimizer)
     state = [*chain.from_iterable(map(methodcaller("values"), base.state.values()))] if base is not None else []
     if not set(map(type, state)) <= _PLAIN_SET:  # numbers, None: left out (a C loop decides it, most often)
         state = [v for v in state if isinstance(v, torch.Tensor)]
     shards = list(map(getattr, params, repeat("ds_tensor"), repeat(_NO_PARTITION)))
-    return params, shards, master_weights(optimizer), state
+    return params, shards, masters, state
 
 
 def live_tensors(model, optimizer=None, objects=None) -> list:
@@ -288,13 +298,15 @@ def live_tensors(model, optimizer=None, objects=None) -> list:
 class _LastCount:
     """A model's last live-state count and what it was counted from (`live_state`). Its objects are known by id:
     an id names the same object while that object lives, and a weak reference's callback marks the count stale
-    as soon as one of them dies (before its id can be reused)."""
+    as soon as one of them dies (before its id can be reused). Ids and pointers are kept in arrays: comparing
+    them reads two blocks of memory, not an int object per tensor (which a training step has long evicted)."""
 
-    def __init__(self, current: list, sizes: tuple, trainable: list, pointers: list, counted: StateBytes):
-        self.ids, self.sizes, self.trainable, self.pointers, self.counted = \
-            list(map(id, current)), sizes, trainable, pointers, counted
+    def __init__(self, objects: tuple, sizes: tuple, trainable: list, copies: list, pointers: array,
+                 counted: StateBytes):
+        self.ids, self.sizes, self.trainable, self.copies, self.pointers, self.counted = \
+            _ids(objects), sizes, trainable, copies, pointers, counted
         self._died = died = []  # the callback holds this list, not the count: no reference cycle
-        self._refs = [weakref.ref(t, died.append) for t in current]
+        self._refs = [weakref.ref(t, died.append) for t in chain.from_iterable(objects)]
 
     @property
     def stale(self) -> bool:
@@ -308,16 +320,16 @@ class _NoPartition:
 _NO_PARTITION = _NoPartition()
 
 
-def live_state(model, optimizer=None) -> StateBytes:
+def live_state(model, optimizer=None, walk=None) -> StateBytes:
     """Parameter and optimizer-state bytes (no gradients). The last count is reused while every object read is the
     same plain tensor at the same address (the `cached_entry` rule applied to the whole list) and the same
-    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops)."""
-    objects = params, shards, masters, state = _live_objects(model, optimizer)
-    current = [*params, *shards, *masters, *state]
+    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops). `walk`: as in
+    `_live_objects`."""
+    objects = params, shards, masters, state = _live_objects(model, optimizer, walk)
     sizes, trainable = (len(params), len(masters), len(state)), list(map(_requires_grad, params))
     last = _LIVE.get(model)
     if (last is not None and not last.stale and last.sizes == sizes and last.trainable == trainable
-            and last.ids == list(map(id, current)) and last.pointers == _pointers(*objects)):
+            and last.ids == _ids(objects) and last.pointers == _pointers(*objects, last.copies)):
         return last.counted.copy()
     result = StateBytes()
     tally = StorageTally(result)
@@ -325,7 +337,9 @@ def live_state(model, optimizer=None) -> StateBytes:
         tally.add(category, cached_entry(tensor), trainable_tensor)
     # DTensor & co: counted afresh each time
     if all(type(t) in _PLAIN for t in chain(params, filter(_partition, shards), masters, state)):
-        _LIVE[model] = _LastCount(current, sizes, trainable, _pointers(*objects), result.copy())
+        claimed = set(map(id, params))
+        copies = [id(copy) not in claimed for copy in masters]  # a torch optimizer's copies are the parameters
+        _LIVE[model] = _LastCount(objects, sizes, trainable, copies, _pointers(*objects, copies), result.copy())
     return result
 
 
@@ -333,21 +347,37 @@ _requires_grad, _grad, _data_ptr = attrgetter("requires_grad"), attrgetter("grad
 _present, _partition = partial(is_not, None), partial(is_not, _NO_PARTITION)
 
 
-def _pointers(params, shards, masters, state) -> list:
-    return list(map(_data_ptr, chain(params, filter(_partition, shards), masters, state)))
+def _pointers(params, shards, masters, state, copies) -> array:
+    """Data pointers of the live objects, each once: `copies` selects the weight copies that are no parameter."""
+    return array("Q", map(_data_ptr, chain(params, filter(_partition, shards), compress(masters, copies), state)))
 
 
-def count_state(model, optimizer=None, grad_entries=None) -> StateBytes:
+def _ids(objects: tuple) -> array:
+    return array("Q", map(id, chain.from_iterable(objects)))
+
+
+def gradient_bytes(entries) -> dict:
+    """{device type: bytes} of `held_gradients` entries, each storage once. Gradients are de-duplicated among
+    themselves only: a snapshot's storage may have been freed since, and its address reused by live state."""
+    entries = list(filter(None, entries))
+    held = {}
+    for _, nbytes, device_type in dict(zip(map(_storage_key, entries), entries)).values():
+        held[device_type] = held.get(device_type, 0) + nbytes
+    return held
+
+
+def count_state(model, optimizer=None, grad_entries=None, walk=None, grad_bytes=None) -> StateBytes:
     """Count params, grads and optimizer-state bytes held by this rank.
 
-    `grad_entries` is a `held_gradients` snapshot taken as the optimizer step began (None: now).
-    Gradients are de-duplicated among themselves only: a snapshot's storage may have been freed
-    since, and its address reused by live state.
+    `grad_entries` is a `held_gradients` snapshot taken as the optimizer step began (None: now), `grad_bytes` its
+    `gradient_bytes` (the profiler reduces it in the step hook, while the entries are still in cache); `walk` the
+    `state_walk` it read, when no parameter or weight copy can have changed since (None: read now).
     """
-    result = live_state(model, optimizer)
-    entries = list(filter(None, held_gradients(model, optimizer) if grad_entries is None else grad_entries))
+    result = live_state(model, optimizer, walk)
+    if grad_bytes is None:
+        grad_bytes = gradient_bytes(held_gradients(model, optimizer, walk) if grad_entries is None else grad_entries)
     held = result.by_device["grads"]
-    for _, nbytes, device_type in dict(zip(map(_storage_key, entries), entries)).values():  # each storage once
+    for device_type, nbytes in grad_bytes.items():
         held[device_type] += nbytes
     return result
 

@@ -146,12 +146,15 @@ class MethodWrap:
     wrap one method and be removed in any order: one removed under another passes straight through."""
 
     def __init__(self, instrument: Instrument, owner, name: str, before=_returns_none, after=_returns_none):
-        original, before, after = getattr(owner, name), instrument.wrap(before), instrument.wrap(after)
+        original, before = getattr(owner, name), instrument.wrap(before)
+        after = None if after is _returns_none else instrument.wrap(after)  # (none: two calls fewer per call)
 
         def wrapped(*args, **kwargs):
             if not self.active:
                 return original(*args, **kwargs)
             before(*args, **kwargs)
+            if after is None:
+                return original(*args, **kwargs)
             try:
                 return original(*args, **kwargs)
             finally:

@@ -24,9 +24,10 @@ from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPea
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
 from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
-                          process_rank, start_gather)
+                          process_rank, route, start_gather)
 from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
-from ..state_bytes import base_optimizer, count_state, forget, held_gradients, zero_optimizer
+from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
+                           zero_optimizer)
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
@@ -45,6 +46,8 @@ RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_para
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
+# ... and all `_complete(summary=False)` reads: what a measurement for the logs sends (then each `frozen:<name>`)
+LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds")
 
 
 class ShardingProfiler:
@@ -118,6 +121,7 @@ class ShardingProfiler:
         self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
         self._counts = StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
+        self._walk, self._route = {}, None  # {step: that step's snapshot's state_walk}; rank_gather.route, read once
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
         self._precision, self._precision_ranks = None, []
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
@@ -129,7 +133,8 @@ class ShardingProfiler:
         self._tp = (self.preflight.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
-        self._fields = (*RANK_FIELDS, *(f"frozen:{name}" for name in self.frozen_models))  # gathered per measurement
+        frozen_fields = tuple(f"frozen:{name}" for name in self.frozen_models)
+        self._fields, self._log_fields = (*RANK_FIELDS, *frozen_fields), (*LOGGED_FIELDS, *frozen_fields)
         with self.guard("device"):
             self._device = _device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
@@ -271,8 +276,11 @@ class ShardingProfiler:
 
         def snapshot_gradients(*_):  # on the first step, steps that measure and the last one (when known)
             upcoming = self.global_step + 1
-            if self._grads is None or self._is_measure_step(upcoming) or upcoming == self.last_step:
-                self._grads = held_gradients(self._module, self.optimizer)
+            measuring = self._is_measure_step(upcoming) or upcoming == self.last_step
+            if self._grads is None or measuring:
+                walk = state_walk(self._module, self.optimizer)  # read once: the step's count reuses it
+                self._grads = gradient_bytes(held_gradients(self._module, self.optimizer, walk))
+                self._walk = {upcoming: walk} if measuring else {}
 
         with self._state:
             zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
@@ -328,7 +336,7 @@ class ShardingProfiler:
         for instrument in self._all_instruments():
             instrument.remove()
         self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
-        self.frozen_models, self._grads, self._precision = {}, None, None
+        self.frozen_models, self._grads, self._precision, self._route, self._walk = {}, None, None, None, {}
 
     def _all_instruments(self) -> tuple[Instrument, ...]:
         return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
@@ -364,10 +372,12 @@ class ShardingProfiler:
 
     def _measure_rank(self, window: ThroughputWindow) -> Gathered:
         """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
-        fields = self._fields
-        mine = dict.fromkeys(fields, math.nan)
+        summary = window is self._run  # the whole run's window: the summary's measurement
+        fields = self._fields if summary else self._log_fields
+        mine = dict.fromkeys(self._fields, math.nan)
         with self.guard("model-state bytes"):
-            counted = count_state(self._module, self.optimizer, grad_entries=self._grads)
+            walk = None if summary else self._walk.pop(self.global_step, None)  # this step's snapshot's walk
+            counted = count_state(self._module, self.optimizer, grad_bytes=self._grads, walk=walk)
             for category in ("params", "grads", "optimizer"):
                 mine[f"{category}_bytes"] = counted.total(category)
                 mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
@@ -377,7 +387,7 @@ class ShardingProfiler:
             for name, module in self.frozen_models.items():
                 mine[f"frozen:{name}"] = count_state(module).total("params")
         with self.guard("peak memory"):
-            if window is self._run or self._device.type == "cuda":  # RSS is for the summary only
+            if summary or self._device.type == "cuda":  # RSS is for the summary only
                 self.memory = read_memory(self._device)
             mine["cpu_peak_rss_bytes"] = self.memory.get("cpu_peak_rss_bytes", math.nan)
             if self._device.type == "cuda":
@@ -391,10 +401,12 @@ class ShardingProfiler:
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds,
                         tokens=as_float(totals.tokens), flops=as_float(totals.flops))
-            mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
+            if summary:  # (the logs do not read the step times)
+                mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields())
         with self.guard("cross-rank gather"):
-            return start_gather(mine, self.global_step, self._device, fields)
+            self._route = route(self._device, self._route)
+            return start_gather(mine, self.global_step, self._route, fields)
         return Gathered(mine, self.global_step, ranks=[mine])
 
     def _complete_or_empty(self, rank: dict, summary: bool) -> dict:

@@ -14,6 +14,9 @@ from ..summary import reduce_ranks
 PREFIX = "shardscope/"
 REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "frozen_models_bytes", "peak_memory_bytes",
            "peak_tensor_bytes", "tokens_per_s", "tflops_per_device", "mfu")
+STATS = ("min", "max", "mean")
+LOGGED_NAMES = {key: tuple(f"{PREFIX}{'tokens_per_s_per_device' if key == 'tokens_per_s' else key}_{stat}"
+                           for stat in STATS) for key in REDUCED}  # each key's logged names, made once
 
 
 class Gathered:
@@ -34,19 +37,45 @@ class Gathered:
         return self.ranks
 
 
-def start_gather(values: dict, step: int, device: torch.device, fields) -> Gathered:
-    """Every rank's `values` (same keys everywhere) via one all_gather, started without waiting (the caller waits in
-    `result()`, so a rank that arrives first need not idle here); just ours when not distributed."""
+class Route:
+    """Where one run's figures travel: the default process group, its size, the device the gather runs on and the
+    group's own `all_gather_single` with its options, read once (`route`). Called directly: torch.distributed's
+    Python layers around it (argument checks, backend and coalescing look-ups) cost tens of microseconds a
+    measurement once training has left them out of the cache."""
+
+    __slots__ = ("group", "world", "device", "call", "options")
+
+    def __init__(self, device: torch.device):
+        dist = torch.distributed
+        self.group = dist.group.WORLD if dist.is_available() else None
+        self.world = 1 if self.group is None else self.group.size()
+        self.device, self.call, self.options = torch.device("cpu"), None, None
+        if self.world > 1:
+            self.device = device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            self.options = dist.distributed_c10d.AllgatherOptions()
+            self.options.asyncOp = True
+            # named _allgather_base before torch 2.13 (as the public function was all_gather_into_tensor)
+            self.call = getattr(self.group, "all_gather_single", None) or self.group._allgather_base
+
+
+def route(device: torch.device, known: Route | None = None) -> Route:
+    """`known` while the default process group is still the one it was read from, else that group read afresh."""
     dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world == 1:
+    if known is not None and known.group is (dist.group.WORLD if dist.is_available() else None):
+        return known
+    return Route(device)
+
+
+def start_gather(values: dict, step: int, via: Route, fields) -> Gathered:
+    """Every rank's `values` (same keys everywhere) via one all_gather over `via`, started without waiting (the
+    caller waits in `result()`, so a rank that arrives first need not idle here); just ours when not distributed."""
+    if via.world == 1:
         return Gathered(values, step, ranks=[values])
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     # through an array: torch.tensor(list) reads each float on its own (several times slower)
-    mine = torch.frombuffer(array("d", map(float, map(values.__getitem__, fields))), dtype=torch.float64).to(on)
-    out = mine.new_empty(world * len(fields))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    return Gathered(values, step, fields, mine, out, gather(out, mine, async_op=True))
+    mine = torch.frombuffer(array("d", map(float, map(values.__getitem__, fields))), dtype=torch.float64)
+    mine = mine.to(via.device) if via.device.type != "cpu" else mine
+    out = mine.new_empty(via.world * len(fields))
+    return Gathered(values, step, fields, mine, out, via.call(out, mine, via.options))
 
 
 def process_rank() -> int:
@@ -68,13 +97,11 @@ def gather_objects(mine) -> list:
 def log_metrics(ranks: list[dict], tp: int = 1) -> dict:
     """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s (each of the
     `tp` ranks of a tensor-parallel group counts its shared batch: the group's replica counts once)."""
-    flat = [{**{k: v for k, v in r.items() if k != "throughput"}, **r["throughput"]} for r in ranks]
-    reduced = reduce_ranks(flat, REDUCED, tp)
+    reduced = reduce_ranks([{**r, **r["throughput"]} for r in ranks], REDUCED, tp)  # ("throughput" is no REDUCED key)
     metrics = {}
-    for key in REDUCED:
+    for key, names in LOGGED_NAMES.items():
         if key in reduced:
-            name = "tokens_per_s_per_device" if key == "tokens_per_s" else key
-            metrics.update({f"{PREFIX}{name}_{k}": v for k, v in reduced[key].items()})
+            metrics.update(zip(names, map(reduced[key].__getitem__, STATS)))
     for key in ("samples_per_s", "tokens_per_s"):
         if reduced[f"global_{key}"] is not None:
             metrics[f"{PREFIX}{key}"] = reduced[f"global_{key}"]
