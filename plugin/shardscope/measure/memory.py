@@ -37,3 +37,11 @@ def reset_peak(device: torch.device) -> None:
     """Start a new peak interval (CUDA only: a process's peak RSS cannot be reset portably)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_of(accelerator, module) -> torch.device:
+    """The device the run trains on: the accelerator's, else the model's (CPU for a model on meta)."""
+    if accelerator is not None:
+        return torch.device(accelerator.device)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return torch.device("cpu") if device.type == "meta" else device

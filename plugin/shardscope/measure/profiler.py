@@ -19,7 +19,7 @@ import torch
 from .. import __version__
 from .collective_timing import probe_links, probe_size
 from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
-from .memory import read_memory, reset_peak
+from .memory import device_of, read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
@@ -136,7 +136,7 @@ class ShardingProfiler:
         frozen_fields = tuple(f"frozen:{name}" for name in self.frozen_models)
         self._fields, self._log_fields = (*RANK_FIELDS, *frozen_fields), (*LOGGED_FIELDS, *frozen_fields)
         with self.guard("device"):
-            self._device = _device_of(accelerator, self._module)
+            self._device = device_of(accelerator, self._module)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
         self._sampled_due = True  # the next step's counter and timer are still to start
         self._instrument_list = self._all_instruments()  # (read at every step)
@@ -595,9 +595,3 @@ class ShardingProfiler:
         guard = self._guards.get(what)
         return guard if guard is not None else self._guards.setdefault(what, Guard(self.warn_once, what))
 
-
-def _device_of(accelerator, module) -> torch.device:
-    if accelerator is not None:
-        return torch.device(accelerator.device)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    return torch.device("cpu") if device.type == "meta" else device
