@@ -10,7 +10,6 @@ model, DINOv2 classification, and the Accelerate and raw FSDP2 (`fully_shard`) l
 import argparse
 import gc
 import json
-import os
 import random
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
-from trl_dpo import WORDS, preference_pairs, tiny_model  # noqa: E402
+from trl_dpo import WORDS, preference_pairs  # noqa: E402
 
 from shardscope import ShardingProfiler, ShardingProfilerCallback  # noqa: E402
 from shardscope.recipes.training import end_of_run  # noqa: E402
@@ -260,12 +259,11 @@ def main():
     # aot_eager: dynamo's tracing and AOTAutograd's graphs, where hooks and dispatch modes meet compilation, without
     # inductor's C++ code generation (minutes on 2 loaded cores)
     parser.add_argument("--compile_backend", default="aot_eager")
+    # Built by the test (tests/loop_runs.py), read by every rank: once a process group is up (an earlier run in
+    # the same launch), transformers' save_pretrained writes on rank 0 only, so ranks could not build their own.
+    parser.add_argument("--model", type=Path, required=True, help="a tiny causal LM folder, with its tokenizer")
+    parser.add_argument("--dinov2", type=Path, required=True, help="a tiny DINOv2 classifier (4 labels) folder")
     args = parser.parse_args()
-    from shardscope.recipes.tiny import make_dinov2
-
-    args.model = tiny_model(args.output_dir / "assets")
-    args.dinov2 = args.output_dir / "assets" / f"dinov2-rank{os.environ.get('LOCAL_RANK', 0)}"
-    make_dinov2(args.dinov2, num_labels=4, intermediate_size=1600)
     for name in args.shapes:
         for profiled in (False, True):
             out = args.output_dir / name / ("profiled" if profiled else "plain")
