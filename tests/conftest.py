@@ -4,7 +4,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from loop_runs import loop_runs  # noqa: F401  (a shared launching fixture, defined beside its launches' spec)
+from loop_runs import loop_runs  # noqa: F401  (shared launching fixtures, each defined beside its launches' spec)
+from recipe_runs import image_assets, recipe_runs  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -13,12 +14,14 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.
-LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "comparison", "trained", "loop_runs", "fsdp2_run"}
+LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "recipe_runs", "comparison", "trained", "loop_runs",
+                      "fsdp2_run"}
 
 
-# Launching fixtures defined here (loop_runs: in tests/loop_runs.py), session-scoped, by the runs they share: several
-# test files use them.
-SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs", "loop_runs": "loop_runs"}
+# Launching fixtures defined here (loop_runs, recipe_runs: in tests/loop_runs.py, tests/recipe_runs.py),
+# session-scoped, by the runs they share: several test files use them.
+SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs", "loop_runs": "loop_runs",
+               "recipe_runs": "recipe_runs"}
 HERE = Path(__file__).parent
 GROUPS = {f"{HERE.name}/{path.name}": group for path in sorted(HERE.glob("test_*.py"))
           for name, group in SHARED_RUNS.items() if name in path.read_text()}
