@@ -100,6 +100,9 @@ STRATEGY_MODELS = {
     # ~50M parameters (hidden 512, 8 layers), for the planner agreement at a realistic shape
     "llama_50m": ("llama", dict(vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                                 num_attention_heads=8)),
+    # test_peak_runs' 4-layer Llama (tests/peak_spec.py)
+    "peak_llama": ("llama", dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=4)),
 }
 
 
@@ -130,22 +133,26 @@ def strategy_model_for(config: str) -> str:
 
 # Runs (config, model, lora_r, grad_accum, flags) that one launch trains together (tests/workers/several_runs.py): a
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
-# accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' runs of that
-# config (precision_checks.PRECISION_RUNS); every single-node DeepSpeed JSON under one `deepspeed` launch, every
-# single-node FSDP JSON under one `torchrun` (their configs are script arguments).
+# accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
+# test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); every single-node DeepSpeed
+# JSON under one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script
+# arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
 
 
 def shared_launches() -> list[tuple]:
+    from peak_spec import RUNS as PEAK_RUNS
+    from peak_spec import peak_flags
     from precision_checks import PRECISION_RUNS, precision_flags
     from shardscope.configs import shipped_configs
 
-    def precision(c):
-        return [(c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())]
+    def beside(c):  # the precision and peak runs of config c
+        return [*((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
+                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
 
     launches = [((c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
-                 *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else []), *precision(c)) for c in AGREEING]
-    launches += [((c, "shard_llama", 0, 1, ()), *precision(c)) for c in PRECISION_RUNS if c not in AGREEING]
+                 *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else []), *beside(c)) for c in AGREEING]
+    launches += [((c, "shard_llama", 0, 1, ()), *beside(c)) for c in PRECISION_RUNS if c not in AGREEING]
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
                               if c.kind == kind and not c.multinode))
@@ -177,8 +184,8 @@ def strategy_runs(strategy_model, tmp_path_factory):
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum, flags = key
-            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}" + "".join(map(str, flags)).replace(
-                "-", "_")
+            suffix = "".join(map(str, flags)).replace("-", "_")
+            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}{suffix}"
             args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
                      "--gradient_accumulation_steps", grad_accum,
                      *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
