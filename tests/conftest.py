@@ -4,6 +4,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from loop_runs import loop_runs  # noqa: F401  (shared launching fixtures, each defined beside its launches' spec)
+from recipe_runs import image_assets, recipe_runs  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -12,11 +14,14 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.
-LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "comparison", "trained", "trl_runs", "fsdp2_run"}
+LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "recipe_runs", "comparison", "trained", "loop_runs",
+                      "fsdp2_run"}
 
 
-# Launching fixtures defined here, session-scoped, by the runs they share: several test files use them.
-SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs"}
+# Launching fixtures defined here (loop_runs, recipe_runs: in tests/loop_runs.py, tests/recipe_runs.py),
+# session-scoped, by the runs they share: several test files use them.
+SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs", "loop_runs": "loop_runs",
+               "recipe_runs": "recipe_runs"}
 HERE = Path(__file__).parent
 GROUPS = {f"{HERE.name}/{path.name}": group for path in sorted(HERE.glob("test_*.py"))
           for name, group in SHARED_RUNS.items() if name in path.read_text()}
@@ -95,6 +100,9 @@ STRATEGY_MODELS = {
     # ~50M parameters (hidden 512, 8 layers), for the planner agreement at a realistic shape
     "llama_50m": ("llama", dict(vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                                 num_attention_heads=8)),
+    # test_peak_runs' 4-layer Llama (tests/peak_spec.py)
+    "peak_llama": ("llama", dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=4)),
 }
 
 
@@ -123,20 +131,30 @@ def strategy_model_for(config: str) -> str:
     return "shard_mistral" if "mistral" in config else "shard_dinov2" if "dinov2" in config else "shard_llama"
 
 
-# Runs (config, model, lora_r, grad_accum) that one launch trains together (tests/workers/several_runs.py): a
+# Runs (config, model, lora_r, grad_accum, flags) that one launch trains together (tests/workers/several_runs.py): a
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
-# accelerate config, the planner agreement's two shapes (and DDP's LoRA run); every single-node DeepSpeed JSON under
-# one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script arguments).
+# accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
+# test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); every single-node DeepSpeed
+# JSON under one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script
+# arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
 
 
 def shared_launches() -> list[tuple]:
+    from peak_spec import RUNS as PEAK_RUNS
+    from peak_spec import peak_flags
+    from precision_checks import PRECISION_RUNS, precision_flags
     from shardscope.configs import shipped_configs
 
-    launches = [((c, "shard_llama", 0, 1), (c, "llama_50m", 0, 2), *([(c, "shard_llama", 4, 1)] if c == "ddp" else []))
-                for c in AGREEING]
+    def beside(c):  # the precision and peak runs of config c
+        return [*((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
+                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
+
+    launches = [((c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
+                 *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else []), *beside(c)) for c in AGREEING]
+    launches += [((c, "shard_llama", 0, 1, ()), *beside(c)) for c in PRECISION_RUNS if c not in AGREEING]
     for kind in ("deepspeed", "fsdp"):
-        launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1) for c in shipped_configs()
+        launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
                               if c.kind == kind and not c.multinode))
     return launches
 
@@ -145,9 +163,10 @@ def shared_launches() -> list[tuple]:
 def strategy_runs(strategy_model, tmp_path_factory):
     """Train tests/workers/train_tiny.py for 3 steps on 2 CPU ranks under a shipped config, through the
     launcher that config is for (accelerate yaml: `accelerate launch`; DeepSpeed JSON: `deepspeed`;
-    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments). Once per (config, model, lora_r, grad_accum),
-    in one launch with the runs shared_launches() puts beside it; returns (profiler summary, [independent count
-    per rank])."""
+    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments), with `flags` (train_tiny.py arguments after the
+    common ones: a repeated one overrides). Once per (config, model, lora_r, grad_accum, flags), in one launch with
+    the runs shared_launches() puts beside it; returns (profiler summary, [independent count per rank], the run's
+    folder)."""
     from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
     from shardscope.configs import find_config
 
@@ -164,12 +183,13 @@ def strategy_runs(strategy_model, tmp_path_factory):
         assert len(kinds) == 1 and (kinds != {"accelerate"} or len({k[0] for k in keys}) == 1), keys
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
-            _, model, lora_r, grad_accum = key
-            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}"
+            _, model, lora_r, grad_accum, flags = key
+            suffix = "".join(map(str, flags)).replace("-", "_")
+            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}{suffix}"
             args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
                      "--gradient_accumulation_steps", grad_accum,
                      *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
-                       "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[config.kind]]
+                       "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[config.kind], *flags]
         first = shipped[keys[0]]
         if first.kind == "accelerate":
             launched = accelerate_launch(first.path, several, args, out)
@@ -181,10 +201,10 @@ def strategy_runs(strategy_model, tmp_path_factory):
         for key, name in names.items():
             summary = json.loads((out / name / "shardscope_summary.json").read_text())
             independent = [json.loads((out / name / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
-            cache[key] = summary, independent
+            cache[key] = summary, independent, out / name
 
-    def run(config, model="shard_llama", lora_r=0, grad_accum=1):
-        key = (config, model, lora_r, grad_accum)
+    def run(config, model="shard_llama", lora_r=0, grad_accum=1, flags=()):
+        key = (config, model, lora_r, grad_accum, tuple(flags))
         if key not in cache:
             launch(next((keys for keys in launches if key in keys), (key,)))
         return cache[key]
@@ -203,7 +223,7 @@ def strategy_plans(strategy_runs, tmp_path_factory):
     def plan(config, model="shard_llama", grad_accum=1):
         key = (config, model, grad_accum)
         if key not in cache:
-            summary, _ = strategy_runs(config, model, grad_accum=grad_accum)
+            summary, _, _ = strategy_runs(config, model, grad_accum=grad_accum)
             path = tmp_path_factory.mktemp(f"plan-{config.replace('/', '_')}-{model}-accum{grad_accum}") / "summary.json"
             path.write_text(json.dumps(summary))
             cache[key] = summary, plan_vs_run(path)

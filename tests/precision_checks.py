@@ -11,6 +11,26 @@ from shardscope import plan_vs_run
 BYTES_REL = 0.01
 BF16_OK = {"configured": "bf16-mixed", "effective": "bf16-mixed", "ok": True, "reason": None}
 
+# test_precision_runs' runs: tests/workers/train_tiny.py for PRECISION_STEPS steps with a precision flag, each in the
+# strategy_runs launch of its accelerate config (tests/conftest.py, shared_launches).
+PRECISION_STEPS = 4
+BF16 = {  # config -> (strategy in the summary, ZeRO?)
+    "ddp": ("ddp", False),
+    "fsdp_full_shard": ("fsdp_full_shard", False),   # FSDP2: MixedPrecisionPolicy
+    "fsdp1_full_shard": ("fsdp_full_shard", False),  # FSDP1: MixedPrecision
+    "zero1": ("zero1", True),
+    "zero2": ("zero2", True),
+    "zero3": ("zero3", True),
+}
+# The DDP runs differ only in the script's own flags (the fp32 reference is DDP's --fp16 run: test_precision_runs).
+PRECISION_RUNS = {**{config: [("--bf16",)] for config in BF16},
+                  "ddp": [("--fp16",), ("--bf16",), ("--bf16", "--dtype", "bfloat16")]}
+
+
+def precision_flags(*flags) -> tuple:
+    """train_tiny.py's arguments for a precision run, after strategy_runs' own (a repeated one overrides)."""
+    return ("--max_steps", PRECISION_STEPS, *flags)
+
 
 def assert_bf16_mixed_ranks(summary: dict, zero: bool) -> None:
     """Every rank computed in bf16; ZeRO holds 16-bit weights and grads beside an fp32 master partition,

@@ -1,5 +1,6 @@
 """`--auto_fit` on 2 CPU ranks: the recipe run with a memory budget that rules out the naive setting, beside
-the same recipe with the naive setting and the same global batch (two launches, reused by every test).
+the same recipe with the naive setting and the same global batch (one launch trains both, one after the other,
+reused by every test).
 
 Budget: on CPU it is given explicitly; the measured figure is the profiler's `peak_tensor_bytes` (torch's
 MemTracker over one warm step, `peak.py`), per rank.
@@ -11,12 +12,13 @@ import re
 
 import pytest
 
-from launch import ROOT, accelerate_launch
+from launch import ROOT, Run, accelerate_launch
 from recipe_checks import losses
 
 pytestmark = pytest.mark.launch
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
+SEVERAL = ROOT / "tests" / "workers" / "several_runs.py"  # both runs in one launch, one after another
 RANKS, GLOBAL, NAIVE_MICRO, STEPS, SEQ = 2, 16, 8, 4, 96
 HEADROOM = 0.10  # fit_training_args' default
 # Losses of the two runs: the same samples per optimizer step in the same order, fp32; only the micro-batch
@@ -76,13 +78,18 @@ def launched(fit_case, sft_assets, tmp_path_factory):
               "--dataset", sft_assets["data"], "--packing", "true", "--max_seq_length", SEQ, "--max_steps", STEPS,
               "--learning_rate", "1e-3", "--per_device_train_batch_size", NAIVE_MICRO,
               "--gradient_accumulation_steps", 1]
-    config = ROOT / "accelerate_configs" / "ddp.yaml"
-    fitted = accelerate_launch(config, SFT, [*common, "--auto_fit", "true", "--fit_memory_budget",
-                                             f"{fit_case['budget']}B"], tmp_path_factory.mktemp("fitted")).check()
-    naive = accelerate_launch(config, SFT, common, tmp_path_factory.mktemp("naive")).check()
+    args = {"fitted": [*common, "--auto_fit", "true", "--fit_memory_budget", f"{fit_case['budget']}B"],
+            "naive": common}
+    out = tmp_path_factory.mktemp("fit_runs")
+    launched = accelerate_launch(ROOT / "accelerate_configs" / "ddp.yaml", SEVERAL,
+                                 [arg for name in args for arg in ("--run", name, SFT, *args[name])], out).check()
+    runs = {}
+    for name in args:  # each run's output: the launcher's and its ranks' own
+        ranks = "".join(log.read_text() for log in sorted((out / "logs").glob(f"{name}.rank*.log")))
+        runs[name] = Run(launched.cmd, launched.returncode, launched.output + ranks, out / name)
     summaries = {name: json.loads((run.output_dir / "shardscope_summary.json").read_text())
-                 for name, run in (("fitted", fitted), ("naive", naive))}
-    return {"fitted": fitted, "naive": naive, "summaries": summaries}
+                 for name, run in runs.items()}
+    return {**runs, "summaries": summaries}
 
 
 def test_budget_rules_out_the_naive_setting(fit_case):

@@ -1,42 +1,28 @@
 """Never breaks training, whatever the loop: every shape of tests/workers/loop_shapes.py (TRL SFT, DPO full and LoRA,
 GRPO, a reward model, two forwards per step, both checkpointing modes, torch.compile, DINOv2, the Accelerate and raw
 FSDP2 loops) trained on 2 CPU ranks with and without the profiler, every instrument on at an early step. One launch
-per strategy trains every shape one after another in one process group.
+per strategy trains every shape one after another in one process group (after test_profile_loops' TRL runs, in the
+same launch: tests/loop_runs.py).
 """
 import json
 
 import pytest
-from launch import ROOT, accelerate_launch
+from loop_runs import SHAPE_CONFIGS as STRATEGIES
+from loop_runs import SHAPES_OF
 
 from shardscope.measure.peak import BREAKDOWN
 
-WORKER = ROOT / "tests" / "workers" / "loop_shapes.py"
 STEPS = 4  # loop_shapes.STEPS
-SHAPES = ("sft", "dpo", "dpo_lora", "grpo", "reward", "twice", "checkpointing_reentrant", "checkpointing",
-          "compiled", "dinov2", "accelerate_loop", "fsdp2_loop")
-STRATEGIES = ("ddp", "zero2", "zero3")
-# The raw FSDP2 loop is a strategy of its own (`fully_shard` over the launched process group): it runs in the DDP
-# launch. Under a DeepSpeed launch transformers builds every model ZeRO-3-partitioned, which `fully_shard` cannot take.
-SHAPES_OF = {config: SHAPES if config == "ddp" else SHAPES[:-1] for config in STRATEGIES}
 # What each instrument fills in every rank's summary entry (None there only with a reason in `instruments`).
 FIELDS = {"memory": ("peak_tensor_bytes", "peak_breakdown", "peak_phase", "peak_step"),
           "collectives": ("comm", "comm_sent_bytes_per_step"), "step_time": ("time_breakdown",)}
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    """`shapes(config)`: the folder of one launch of the worker under accelerate_configs/<config>.yaml."""
-    cache = {}
-
-    def run(config):
-        if config not in cache:
-            out = tmp_path_factory.mktemp(f"shapes-{config}")
-            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", WORKER, ["--shapes", *SHAPES_OF[config]],
-                              out).check()
-            cache[config] = out
-        return cache[config]
-
-    return run
+def shapes(loop_runs):
+    """`shapes(config)`: the worker's folder in the launch under accelerate_configs/<config>.yaml
+    (tests/loop_runs.py)."""
+    return lambda config: loop_runs(config) / "shapes"
 
 
 def results(folder):

@@ -2,8 +2,8 @@
 
 A 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, so activations, gradients and
 optimizer state all weigh in. Each run is tests/workers/train_tiny.py under a real `accelerate launch` of a
-shipped config (a config's runs one after another in one launch); the callback measures step 3 with torch's
-MemTracker (`peak_tensor_bytes`), and the plan of that step comes from `planner.plan_vs_run` (what `plan --compare`
+shipped config (one after another in the launch of that config the strategy tests share, tests/peak_spec.py); the
+callback measures step 3 with torch's MemTracker (`peak_tensor_bytes`), and the plan of that step comes from `planner.plan_vs_run` (what `plan --compare`
 and `report` print): the step's shape and ZeRO's reduce bucket as the summary recorded them, activations traced
 from the model's saved config on fake tensors.
 """
@@ -18,54 +18,21 @@ from shardscope import plan_vs_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import peak_agreement  # noqa: E402  (the benchmark that tables these runs for docs/planner.md)
+from peak_spec import BATCH, RUNS, SEQ, peak_flags  # noqa: E402
 
 pytestmark = pytest.mark.launch
 
 TOLERANCE = 0.05  # the issue's bound: planned peak_bytes within 5% of the measured peak, per rank
-BATCH, SEQ = 2, 256
-RUNS = [  # (config, checkpointing, precision): each strategy with checkpointing on and off, fp32 and bf16
-    ("ddp", False, "fp32"), ("ddp", True, "bf16-mixed"),
-    ("fsdp_full_shard", True, "fp32"), ("fsdp_full_shard", False, "bf16-mixed"),
-    ("zero2", False, "fp32"), ("zero3", True, "fp32"),
-]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from shardscope.recipes.tiny import make_causal_lm
-
-    path = tmp_path_factory.mktemp("peak_llama")
-    make_causal_lm(path, vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4)
-    return path
-
-
-def run_name(config: str, checkpointing: bool, precision: str) -> str:
-    return f"{config}-{precision}" + ("-ckpt" if checkpointing else "")
-
-
-@pytest.fixture(scope="module")
-def peak_runs(model_dir, tmp_path_factory):
-    """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config, trained one after
-    another in one `accelerate launch` of its shipped yaml (tests/workers/several_runs.py), once."""
-    from launch import ROOT, accelerate_launch
-
-    worker = ROOT / "tests" / "workers" / "train_tiny.py"
-    common = ["--model", str(model_dir), "--seq_len", SEQ, "--samples", 12, "--per_device_train_batch_size", BATCH,
-              "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no"]
-    done = {}
+def peak_runs(strategy_runs):
+    """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config: strategy_runs runs of
+    the "peak_llama" model, trained in that config's shared launch (tests/conftest.py, shared_launches)."""
 
     def get(config):
-        if config not in done:
-            out, args = tmp_path_factory.mktemp(f"peak-{config}"), []
-            runs = {run: out / run_name(*run) for run in RUNS if run[0] == config}
-            for (_, ckpt, precision), folder in runs.items():
-                args += ["--run", folder.name, worker, *common, *(["--gradient_checkpointing"] if ckpt else []),
-                         *(["--bf16"] if precision != "fp32" else [])]
-            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" /
-                              "several_runs.py", args, out).check()
-            done[config] = runs
-        return done[config]
+        return {run: strategy_runs(config, "peak_llama", flags=peak_flags(*run[1:]))[2]
+                for run in RUNS if run[0] == config}
 
     return get
 

@@ -10,23 +10,15 @@ import json
 
 import pytest
 
-from precision_checks import BF16_OK, assert_bf16_mixed_ranks, assert_bytes_match_planner
+from precision_checks import (BF16, BF16_OK, PRECISION_STEPS, assert_bf16_mixed_ranks, assert_bytes_match_planner,
+                              precision_flags)
 
 pytestmark = pytest.mark.launch
 
-STEPS = 4
+STEPS = PRECISION_STEPS
 # Loss after STEPS steps, bf16 against fp32: bf16 compute drifts the loss by ~1e-2 over a few steps, and
 # FSDP2 returns a bf16-rounded loss (at ~7 one bf16 step is 2^-5 = 0.031: rounding is up to 0.016).
 LOSS_TOL = 0.03
-
-BF16 = {  # config -> (strategy in the summary, ZeRO?)
-    "ddp": ("ddp", False),
-    "fsdp_full_shard": ("fsdp_full_shard", False),   # FSDP2: MixedPrecisionPolicy
-    "fsdp1_full_shard": ("fsdp_full_shard", False),  # FSDP1: MixedPrecision
-    "zero1": ("zero1", True),
-    "zero2": ("zero2", True),
-    "zero3": ("zero3", True),
-}
 
 
 def fp16_on_cpu() -> bool:
@@ -41,46 +33,16 @@ def fp16_on_cpu() -> bool:
     return bool(mkldnn._is_mkldnn_fp16_supported())
 
 
-# The DDP runs differ only in the script's own flags: they train one after another in one launched process
-# (tests/workers/several_runs.py), one launch instead of three.
-SHARED_LAUNCHES = {"ddp": [("--fp16",), ("--bf16",), ("--bf16", "--dtype", "bfloat16")]}
-
-
 @pytest.fixture(scope="module")
-def precision_run(strategy_model, tmp_path_factory):
-    """Train tests/workers/train_tiny.py once per (config, flags), launched with the other flags of its
-    SHARED_LAUNCHES entry or alone; returns (summary, final loss, summary path)."""
-    from launch import ROOT, accelerate_launch
-
-    worker = ROOT / "tests" / "workers" / "train_tiny.py"
-    common = ["--model", strategy_model("shard_llama"), "--max_steps", STEPS, "--logging_steps", 1,
-              "--per_device_train_batch_size", 2, "--report_to", "none", "--save_strategy", "no", "--use_cpu"]
-    cache = {}
-
-    def name(config, flags):
-        return f"{config}{''.join(flags).replace('-', '_')}"
-
-    def read(out):
-        summary = json.loads((out / "shardscope_summary.json").read_text())
-        losses = [e["loss"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
-        assert len(losses) == STEPS
-        return summary, float(losses[-1]), out / "shardscope_summary.json"
+def precision_run(strategy_runs):
+    """(summary, final loss, summary path) of tests/workers/train_tiny.py under `config` with `flags` for STEPS steps:
+    a strategy_runs run, launched with the other runs of its config (tests/conftest.py, PRECISION_RUNS) or alone."""
 
     def run(config, *flags):
-        if (config, flags) not in cache:
-            yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
-            if flags in SHARED_LAUNCHES.get(config, ()):
-                out, args = tmp_path_factory.mktemp(f"shared_{config}"), []
-                for shared in SHARED_LAUNCHES[config]:
-                    args += ["--run", name(config, shared), worker, *common, *shared]
-                accelerate_launch(yaml, ROOT / "tests" / "workers" / "several_runs.py", args, out).check()
-                for shared in SHARED_LAUNCHES[config]:
-                    cache[(config, shared)] = read(out / name(config, shared))
-            else:
-                out = tmp_path_factory.mktemp(name(config, flags))
-                accelerate_launch(yaml, worker, [*common, *flags], out).check()
-                cache[(config, flags)] = read(out)
-        return cache[(config, flags)]
+        summary, _, folder = strategy_runs(config, flags=precision_flags(*flags))
+        losses = [e["loss"] for e in json.loads((folder / "log_history.json").read_text()) if "loss" in e]
+        assert len(losses) == STEPS
+        return summary, float(losses[-1]), folder / "shardscope_summary.json"
 
     return run
 

@@ -2,19 +2,20 @@
 and LoRA-DPO with the callback (DDP and ZeRO-3), examples/accelerate_loop.py (DDP and ZeRO-3 through
 `accelerator.prepare`) and examples/fsdp2_loop.py (torch `fully_shard`, a frozen reference) with ShardingProfiler.
 
-Three launches in all (DDP and ZeRO-3 each run the Accelerate loop, then SFT, DPO (and LoRA-DPO) in one process;
-torchrun runs the FSDP2 loop); each is shared by every assertion on it. Bytes are compared with an independent
-count made in the launched process (tests/workers/train_tiny.py's, through each library's own accessors).
+Three launches in all (DDP and ZeRO-3 each run the Accelerate loop, then SFT, DPO (and LoRA-DPO) in one process,
+then test_loop_shapes' shapes in the same launch: tests/loop_runs.py; torchrun runs the FSDP2 loop); each is shared
+by every assertion on it. Bytes are compared with an independent count made in the launched process
+(tests/workers/train_tiny.py's, through each library's own accessors).
 """
 import inspect
 import json
 
 import pytest
-from launch import ROOT, accelerate_launch, torchrun_launch
+from launch import ROOT, torchrun_launch
+from loop_runs import TRL_STEPS as STEPS
 
 from shardscope import ShardingProfiler, cli
 
-STEPS = 12  # TRL runs: 12 optimizer steps of 2 samples (pairs, for DPO) per rank
 BYTES_TOLERANCE = 0.01  # the issue's bound; the counts agree exactly today (both count the same live tensors)
 # Trainer's train_samples_per_second also times its set-up before the first step (callbacks' on_train_begin,
 # the profiler's included); the profiler's window starts at that first step. A few % at this run length.
@@ -38,21 +39,10 @@ def _summary(run_dir):
 
 
 @pytest.fixture(scope="module")
-def trl_runs(tmp_path_factory):
-    """tests/workers/train_trl.py under a shipped config: examples/accelerate_loop.py (folder `loop`), then SFT, DPO
-and, under DDP, LoRA-DPO, in one process."""
-    cache = {}
-
-    def run(config):
-        if config not in cache:
-            out = tmp_path_factory.mktemp(f"trl-{config}")
-            args = ["--steps", STEPS, "--loop", *(["--lora"] if config == "ddp" else [])]
-            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", ROOT / "tests" / "workers" / "train_trl.py",
-                              args, out).check()
-            cache[config] = out
-        return cache[config]
-
-    return run
+def trl_runs(loop_runs):
+    """`trl_runs(config)`: tests/workers/train_trl.py's folder in the launch under a shipped config
+(tests/loop_runs.py): examples/accelerate_loop.py (folder `loop`), then SFT, DPO and, under DDP, LoRA-DPO."""
+    return lambda config: loop_runs(config) / "trl"
 
 
 @pytest.fixture(scope="module")

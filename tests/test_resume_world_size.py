@@ -1,9 +1,10 @@
 """The SFT recipe resumes at another world size with the same global batch (issue 34), on CPU ranks over gloo.
 
 For ZeRO-2, ZeRO-3 and FSDP2 (SHARDED_STATE_DICT, i.e. DCP) a 2-rank run trains STEPS steps and saves
-checkpoint-SAVE_AT (one launch each); `shardscope reshard` turns it into a checkpoint for any world size
-(DeepSpeed's universal format; DCP checked and copied); the resumes are separate launches at the same global
-batch (GLOBAL = ranks x per-device batch): each strategy on 1 rank and on 4 (nine launches). The two DeepSpeed stages
+checkpoint-SAVE_AT (the ZeRO runs in test_recipes' launches of their configs, tests/recipe_runs.py; FSDP2's a launch
+of its own); `shardscope reshard` turns it into a checkpoint for any world size (DeepSpeed's universal format; DCP
+checked and copied); the resumes are separate launches at the same global batch (WORLD_GLOBAL = ranks x per-device
+batch): each strategy on 1 rank and on 4 (seven launches of this file's own). The two DeepSpeed stages
 load the universal format by different code (stage3.py's own loader vs the ZeRO-1/2 fragment mapping), and DCP's
 resharding plans differ when the saved chunks must be split (4 ranks) or joined (1 rank): each way is run.
 
@@ -19,13 +20,12 @@ import torch
 
 from launch import ROOT, accelerate_launch
 from recipe_checks import losses, run_lines
+from recipe_runs import SAVE_AT, SFT, STEPS, world_args
 from shardscope.cli import main
 
 pytestmark = pytest.mark.launch
 
-SFT = ROOT / "recipes" / "causal_lm_sft.py"
 PROBE = ROOT / "tests" / "workers" / "resume_probe.py"
-STEPS, SAVE_AT, GLOBAL = 12, 6, 8
 # fp32 throughout: a different world size sums gradients over ranks in a different order, so losses may differ
 # in the last bits (measured: at most 1.4e-7 relative over steps 7-12); that, with margin, is the tolerance.
 TOLERANCE = dict(rel=1e-5, abs=1e-6)
@@ -37,24 +37,20 @@ STRATEGIES = {  # name -> (shipped accelerate config, launcher flags, distribute
 RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 
 
-def recipe_args(assets, ranks, *extra):
-    return ["--config", ROOT / "recipes/llama/demo_tiny.yaml", "--model_name_or_path", assets["model"],
-            "--dataset", assets["data"], "--max_steps", STEPS, "--per_device_train_batch_size", GLOBAL // ranks,
-            *extra]
-
-
 @pytest.fixture(scope="module")
-def resumed(sft_assets, tmp_path_factory):
-    """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once."""
+def resumed(sft_assets, recipe_runs, tmp_path_factory):
+    """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once.
+    An uninterrupted run without launcher flags of its own (ZeRO-2, ZeRO-3) trains in test_recipes' launch of its
+    config (tests/recipe_runs.py); FSDP2's is a launch of its own."""
     cache = {}
 
     def get(name, ranks):
         config, flags, _, _ = STRATEGIES[name]
         yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
         if name not in cache:
-            full = accelerate_launch(yaml, SFT, recipe_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps",
-                                                            SAVE_AT), tmp_path_factory.mktemp(f"{name}_full"),
-                                     launcher_args=flags).check()
+            full = recipe_runs("world", name) if not flags else accelerate_launch(
+                yaml, SFT, world_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps", SAVE_AT),
+                tmp_path_factory.mktemp(f"{name}_full"), launcher_args=flags).check()
             anywhere = tmp_path_factory.mktemp(f"{name}_resharded") / "checkpoint"
             assert main(["reshard", str(full.output_dir / f"checkpoint-{SAVE_AT}"), str(anywhere)]) == 0
             cache[name] = full, anywhere
@@ -62,7 +58,7 @@ def resumed(sft_assets, tmp_path_factory):
             full, anywhere = cache[name]
             out = tmp_path_factory.mktemp(f"{name}_resume{ranks}")
             args = ["--moments_out", out / "moments.pt", SFT,
-                    *recipe_args(sft_assets, ranks, "--resume_from_checkpoint", anywhere)]
+                    *world_args(sft_assets, ranks, "--resume_from_checkpoint", anywhere)]
             cache[(name, ranks)] = accelerate_launch(yaml, PROBE, args, out, num_processes=ranks,
                                                      launcher_args=flags).check()
         return (*cache[name], cache[(name, ranks)])

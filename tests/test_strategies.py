@@ -68,7 +68,7 @@ def test_every_single_node_config_has_a_promise():
 @pytest.mark.launch
 @pytest.mark.parametrize("config", SINGLE_NODE)
 def test_config_shards_as_promised(config, strategy_runs, parameter_shapes):
-    summary, independent = strategy_runs(config, model_for(config))
+    summary, independent, _ = strategy_runs(config, model_for(config))
     strategy, params, grads, moments, master = PROMISES[config]
     shapes = parameter_shapes(model_for(config))
     sizes = [math.prod(shape) for shape in shapes]
@@ -118,7 +118,7 @@ def test_lora_counts_trainable_adapter_state_only(strategy_runs, strategy_model)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    summary, independent = strategy_runs("ddp", "shard_llama", lora_r=4)
+    summary, independent, _ = strategy_runs("ddp", "shard_llama", lora_r=4)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(strategy_model("shard_llama")),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     adapters = [p for p in model.parameters() if p.requires_grad]

@@ -8,8 +8,8 @@ disabled), GRPO (generates during training, a tiny reward function), a reward mo
 model, DINOv2 classification, and the Accelerate and raw FSDP2 (`fully_shard`) loops under `ShardingProfiler`.
 """
 import argparse
+import gc
 import json
-import os
 import random
 import sys
 import time
@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
-from trl_dpo import WORDS, preference_pairs, tiny_model  # noqa: E402
+from trl_dpo import WORDS, preference_pairs  # noqa: E402
 
 from shardscope import ShardingProfiler, ShardingProfilerCallback  # noqa: E402
 from shardscope.recipes.training import end_of_run  # noqa: E402
@@ -36,10 +36,10 @@ def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def token_rows(vocab: int, n=32, seed=0):
-    """Token rows of varied lengths (the collator pads them)."""
+def token_rows(vocab: int, n=32, seed=0, length=None):
+    """Token rows of varied lengths (the collator pads them), or all of `length` tokens."""
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": (ids := torch.randint(3, vocab, (int(torch.randint(8, 24, (1,), generator=g)),),
+    return [{"input_ids": (ids := torch.randint(3, vocab, (length or int(torch.randint(8, 24, (1,), generator=g)),),
                                                 generator=g).tolist()), "labels": ids} for _ in range(n)]
 
 
@@ -161,7 +161,11 @@ def checkpointing(ctx, out, profiled, reentrant):
 
 
 def compiled(ctx, out, profiled):
-    return plain_trainer(ctx, out, profiled, torch_compile=True, torch_compile_backend=ctx.compile_backend)
+    """Rows of one length: each new length recompiles every graph once more (dynamo's automatic dynamic shapes,
+    half this shape's time under ZeRO-3) in the plain run, whose graphs the profiled run reuses either way."""
+    model = causal_lm(ctx)
+    return plain_trainer(ctx, out, profiled, model=model, data=token_rows(model.config.vocab_size, length=16),
+                         torch_compile=True, torch_compile_backend=ctx.compile_backend)
 
 
 def dinov2(ctx, out, profiled):
@@ -255,15 +259,18 @@ def main():
     # aot_eager: dynamo's tracing and AOTAutograd's graphs, where hooks and dispatch modes meet compilation, without
     # inductor's C++ code generation (minutes on 2 loaded cores)
     parser.add_argument("--compile_backend", default="aot_eager")
+    # Built by the test (tests/loop_runs.py), read by every rank: once a process group is up (an earlier run in
+    # the same launch), transformers' save_pretrained writes on rank 0 only, so ranks could not build their own.
+    parser.add_argument("--model", type=Path, required=True, help="a tiny causal LM folder, with its tokenizer")
+    parser.add_argument("--dinov2", type=Path, required=True, help="a tiny DINOv2 classifier (4 labels) folder")
     args = parser.parse_args()
-    from shardscope.recipes.tiny import make_dinov2
-
-    args.model = tiny_model(args.output_dir / "assets")
-    args.dinov2 = args.output_dir / "assets" / f"dinov2-rank{os.environ.get('LOCAL_RANK', 0)}"
-    make_dinov2(args.dinov2, num_labels=4, intermediate_size=1600)
     for name in args.shapes:
         for profiled in (False, True):
             out = args.output_dir / name / ("profiled" if profiled else "plain")
+            # The last run's garbage collected, what is left is frozen (never scanned again): the full collections
+            # each Trainer starts (accelerate's free_memory, DeepSpeed's) then scan this run's objects only.
+            gc.collect()
+            gc.freeze()
             torch.manual_seed(0)  # heads a checkpoint does not hold (the reward model's score) start alike
             started = time.perf_counter()
             trained = SHAPES[name](args, out, profiled)

@@ -6,9 +6,11 @@ imports, process group) is paid once:
 
 Each script runs unchanged as `__main__` (runpy) with its ARGS and `--output_dir OUT/NAME`; what each rank
 prints meanwhile (file descriptors 1 and 2: libraries' output too) goes to `OUT/logs/NAME.rank{R}.log`. Before
-each run accelerate's state is reset, so every Trainer builds its own (the process group stays); `end_of_run`
+each run accelerate's state is reset, so every Trainer builds its own (the process group stays), and the heap
+left is frozen (gc.freeze); `end_of_run`
 (which ends the process group, and on gloo the process) runs once, after the last run.
 """
+import gc
 import os
 import runpy
 import sys
@@ -36,6 +38,10 @@ def parse(argv: list[str]) -> tuple[Path, list[tuple[str, str, list[str]]]]:
 
 def run_one(script: str, args: list[str], log: Path) -> None:
     AcceleratorState._reset_state()
+    # The last run's garbage collected, what is left is frozen (never scanned again): the full collections each
+    # Trainer starts (accelerate's free_memory, DeepSpeed's) then scan this run's objects only.
+    gc.collect()
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)

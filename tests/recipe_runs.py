@@ -1,0 +1,133 @@
+"""The recipes' launched runs, shared by test_recipes.py and test_resume_world_size.py (tests/conftest.py registers
+the fixtures and keeps both files on one xdist worker): runs under the same shipped config and launcher flags train
+one after another in one launch (tests/workers/several_runs.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, Run, accelerate_launch, deepspeed_launch
+
+SFT = ROOT / "recipes" / "causal_lm_sft.py"
+IMAGE = ROOT / "recipes" / "image_classification.py"
+ACC = ROOT / "accelerate_configs"
+STEPS, SAVE_AT = 12, 6
+
+
+@pytest.fixture(scope="session")
+def image_assets(tmp_path_factory):
+    from shardscope.recipes.tiny import COLOURS, make_dinov2, make_image_folder
+
+    root = tmp_path_factory.mktemp("image_assets")
+    make_dinov2(root / "tiny-dinov2", num_labels=len(COLOURS))
+    return {"data": make_image_folder(root / "images"), "model": root / "tiny-dinov2"}
+
+
+def sft_args(assets, *extra):
+    return ["--config", ROOT / "recipes/llama/demo_tiny.yaml", "--model_name_or_path", assets["model"],
+            "--dataset", assets["data"], "--max_steps", STEPS, "--save_final_logits", "true", *extra]
+
+
+SFT_RUNS = {  # name -> (launcher, config, extra args)
+    "ddp": ("accelerate", "ddp", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
+    "fsdp": ("accelerate", "fsdp_full_shard", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
+    # in bf16 (MixedPrecision): the recipe's bf16 run for a torch strategy, resumed like the fp32 ones
+    "fsdp1": ("accelerate", "fsdp1_full_shard", ["--save_strategy", "steps", "--save_steps", SAVE_AT,
+                                                 "--bf16", "true"]),
+    "zero2": ("accelerate", "zero2", ["--gradient_checkpointing", "true"]),
+    "zero3": ("accelerate", "zero3", ["--save_strategy", "steps", "--save_steps", SAVE_AT]),
+    "ds_zero3": ("deepspeed", "zero3", []),
+    "lora_zero3": ("accelerate", "zero3", ["--use_lora", "true", "--learning_rate", "1e-2"]),
+    "lora_fsdp": ("accelerate", "fsdp_full_shard", ["--use_lora", "true", "--learning_rate", "1e-2",
+                                                    "--gradient_checkpointing", "true"]),
+}
+# The launcher's precision agrees with the recipe's --bf16 (the CPU overrides say "no"; the recipe's doctor
+# check refuses a launcher and Trainer that disagree).
+SFT_LAUNCHER_ARGS = {"fsdp1": ["--mixed_precision", "bf16"]}
+IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
+    "ddp": ("ddp", [], []),
+    # in bf16: ZeRO's 16-bit weights beside an fp32 master; it saves the 16-bit model it computes with
+    "zero2": ("zero2", ["--bf16", "true"], []),
+    # accelerate 1.15's FSDP2 auto-wrap from `_no_split_modules` wraps Dinov2Embeddings, then shards its
+    # patch embeddings a second time ("value was None" in DeviceMesh): name the layer class instead.
+    "fsdp": ("fsdp_full_shard", [], ["--fsdp_transformer_layer_cls_to_wrap", "Dinov2Layer"]),
+    "zero3_frozen": ("zero3", ["--freeze_backbone", "true", "--learning_rate", "1e-2"], []),
+}
+
+
+# test_resume_world_size's uninterrupted 2-rank runs (kind "world", named by their shipped config): per-device batch
+# WORLD_GLOBAL / 2 and a checkpoint at SAVE_AT; its resumes at other world sizes are launches of their own.
+WORLD_GLOBAL = 8
+
+
+def world_args(assets, ranks, *extra):
+    """The SFT recipe's arguments at `ranks` ranks and the global batch WORLD_GLOBAL."""
+    return ["--config", ROOT / "recipes/llama/demo_tiny.yaml", "--model_name_or_path", assets["model"],
+            "--dataset", assets["data"], "--max_steps", STEPS, "--per_device_train_batch_size", WORLD_GLOBAL // ranks,
+            *extra]
+
+
+# Runs under the same shipped config and launcher flags train one after another in one launched process
+# (tests/workers/several_runs.py): one launch instead of one each. Resumes stay launches of their own (a fresh
+# process resumes), as do runs with launcher flags of their own and the `deepspeed` launcher's run.
+SHARED_LAUNCHES = {  # config -> the (kind, name) runs one launch trains, in order
+    "ddp": [("sft", "ddp"), ("image", "ddp")],
+    "fsdp_full_shard": [("sft", "fsdp"), ("sft", "lora_fsdp")],
+    "zero2": [("sft", "zero2"), ("image", "zero2"), ("world", "zero2")],
+    "zero3": [("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen"), ("world", "zero3")],
+}
+SEVERAL = ROOT / "tests" / "workers" / "several_runs.py"
+
+
+@pytest.fixture(scope="session")
+def recipe_runs(tmp_path_factory, sft_assets, image_assets):
+    """`recipe_runs(kind, name)` launches a run (with the others of its SHARED_LAUNCHES entry) the first time it is
+    asked for and returns the cached `Run`."""
+    cache: dict[tuple[str, str], Run] = {}
+
+    def command(kind: str, name: str) -> tuple[str, Path, list, list]:
+        """(config, recipe, recipe arguments, launcher flags) of an sft, image or world run."""
+        if kind == "world":
+            return name, SFT, world_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps",
+                                                     SAVE_AT), []
+        if kind == "sft":
+            _, config, extra = SFT_RUNS[name]
+            return config, SFT, sft_args(sft_assets, *extra), SFT_LAUNCHER_ARGS.get(name, [])
+        config, extra, launcher_args = IMAGE_RUNS[name]
+        return config, IMAGE, ["--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path",
+                               image_assets["model"], "--dataset", image_assets["data"], "--save_final_logits",
+                               "true", *extra], launcher_args
+
+    def launch_shared(config: str) -> None:
+        out = tmp_path_factory.mktemp(f"shared_{config}")
+        args = []
+        for kind, name in SHARED_LAUNCHES[config]:
+            _, script, recipe_args, _ = command(kind, name)
+            args += ["--run", f"{kind}_{name}", script, *recipe_args]
+        launched = accelerate_launch(ACC / f"{config}.yaml", SEVERAL, args, out)
+        for kind, name in SHARED_LAUNCHES[config]:  # each run's output: the launcher's and its ranks' own
+            ranks = "".join(log.read_text() for log in sorted((out / "logs").glob(f"{kind}_{name}.rank*.log")))
+            cache[(kind, name)] = Run(launched.cmd, launched.returncode, launched.output + ranks, out / f"{kind}_{name}")
+
+    def get(kind: str, name: str) -> Run:
+        if (kind, name) not in cache:
+            shared = next((c for c, members in SHARED_LAUNCHES.items() if (kind, name) in members), None)
+            if shared:
+                launch_shared(shared)
+            elif kind == "sft" and SFT_RUNS[name][0] == "deepspeed":
+                out = tmp_path_factory.mktemp(f"{kind}_{name}")
+                cache[(kind, name)] = deepspeed_launch(SFT, sft_args(
+                    sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json", *SFT_RUNS[name][2]), out)
+            else:  # its own launch; a resume starts from the uninterrupted run's step-SAVE_AT checkpoint
+                resume = kind == "resume"
+                config, script, args, launcher_args = command("sft" if resume else kind, name)
+                if resume:
+                    args = [*args, "--resume_from_checkpoint", get("sft", name).output_dir / f"checkpoint-{SAVE_AT}"]
+                cache[(kind, name)] = accelerate_launch(ACC / f"{config}.yaml", script, args,
+                                                        tmp_path_factory.mktemp(f"{kind}_{name}"),
+                                                        launcher_args=launcher_args)
+        return cache[(kind, name)].check()
+
+    return get
