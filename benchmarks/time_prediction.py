@@ -1,6 +1,6 @@
 """Predicted beside measured step time on 2 CPU ranks: the step-time model calibrated from one run.
 
-    python benchmarks/time_prediction.py [--runs RUNS_DIR ...] [--small] [--output FILE]
+    python benchmarks/time_prediction.py [--runs RUNS_DIR ... | --repeat N] [--small] [--output FILE]
         # -> benchmarks/results/time_prediction.md
 
 Without --runs it trains them first (tests/workers/train_time.py under torchrun, at the highest CPU priority the
@@ -143,8 +143,8 @@ def links_line(root: Path, fig) -> str:
     return f"Bus bandwidth per collective kind ({fig.sources['bus_bytes_per_s'].replace(f'{root}/', '')}): {bus}."
 
 
-def section(root: Path, first: bool = True) -> list[str]:
-    """The section of one folder of runs; the first folder's also carries the summary docs/fit.md places."""
+def section(root: Path) -> tuple[list[str], dict]:
+    """The section of one folder of runs, and its counts for the summary (`summary`)."""
     main_fig, zero3_fig = calibrated(root, "ddp/a1c0"), calibrated(root, "zero3/a1c0")
     main_rows = predicted(root, main_fig)
     passes = [compute_per_pass(r) for r in main_rows]
@@ -163,34 +163,46 @@ def section(root: Path, first: bool = True) -> list[str]:
     text += [f"From ddp/a1c0 without its link probe: {within(unprobed)} of {len(unprobed)} within "
              f"{TOLERANCE:.0%}. {links_line(root, unprobed_fig)}", ""]
     from_zero3 = [r for r in predicted(root, zero3_fig) if r["strategy"] == "ddp"]
-    if first:
-        ddp, zero3 = main_fig, zero3_fig
-        text += ["<!-- part:summary -->",
-                 f"- Calibrated from ddp/a1c0 alone (its steps and the link probe at its end): {within(main_rows)} of "
-                 f"{len(main_rows)} runs within {TOLERANCE:.0%} of their measured median; predicted order right for "
-                 f"{apart - len(wrong)} of {apart} clearly separated pairs.",
-                 f"- Without the link probe (all_gather and reduce_scatter taken at all_reduce's speed): "
-                 f"{within(unprobed)} of {len(unprobed)} within {TOLERANCE:.0%}.",
-                 f"- DDP calibrated from zero3/a1c0 alone: {within(from_zero3)} of {len(from_zero3)} within "
-                 f"{TOLERANCE:.0%}. Optimizer, per parameter a rank steps: the update {ddp.optimizer_s_per_param * 1e9:.2g}"
-                 f" ns on DDP (torch's AdamW), {zero3.optimizer_s_per_param * 1e9:.2g} ns inside DeepSpeed's step on "
-                 f"ZeRO-3, and DeepSpeed's step around it {zero3.zero_step_s_per_param * 1e9:.2g} ns.",
-                 "<!-- /part:summary -->", ""]
+    stats = {"within": within(main_rows), "runs": len(main_rows), "order": f"{apart - len(wrong)} of {apart}",
+             "unprobed": within(unprobed), "reverse": within(from_zero3), "reverse_runs": len(from_zero3),
+             "update_ddp": main_fig.optimizer_s_per_param, "update_zero3": zero3_fig.optimizer_s_per_param,
+             "zero_step": zero3_fig.zero_step_s_per_param}
     return text + [f"### Runs in {root.name}: DDP calibrated from zero3/a1c0 alone, "
                    f"{within(from_zero3)} of {len(from_zero3)} within {TOLERANCE:.0%}", "",
-                   links_line(root, zero3_fig), "", *table(from_zero3), ""]
+                   links_line(root, zero3_fig), "", *table(from_zero3), ""], stats
+
+
+def summary(stats: list[dict]) -> list[str]:
+    """The part docs/fit.md places: each set of runs' counts, in the order of the sections below."""
+    def each(key):
+        return ", ".join(str(s[key]) for s in stats)
+
+    first = stats[0]
+    return ["<!-- part:summary -->",
+            f"- Calibrated from ddp/a1c0 alone (its steps and the link probe at its end), in each of {len(stats)} "
+            f"set(s) of runs: {each('within')} of {first['runs']} runs within {TOLERANCE:.0%} of their measured "
+            f"median; predicted order right for {each('order')} clearly separated pairs.",
+            f"- Without the link probe (all_gather and reduce_scatter taken at all_reduce's speed): {each('unprobed')} "
+            f"of {first['runs']} within {TOLERANCE:.0%}.",
+            f"- DDP calibrated from zero3/a1c0 alone: {each('reverse')} of {first['reverse_runs']} within "
+            f"{TOLERANCE:.0%}. Optimizer, per parameter a rank steps (first set): the update "
+            f"{first['update_ddp'] * 1e9:.2g} ns on DDP (torch's AdamW), {first['update_zero3'] * 1e9:.2g} ns inside "
+            f"DeepSpeed's step on ZeRO-3, and DeepSpeed's step around it {first['zero_step'] * 1e9:.2g} ns.",
+            "<!-- /part:summary -->", ""]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", nargs="+", type=Path, help="folders of runs already trained (one section each)")
     parser.add_argument("--small", action="store_true", help="DDP and ZeRO-3, two configurations")
+    parser.add_argument("--repeat", type=int, default=1, help="without --runs: train this many sets of runs")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "time_prediction.md")
     args = parser.parse_args(argv)
     roots = args.runs
     if not roots:
-        roots = [Path(tempfile.mkdtemp(prefix="time_prediction-"))]
-        train_all(roots[0], **(SMALL if args.small else {}), priority=True)
+        roots = [Path(tempfile.mkdtemp(prefix="time_prediction-")) for _ in range(args.repeat)]
+        for root in roots:
+            train_all(root, **(SMALL if args.small else {}), priority=True)
     priority = "the launches ran at CPU priority nice -20" if priority_raised() else \
         "this machine refused a raised CPU priority: the launches shared the cores at the same priority as other work"
     text = ["# Step time predicted beside measured (2 CPU ranks, gloo)", "",
@@ -200,8 +212,10 @@ def main(argv=None) -> None:
             "medians over the plain steps. The largest part difference is the part (compute, exposed_comm, "
             "optimizer, overhead) whose prediction is furthest from the timed step's breakdown scaled to the median "
             "(signed: + predicted more).", ""]
-    for i, root in enumerate(roots):
-        text += section(root, first=i == 0)
+    sections = [section(root) for root in roots]
+    text += summary([stats for _, stats in sections])
+    for lines, _ in sections:
+        text += lines
     args.output.write_text("\n".join(text))
     print("\n".join(text))
 

@@ -42,6 +42,7 @@ BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "optimizer_update_s", "co
 LIBRARY_RANGES = ("FSDP::", "FullyShardedDataParallel.", PREFIX + "library")  # the libraries' own, and ours
 ZERO3_MODULE_WORK = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
                      "pre_sub_module_backward_function", "post_sub_module_backward_function")
+ZERO3_GRADIENT_WORK = "reduce_ready_partitions_and_remove_grads"  # each gradient into the bucket, partitioned
 RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
 
 
@@ -111,9 +112,10 @@ class StepTimer:
             hook(base.register_step_pre_hook, lambda *_: self._updating(True, whole=zero is None))
             hook(base.register_step_post_hook, lambda *_: self._updating(False, whole=zero is None))
         offload = getattr(zero, "parameter_offload", None)  # ZeRO-3's per-module fetch and release
-        for name in ZERO3_MODULE_WORK if offload is not None else ():
+        work = [(offload, name) for name in ZERO3_MODULE_WORK] + [(zero, ZERO3_GRADIENT_WORK)]
+        for owner, name in work if offload is not None else ():
             ranges = []
-            MethodWrap(self.instrument, offload, name, lambda *_, r=ranges: r.append(
+            MethodWrap(self.instrument, owner, name, lambda *_, r=ranges: r.append(
                 record_function(PREFIX + "library").__enter__()), lambda r=ranges: r.pop().__exit__(None, None, None))
 
 
