@@ -192,6 +192,10 @@ def test_a_runs_link_probe_gives_the_kinds_it_never_issued(tmp_path):
     write_run(tmp_path / "bad", doc)
     with pytest.raises(UsageError, match="malformed 'link_probe'"):
         calibrate([tmp_path / "bad"], FIG)
+    for strategy in (None, 5):  # a run whose strategy the profiler could not tell: one line, not a traceback
+        write_run(tmp_path / "unknown", {**summary(), "strategy": strategy})
+        with pytest.raises(UsageError, match="'strategy' is"):
+            calibrate([tmp_path / "unknown"], FIG)
 
 
 def test_fit_calibrated_from_a_preflight_file(capsys, tmp_path):

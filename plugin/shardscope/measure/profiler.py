@@ -241,8 +241,8 @@ class ShardingProfiler:
         self._sampled.end(keep=False)  # a timer started for a step that never ran
         self._end_step_peak(keep=False)  # a step begun and never closed is not measured
         ranks = self._complete_all(self._measure_rank(self._run))
-        with self.guard("link probe"):  # collectives on every rank, at the counted step's message size
-            self._link_probe = probe_links(probe_size(ranks), self._device)
+        with self.guard("link probe"):  # collectives on every rank (all have the same summary_file), for the summary
+            self._link_probe = probe_links(probe_size(ranks), self._device) if self.summary_file else None
         with self.guard("precision"):  # one collective, reached on every rank
             self._precision_ranks = gather_reports(self._precision)
         extra, statuses = [{}] * len(ranks), [self._statuses()] * len(ranks)

@@ -14,7 +14,8 @@ window's definition, so data loading counts). Hooks mark phases as profiler rang
 Library: `library_s` is the part of forward and backward spent inside a sharding library's own per-module work
 (gathering and releasing parameters, copying gradients out), waits for collectives excepted: FSDP names it in the
 profiler itself ("FSDP::..." ranges, "FullyShardedDataParallel...." for FSDP1); DeepSpeed ZeRO-3's four
-sub-module functions (fetch before a module's forward and backward, release after) are timed in ranges of ours.
+sub-module functions (fetch before a module's forward and backward, release after) and its gradient hook's work
+(each gradient into the reduce bucket, the bucket reduced and partitioned) are timed in ranges of ours.
 DDP's reducer works in C++ autograd hooks and stays in compute.
 Communication: `comm_s` is the time a collective is in flight (the union of the backend's collective
 events: gloo's work on its own threads, NCCL kernels on the GPU); `exposed_comm_s` is the part of it

@@ -142,6 +142,9 @@ def from_summary(doc, where) -> dict:
         if not ranks:
             raise UsageError(f"--calibrate {where}: no rank has both 'time_breakdown' and 'step_time_s' (profile "
                              "with a timed step and more than one plain step)")
+        if not isinstance(doc.get("strategy"), str):
+            raise UsageError(f"--calibrate {where}: 'strategy' is {doc.get('strategy')!r}, not a strategy name "
+                             "(the profiler could not tell the run's strategy)")
         part = scaled_breakdown(ranks)
         accumulation = int(doc.get("gradient_accumulation_steps") or 1)
         out = {"overhead_s": (part["data_wait_s"] + part["other_s"]) / accumulation}

@@ -118,8 +118,8 @@ class Figures:
     pcie_bytes_per_s: float
     cpu_adam_params_per_s: float
     zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
-    library_s_per_param: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> per-module work, s per param
-    sources: dict = field(default_factory=dict)                # per micro-batch (`gathers`)
+    library_s_per_param: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> its own work inside forward
+    sources: dict = field(default_factory=dict)                # and backward, s per parameter per micro-batch
 
     def bus(self, kind: str) -> float:
         return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
