@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..safe_io import load_json
-from ..strategy import family
+from ..strategy import family, strategy_from_summary
 from ..summary import SUMMARY_FILE
 from .time_model import Figures, gathers, overlapped
 
@@ -142,7 +142,8 @@ def from_summary(doc, where) -> dict:
         if not ranks:
             raise UsageError(f"--calibrate {where}: no rank has both 'time_breakdown' and 'step_time_s' (profile "
                              "with a timed step and more than one plain step)")
-        if not isinstance(doc.get("strategy"), str):
+        strategy = strategy_from_summary(doc)  # the planner's name, as report reads the same summary
+        if strategy is None:
             raise UsageError(f"--calibrate {where}: 'strategy' is {doc.get('strategy')!r}, not a strategy name "
                              "(the profiler could not tell the run's strategy)")
         part = scaled_breakdown(ranks)
@@ -150,17 +151,17 @@ def from_summary(doc, where) -> dict:
         out = {"overhead_s": (part["data_wait_s"] + part["other_s"]) / accumulation}
         flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_time_s"]["steps"]
                  for r in ranks if (r.get("throughput") or {}).get("tflops_per_device")]
-        library = part.get("library_s", 0.0) if gathers(doc["strategy"]) else 0.0  # (older summaries: none)
+        library = part.get("library_s", 0.0) if gathers(strategy) else 0.0  # (older summaries: none)
         if flops and part["forward_s"] + part["backward_s"] - library > 0:
             recompute = 4 / 3 if (ranks[0].get("peak_step") or {}).get("gradient_checkpointing") else 1
             out["flops_per_s"] = mean(flops) * recompute / (part["forward_s"] + part["backward_s"] - library)
         if library > 0:
-            out["library_s_per_param"] = {family(doc["strategy"]): library / accumulation / doc["model"]["params_total"]}
-        out.update(comm_figures(doc["strategy"], ranks, part))
+            out["library_s_per_param"] = {family(strategy): library / accumulation / doc["model"]["params_total"]}
+        out.update(comm_figures(strategy, ranks, part))
         mesh = doc.get("mesh") or {}
         shard = (mesh.get("dp_shard") or 1) * (mesh.get("tp") or 1)
         stepped = (doc["model"].get("trainable_params") or doc["model"]["params_total"]) / shard
-        zero = family(doc["strategy"]) == "deepspeed" and "optimizer_update_s" in part
+        zero = family(strategy) == "deepspeed" and "optimizer_update_s" in part
         update = part["optimizer_update_s"] if zero else part["optimizer_s"]  # without ZeRO: the same phase
         out["optimizer_s_per_param"] = update / stepped
         if zero:
