@@ -55,6 +55,9 @@ def main():
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--strategies", default="ddp", help="comma-separated STRATEGIES names")
     p.add_argument("--output_dir", required=True)
+    p.add_argument("--warmup", action="store_true",
+                   help="first train the first configuration once into <output_dir>/warmup/ (the benchmark: a "
+                        "process's first steps run slower, which would fall on the launch's first run alone)")
     opts = p.parse_args()
     vocab = AutoConfig.from_pretrained(opts.model).vocab_size
     strategies = opts.strategies.split(",")
@@ -62,14 +65,16 @@ def main():
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    for strategy, name in itertools.product(strategies, opts.configs.split(",")):
+    runs = list(itertools.product(strategies, opts.configs.split(",")))
+    for index, (strategy, name) in enumerate(runs[:1] * opts.warmup + runs):
+        warmup = index < opts.warmup
         accumulation, checkpointing = int(name[1]), name[3] == "1"
         from accelerate.state import AcceleratorState
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         AcceleratorState._reset_state()  # each Trainer builds its own accelerator state (DeepSpeed plugin too)
         unset_hf_deepspeed_config()  # and its own DeepSpeed config (ZeRO-3 loading reads it)
-        out = Path(opts.output_dir) / strategy / name
+        out = Path(opts.output_dir) / ("warmup" if warmup else strategy) / name
         args = training_args(strategy, opts.micro_batch, out, accumulation, checkpointing)
         data = RandomTokens(opts.micro_batch * accumulation * args.world_size * STEPS, opts.seq_len, vocab)
         model = AutoModelForCausalLM.from_pretrained(opts.model)
