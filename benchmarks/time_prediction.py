@@ -47,6 +47,8 @@ def priority_raised() -> bool:
 
 
 SMALL = {"strategies": ("ddp", "zero3"), "configs": ("a1c0", "a2c1")}
+# One run of each library: DDP's compute and links first, then each gathering library's own per-module work
+ONE_PER_LIBRARY = ("ddp/a1c0", "zero3/a1c0", "fsdp_full_shard/a1c0")
 
 
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False, warmup: bool = False,
@@ -77,14 +79,14 @@ def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
-def calibrated(root: Path, run: str, probe: bool = True):
-    """The model's figures calibrated from `run` under `root`, read as `--calibrate` reads it (its link probe
-    included unless `probe` is false)."""
+def calibrated(root: Path, *runs: str, probe: bool = True):
+    """The model's figures calibrated from `runs` under `root`, read as `--calibrate RUN ...` reads them (each run's
+    link probe included unless `probe` is false: then one run alone)."""
     from shardscope.cli.step_time import measured_figures
     from shardscope.plan.calibration import calibrate
     from shardscope.plan.time_model import datasheet_figures, hardware
 
-    measured = measured_figures([root / run])
+    measured = measured_figures([root / run for run in runs])
     return calibrate(measured if probe else measured[:1], datasheet_figures(hardware("H100", "fp32")))[0]
 
 
@@ -166,13 +168,22 @@ def section(root: Path) -> tuple[list[str], dict]:
     text += [f"From ddp/a1c0 without its link probe: {within(unprobed)} of {len(unprobed)} within "
              f"{TOLERANCE:.0%}. {links_line(root, unprobed_fig)}", ""]
     from_zero3 = [r for r in predicted(root, zero3_fig) if r["strategy"] == "ddp"]
+    libraries = [run for run in ONE_PER_LIBRARY if (root / run / "shardscope_summary.json").is_file()]
+    library_fig = calibrated(root, *libraries)
+    library_rows = predicted(root, library_fig)
     stats = {"within": within(main_rows), "runs": len(main_rows), "order": f"{apart - len(wrong)} of {apart}",
              "unprobed": within(unprobed), "reverse": within(from_zero3), "reverse_runs": len(from_zero3),
+             "per_library": within(library_rows), "libraries": ", ".join(libraries),
              "update_ddp": main_fig.optimizer_s_per_param, "update_zero3": zero3_fig.optimizer_s_per_param,
              "zero_step": zero3_fig.zero_step_s_per_param}
+    work = ", ".join(f"{k} {v * 1e9:.3g} ns" for k, v in sorted(library_fig.library_s_per_byte.items()))
     return text + [f"### Runs in {root.name}: DDP calibrated from zero3/a1c0 alone, "
                    f"{within(from_zero3)} of {len(from_zero3)} within {TOLERANCE:.0%}", "",
-                   links_line(root, zero3_fig), "", *table(from_zero3), ""], stats
+                   links_line(root, zero3_fig), "", *table(from_zero3), "",
+                   f"### Runs in {root.name}: calibrated from one run of each library ({', '.join(libraries)}), "
+                   f"{within(library_rows)} of {len(library_rows)} within {TOLERANCE:.0%}", "",
+                   f"Library work per byte of whole tensors gathered or reduce-scattered: {work}. "
+                   f"{links_line(root, library_fig)}", "", *table(library_rows), ""], stats
 
 
 def summary(stats: list[dict]) -> list[str]:
@@ -187,6 +198,9 @@ def summary(stats: list[dict]) -> list[str]:
             f"median; predicted order right for {each('order')} clearly separated pairs.",
             f"- Without the link probe (all_gather and reduce_scatter taken at all_reduce's speed): {each('unprobed')} "
             f"of {first['runs']} within {TOLERANCE:.0%}.",
+            f"- Calibrated from one run of each library ({first['libraries']}: DDP's compute and links, each "
+            f"gathering library's own per-module work, which a DDP run cannot time): {each('per_library')} of "
+            f"{first['runs']} within {TOLERANCE:.0%}.",
             f"- DDP calibrated from zero3/a1c0 alone: {each('reverse')} of {first['reverse_runs']} within "
             f"{TOLERANCE:.0%}. Optimizer, per parameter a rank steps (first set): the update "
             f"{first['update_ddp'] * 1e9:.2g} ns on DDP (torch's AdamW), {first['update_zero3'] * 1e9:.2g} ns inside "

@@ -50,11 +50,15 @@ def test_parts_by_hand():
                                                       "overhead": 0.03})  # DeepSpeed's step around the update too
     fsdp = step_time(row("fsdp_full_shard", {}), SPEC, MODEL, setup, 10, FIG)
     assert fsdp["step_time_parts"]["optimizer"] == pytest.approx(10 ** 6 / 4 * 1e-9)  # torch's step: the update
-    measured_fsdp = replace(FIG, library_s_per_param={"fsdp": 2e-9})  # FSDP's per-module work, per param, per pass
-    for strategy, library in (("fsdp_full_shard", 3 * 10 ** 6 * 2e-9), ("fsdp_shard_grad_op", 3 * 10 ** 6 * 2e-9),
+    measured_fsdp = replace(FIG, library_s_per_byte={"fsdp": 2e-9})  # FSDP's per-module work, per byte moved
+    library_comm = {"param_all_gather": 3e6, "grad_reduce_scatter": 1.5e6, "grad_all_reduce": 9e6}  # ring bytes
+    # whole tensors through the gathers and reduce-scatters: 4.5e6 sent over the ring's 3/4 on 4 shards
+    for strategy, library in (("fsdp_full_shard", 6e6 * 2e-9), ("fsdp_shard_grad_op", 6e6 * 2e-9),
                               ("zero3", 0.0), ("zero2", 0.0)):  # DeepSpeed's not measured; ZeRO-2 gathers nothing
-        parts = step_time(row(strategy, {}), SPEC, MODEL, setup, 10, measured_fsdp)["step_time_parts"]
+        parts = step_time(row(strategy, library_comm), SPEC, MODEL, setup, 10, measured_fsdp)["step_time_parts"]
         assert parts["compute"] == pytest.approx(compute + library)
+    alone = step_time(row("fsdp_full_shard", library_comm, shard=1), SPEC, MODEL, setup, 10, measured_fsdp)
+    assert alone["step_time_parts"]["compute"] == pytest.approx(compute)  # one shard: nothing gathered
     ddp = step_time(row("ddp", {"grad_all_reduce": 4e9}, shard=1), SPEC, MODEL, setup, 10, FIG)
     # 25% of 4 s exposed; the hidden 3 s exceed the compute, so the rest of them is exposed too
     assert ddp["step_time_parts"]["exposed_comm"] == pytest.approx(1.0 + (3.0 - compute))
@@ -128,19 +132,24 @@ def test_a_zero_run_splits_deepspeeds_step_into_the_update_and_the_rest(tmp_path
 
 def test_a_gathering_run_keeps_its_librarys_module_work_out_of_the_flops(tmp_path):
     """library_s (ZeRO-3's or FSDP's per-module work inside forward and backward) is left out of the achieved
-    FLOP/s and becomes that library's figure per parameter and micro-batch; DDP's summary carries none."""
+    FLOP/s and becomes that library's figure per byte of whole tensors it gathered and reduce-scattered; DDP's
+    summary carries none."""
+    counted = {"all_gather": {"calls": 8, "bytes": 4e6, "sent_bytes": 2e6},  # 2 ranks: half of each byte is sent
+               "reduce_scatter": {"calls": 4, "bytes": 2e6, "sent_bytes": 1e6},
+               "all_reduce": {"calls": 1, "bytes": 8, "sent_bytes": 8}}  # a loss scalar: not the library's
     for strategy, library in (("zero3", "deepspeed"), ("fsdp_full_shard", "fsdp")):
         doc = summary(strategy)
         for rank in doc["ranks"]:
             rank["time_breakdown"] = {**rank["time_breakdown"], "library_s": 0.06}
+            rank["comm"] = counted
         fig, record = calibrate([write_run(tmp_path / strategy, doc)], FIG)
         scale = 0.4 / 0.8
         assert fig.flops_per_s == pytest.approx(0.003e12 * 4.0 / 10 / ((0.2 + 0.4 - 0.06) * scale))
-        assert fig.library_s_per_param == pytest.approx({library: 0.06 * scale / 2 / 10 ** 6})  # accumulation 2
-        assert record["library_s_per_param"][library]["run"] == str(tmp_path / strategy)
+        assert fig.library_s_per_byte == pytest.approx({library: 0.06 * scale / 6e6})  # (2e6 + 1e6) x 2 / (2 - 1)
+        assert record["library_s_per_byte"][library]["run"] == str(tmp_path / strategy)
         assert any(line.startswith("library work inside forward + backward") for line in describe(fig))
     ddp, ddp_record = calibrate([write_run(tmp_path / "ddp", summary())], FIG)
-    assert "library_s_per_param" not in ddp_record and ddp.library_s_per_param == {}
+    assert "library_s_per_byte" not in ddp_record and ddp.library_s_per_byte == {}
     assert not any(line.startswith("library work") for line in describe(ddp))
 
 

@@ -5,8 +5,9 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
     flops_per_s            = training FLOPs per step per rank (`throughput`: TFLOP/s x window seconds / steps,
                              + 1/3 for the recomputed forward with checkpointing)
                              / (forward_s + backward_s - library_s)
-    library_s_per_param    = {library: library_s / (gradient_accumulation_steps x params_total)}, from a ZeRO-3
-                             or FSDP run (`library_s`: their per-module work inside forward and backward)
+    library_s_per_byte     = {library: library_s / library_bytes}, from a ZeRO-3 or FSDP run (`library_s`: their
+                             per-module work inside forward and backward; library_bytes: the counted all-gather,
+                             reduce-scatter and reduce bytes per step as whole tensors, `time_model.library_bytes`)
     bus_bytes_per_s[kind]  = sent bytes per step of all counted collectives (`comm`) / comm_s, for each kind run
                              (kinds under 1% of the sent bytes left out)
     hidden_share[kind]     = (comm_s - exposed_comm_s) / (comm_s x the overlapped kinds' share of sent bytes),
@@ -37,11 +38,11 @@ from ..errors import UsageError
 from ..safe_io import load_json
 from ..strategy import family, strategy_from_summary
 from ..summary import SUMMARY_FILE
-from .time_model import Figures, gathers, overlapped
+from .time_model import Figures, gathers, library_bytes, overlapped
 
 TERM_OF_KIND = {"all_reduce": "grad_all_reduce", "all_gather": "param_all_gather",
                 "reduce_scatter": "grad_reduce_scatter"}
-PER_KIND = ("bus_bytes_per_s", "hidden_share", "library_s_per_param")  # dicts: per collective kind, per library
+PER_KIND = ("bus_bytes_per_s", "hidden_share", "library_s_per_byte")  # dicts: per collective kind, per library
 MINOR = 0.01  # kinds below this share of a run's sent bytes get no figure of their own
 
 
@@ -155,10 +156,11 @@ def from_summary(doc, where) -> dict:
         if flops and part["forward_s"] + part["backward_s"] - library > 0:
             recompute = 4 / 3 if (ranks[0].get("peak_step") or {}).get("gradient_checkpointing") else 1
             out["flops_per_s"] = mean(flops) * recompute / (part["forward_s"] + part["backward_s"] - library)
-        if library > 0:
-            out["library_s_per_param"] = {family(strategy): library / accumulation / doc["model"]["params_total"]}
-        out.update(comm_figures(strategy, ranks, part))
         mesh = doc.get("mesh") or {}
+        moved = mean(library_bytes(counted_sent(r), mesh.get("dp_shard") or 1) for r in ranks)
+        if library > 0 and moved > 0:
+            out["library_s_per_byte"] = {family(strategy): library / moved}
+        out.update(comm_figures(strategy, ranks, part))
         shard = (mesh.get("dp_shard") or 1) * (mesh.get("tp") or 1)
         stepped = (doc["model"].get("trainable_params") or doc["model"]["params_total"]) / shard
         zero = family(strategy) == "deepspeed" and "optimizer_update_s" in part
@@ -171,9 +173,15 @@ def from_summary(doc, where) -> dict:
         raise UsageError(f"--calibrate {where}: malformed summary ({type(error).__name__}: {error})") from None
 
 
+def counted_sent(rank: dict) -> dict:
+    """{collective kind: sent bytes per step} the profiler counted on a rank."""
+    return {kind: entry.get("sent_bytes", 0) for kind, entry in (rank.get("comm") or {}).items()
+            if isinstance(entry, dict)}
+
+
 def comm_figures(strategy: str, ranks: list, part: dict) -> dict:
     """Bus bandwidth per kind run, and the hidden share of the kinds this strategy overlaps."""
-    sent = {k: mean((r.get("comm") or {}).get(k, {}).get("sent_bytes", 0) for r in ranks) for k in TERM_OF_KIND}
+    sent = {k: mean(counted_sent(r).get(k, 0) for r in ranks) for k in TERM_OF_KIND}
     total = sum(sent.values())
     sent = {k: v for k, v in sent.items() if v > MINOR * total}  # a profiler's or logger's few bytes say nothing
     if not sent or part["comm_s"] <= 0:

@@ -3,8 +3,9 @@
     compute      = micro_batch x accumulation x tokens x flops_per_token / (tp x flops_per_s)
                    flops_per_token = 6 x N_trained + 4 x N_frozen + 12 x layers x hidden x tokens
                    (+ 2 x N + 4 x layers x hidden x tokens with activation checkpointing: the forward again)
-                   + for ZeRO-3 and FSDP: accumulation x N x library_s_per_param[library] (their per-module
-                   gather and release work, measured by a run of that library; none without one)
+                   + for ZeRO-3 and FSDP: library_bytes x library_s_per_byte[library] (their per-module gather
+                   and release work, measured by a run of that library; none without one), library_bytes =
+                   whole-tensor bytes through the row's all-gathers and reduce-scatters per step (`library_bytes`)
     exposed_comm = per planner comm term (bytes each rank sends, ring convention): seconds = bytes / bus bandwidth
                    of its collective kind; a term the library runs beside compute (`OVERLAPPED`) hides the share
                    `hidden_share[kind]` of its seconds behind compute, the rest is exposed, and so is whatever
@@ -35,6 +36,9 @@ KIND_OF_TERM = {"grad_all_reduce": "all_reduce", "param_all_gather": "all_gather
                 "grad_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
                 "tp_logits_all_gather": "all_gather"}
 TP_TERMS = ("tp_all_reduce", "tp_logits_all_gather")
+# A gathering library's own collectives: the planner's terms, and the counted kinds (ZeRO's reduce to each
+# partition's owner is its reduce-scatter)
+LIBRARY_COMM = ("param_all_gather", "grad_reduce_scatter", "all_gather", "reduce_scatter", "reduce")
 NODE_LOCAL = ("fsdp_hybrid_shard", "hsdp_tp")  # their gathers / reduce-scatters stay inside a node
 # Per GPU, HBM bandwidth in bytes/s (datasheets): the GPU optimizer step is memory-bound.
 HBM = {"H200": 4.8e12, "H100-NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12, "V100": 0.9e12, "L40S": 0.864e12,
@@ -118,7 +122,7 @@ class Figures:
     pcie_bytes_per_s: float
     cpu_adam_params_per_s: float
     zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
-    library_s_per_param: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> its own work inside forward
+    library_s_per_byte: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> its own work inside forward
     sources: dict = field(default_factory=dict)                # and backward, s per parameter per micro-batch
 
     def bus(self, kind: str) -> float:
@@ -188,6 +192,14 @@ def gathers(strategy: str) -> bool:
     return strategy.startswith("zero3") or family(strategy) == "fsdp"
 
 
+def library_bytes(comm: dict, shards: int) -> float:
+    """Bytes of whole tensors a ZeRO-3 or FSDP rank's library gathers and reduce-scatters per step: the bytes it
+    sends in them (`comm`: planned terms or counted kinds, ring convention) over the ring's (n - 1) / n. Its
+    per-module work (copies in and out of the collectives' buffers) scales with them."""
+    sent = sum(v for k, v in comm.items() if k in LIBRARY_COMM)
+    return sent * shards / (shards - 1) if shards > 1 else 0.0
+
+
 def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row (`formulas.Row`) at
     `setup` (its micro-batch, accumulation and checkpointing)."""
@@ -195,7 +207,7 @@ def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     samples = setup.micro_batch * setup.grad_accum_steps
     compute = samples * tokens * fpt / (row.mesh["tp"] * fig.flops_per_s)
     if gathers(row.strategy):
-        compute += setup.grad_accum_steps * model["params_total"] * fig.library_s_per_param.get(family(row.strategy), 0)
+        compute += library_bytes(row.comm, row.shard_degree) * fig.library_s_per_byte.get(family(row.strategy), 0)
     exposed, hideable = comm_seconds(row, setup, fig)
     offload = offload_seconds(row, model, setup, fig)
     steps_here = row.strategy not in OFFLOAD
@@ -223,6 +235,6 @@ def describe(fig: Figures) -> list[str]:
             f"({s['optimizer_s_per_param']}), DeepSpeed ZeRO's step + {fig.zero_step_s_per_param * 1e9:.3g} ns around "
             f"it ({s['zero_step_s_per_param']}); offload: CPU step at {fig.cpu_adam_params_per_s / 1e9:g} G params/s",
             f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"] + (
-        [f"library work inside forward + backward (ZeRO-3, FSDP), per parameter and micro-batch: "
-         f"{', '.join(f'{k} {v * 1e9:.3g} ns' for k, v in sorted(fig.library_s_per_param.items()))} "
-         f"({s['library_s_per_param']})"] if fig.library_s_per_param else [])
+        [f"library work inside forward + backward (ZeRO-3, FSDP), per byte of whole tensors gathered or "
+         f"reduce-scattered: {', '.join(f'{k} {v * 1e9:.3g} ns' for k, v in sorted(fig.library_s_per_byte.items()))} "
+         f"({s['library_s_per_byte']})"] if fig.library_s_per_byte else [])
