@@ -14,8 +14,9 @@ window's definition, so data loading counts). Hooks mark phases as profiler rang
 Library: `library_s` is the part of forward and backward spent inside a sharding library's own per-module work
 (gathering and releasing parameters, copying gradients out), waits for collectives excepted: FSDP names it in the
 profiler itself ("FSDP::..." ranges, "FullyShardedDataParallel...." for FSDP1); DeepSpeed ZeRO-3's four
-sub-module functions (fetch before a module's forward and backward, release after) and its gradient hook's work
-(each gradient into the reduce bucket, the bucket reduced and partitioned) are timed in ranges of ours.
+sub-module functions (fetch before a module's forward and backward, release after) and its gradient work (each
+gradient into the reduce bucket, a full bucket reduced and partitioned, and at backward's end the last bucket:
+`independent_gradient_partition_epilogue`) are timed in ranges of ours.
 DDP's reducer works in C++ autograd hooks and stays in compute.
 Communication: `comm_s` is the time a collective is in flight (the union of the backend's collective
 events: gloo's work on its own threads, NCCL kernels on the GPU); `exposed_comm_s` is the part of it
@@ -43,7 +44,8 @@ BREAKDOWN = ("forward_s", "backward_s", "optimizer_s", "optimizer_update_s", "co
 LIBRARY_RANGES = ("FSDP::", "FullyShardedDataParallel.", PREFIX + "library")  # the libraries' own, and ours
 ZERO3_MODULE_WORK = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
                      "pre_sub_module_backward_function", "post_sub_module_backward_function")
-ZERO3_GRADIENT_WORK = "reduce_ready_partitions_and_remove_grads"  # each gradient into the bucket, partitioned
+# each gradient into the bucket (reduced and partitioned when full), and the last bucket at backward's end
+ZERO3_GRADIENT_WORK = ("reduce_ready_partitions_and_remove_grads", "independent_gradient_partition_epilogue")
 RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
 
 
@@ -113,8 +115,10 @@ class StepTimer:
             hook(base.register_step_pre_hook, lambda *_: self._updating(True, whole=zero is None))
             hook(base.register_step_post_hook, lambda *_: self._updating(False, whole=zero is None))
         offload = getattr(zero, "parameter_offload", None)  # ZeRO-3's per-module fetch and release
-        work = [(offload, name) for name in ZERO3_MODULE_WORK] + [(zero, ZERO3_GRADIENT_WORK)]
+        work = [(offload, name) for name in ZERO3_MODULE_WORK] + [(zero, name) for name in ZERO3_GRADIENT_WORK]
         for owner, name in work if offload is not None else ():
+            if not hasattr(owner, name):  # another DeepSpeed version: that part stays in compute
+                continue
             ranges = []
             MethodWrap(self.instrument, owner, name, lambda *_, r=ranges: r.append(
                 record_function(PREFIX + "library").__enter__()), lambda r=ranges: r.pop().__exit__(None, None, None))
