@@ -148,9 +148,14 @@ def test_a_gathering_run_keeps_its_librarys_module_work_out_of_the_flops(tmp_pat
         assert fig.library_s_per_byte == pytest.approx({library: 0.06 * scale / 6e6})  # (2e6 + 1e6) x 2 / (2 - 1)
         assert record["library_s_per_byte"][library]["run"] == str(tmp_path / strategy)
         assert any(line.startswith("library work inside forward + backward") for line in describe(fig))
+        other = {"deepspeed": "FSDP", "fsdp": "DeepSpeed ZeRO-3"}[library]
+        assert [line.split(":")[0] for line in describe(fig) if line.startswith("library work of")] == \
+            [f"library work of {other}"]  # the other library's rows count none, and say so
     ddp, ddp_record = calibrate([write_run(tmp_path / "ddp", summary())], FIG)
     assert "library_s_per_byte" not in ddp_record and ddp.library_s_per_byte == {}
-    assert not any(line.startswith("library work") for line in describe(ddp))
+    assert [line.split(":")[0] for line in describe(ddp) if line.startswith("library work")] == \
+        ["library work of DeepSpeed ZeRO-3 and FSDP"]
+    assert not any(line.startswith("library work") for line in describe(FIG))  # datasheet: no run to ask for
 
 
 def test_the_first_run_given_wins_and_preflight_gives_links(tmp_path):

@@ -237,4 +237,16 @@ def describe(fig: Figures) -> list[str]:
             f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"] + (
         [f"library work inside forward + backward (ZeRO-3, FSDP), per byte of whole tensors gathered or "
          f"reduce-scattered: {', '.join(f'{k} {v * 1e9:.3g} ns' for k, v in sorted(fig.library_s_per_byte.items()))} "
-         f"({s['library_s_per_byte']})"] if fig.library_s_per_byte else [])
+         f"({s['library_s_per_byte']})"] if fig.library_s_per_byte else []) + unmeasured_library_work(fig)
+
+
+GATHERING_LIBRARIES = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp": "FSDP"}
+
+
+def unmeasured_library_work(fig: Figures) -> list[str]:
+    """With measured compute, the gathering libraries none of the runs measured (their rows count no library work)."""
+    missing = [name for key, name in GATHERING_LIBRARIES.items() if key not in fig.library_s_per_byte]
+    if not missing or not fig.sources["flops_per_s"].startswith("measured"):
+        return []
+    return [f"library work of {' and '.join(missing)}: not counted, no run of it was given (a DDP run cannot time "
+            "it): those rows are predicted short by it; add a run of that library to --calibrate"]
