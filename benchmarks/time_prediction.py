@@ -52,16 +52,17 @@ ONE_PER_LIBRARY = ("ddp/a1c0", "zero3/a1c0", "fsdp_full_shard/a1c0")
 
 
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False, warmup: bool = False,
-              timeout: int = 900) -> None:
+              timeout: int = 900, model: dict = MODEL) -> None:
     """The strategies' configurations in one torchrun launch per library (the Trainer refuses FSDP in a process
     where a DeepSpeed run set its flag), `timeout` seconds per strategy; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
     the machine then takes less of the timed steps' cores; not in the test suite, whose other worker runs tests with
     deadlines of their own); with `warmup`, each launch first trains its first configuration once more into
     root/warmup/ (a process's first steps ran slower - the first run of a launch was the slowest per pass of its
-    strategy in 5 of 6 launches before this - and would otherwise fall on that run alone)."""
+    strategy in 5 of 6 launches before this - and would otherwise fall on that run alone). `model`: the random
+    Llama's config sizes (default MODEL, the benchmark's)."""
     from shardscope.recipes.tiny import make_causal_lm
 
-    make_causal_lm(root / "model", "llama", **MODEL)
+    make_causal_lm(root / "model", "llama", **model)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "cpu_shim"), str(ROOT / "plugin")]))
     nice = ["nice", "-n", "-20"] if priority and priority_raised() else []

@@ -10,7 +10,7 @@ from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, re
 from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import Figures, describe as describe_figures, hardware
-from ..plan.trace import tracer
+from ..plan.trace_cache import cached_tracer
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
 from .plan import add_hardware_arguments, memory_from_args
@@ -101,7 +101,7 @@ def fit_command(args) -> int:
         raise UsageError("give --model or --params, not both")
     if args.model:  # the model's own code, traced on fake tensors, gives its activations (else the formula)
         config = load_model_config(args.model)
-        spec, traces = spec_from_config(config, name=args.model), tracer(config, args.global_batch)
+        spec, traces = spec_from_config(config, name=args.model), cached_tracer(args.model, args.global_batch)
     else:
         spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)

@@ -276,20 +276,21 @@ def _parts(snapshot: dict) -> tuple[int, int, int]:
                  for category in ("Activation", "Temp", "Gradient"))
 
 
-def tracer(config, largest: int):
+def tracer(config, largest: int, trace_of=None):
     """`setup -> {regime: StepTrace}` for a search over many setups of micro-batches 1..`largest`: each
     (checkpointing, precision, sequence, attention, LoRA) traced at micro-batches 1 and `largest`, and any
     micro-batch between taken on the line through them (`StepTrace.toward`: exact at the ends, high
-    between); {} when the model cannot be traced."""
+    between); {} when the model cannot be traced. `trace_of(setup)`: `traces_for(config, setup)` another way
+    (`trace_cache.cached_tracer`: through the cache)."""
     from dataclasses import replace
 
-    cache = {}
+    cache, trace_of = {}, trace_of or (lambda setup: traces_for(config, setup))
 
     def traces(setup) -> dict:
         key = (setup.activation_checkpointing, setup.precision, setup.seq_len, setup.image_size, setup.attention,
                setup.lora_rank, setup.lora_targets)
         if key not in cache:
-            cache[key] = [traces_for(config, replace(setup, micro_batch=b))[0] for b in sorted({1, largest})]
+            cache[key] = [trace_of(replace(setup, micro_batch=b))[0] for b in sorted({1, largest})]
         one, big = cache[key][0], cache[key][-1]
         return {regime: trace.toward(big[regime], largest, setup.micro_batch) for regime, trace in one.items()}
     return traces

@@ -1,6 +1,7 @@
 """`step_trace.traces_for` of a shipped name or local folder, through `spec_cache`: the traces depend on the
 config and on the setup's shape of a step (micro-batch, sequence, precision, checkpointing, attention, image
-size, LoRA), not on the GPUs, so `plan --model` traces a model once per step shape and install."""
+size, LoRA), not on the GPUs, so `plan --model` and `fit --model` trace a model once per step shape and
+install."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from dataclasses import asdict, fields
 from ..model import cache as spec_cache
 from .mesh import Setup
 from ..model.spec import config_bytes, load_model_config
-from .trace import Moment, StepTrace, traces_for
+from .trace import Moment, StepTrace, tracer, traces_for
 
 # Setup fields only the formulas read (GPUs, sharding): left out of the key (what the libraries decide,
 # `LibraryKnobs`, is not traced at all). A field not listed here is in it, so a new one can cost a cache miss but
@@ -35,6 +36,11 @@ def cached_traces_for(model: str, setup: Setup, simulate: bool = False) -> tuple
     if key:
         spec_cache.store(key, {"traces": {regime: asdict(t) for regime, t in traces.items()}, "note": note})
     return traces, note
+
+
+def cached_tracer(model: str, largest: int):
+    """`trace.tracer` of a shipped name or local folder (`fit`), each shape traced through the cache."""
+    return tracer(None, largest, lambda setup: cached_traces_for(model, setup))
 
 
 def _trace(value: dict) -> StepTrace:
