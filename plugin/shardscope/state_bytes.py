@@ -51,7 +51,7 @@ class StateBytes:
         return sum(self.by_device[category].values())
 
     def copy(self) -> "StateBytes":
-        return StateBytes({c: defaultdict(int, held) for c, held in self.by_device.items()}, self.trainable_params)
+        return StateBytes({c: held.copy() for c, held in self.by_device.items()}, self.trainable_params)
 
 
 def local_tensor(tensor):
@@ -136,15 +136,43 @@ class StorageTally:
             self.result.trainable_params += nbytes
 
 
+class ByIdentity:
+    """{object: value} kept in a plain dict by the key's id, each entry leaving as its key dies (a weak reference's
+    callback, run before the id can be reused): a `WeakKeyDictionary` look-up is Python code that makes a weak
+    reference, ~6 us once a training step has left it out of the cache, and a measuring step makes six. A key that
+    takes no weak reference is not kept."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self):
+        self._data: dict = {}
+
+    def get(self, key, default=None):
+        held = self._data.get(id(key))  # an id in here is a live key's
+        return default if held is None else held[1]
+
+    def __getitem__(self, key):
+        return self._data[id(key)][1]
+
+    def __setitem__(self, key, value) -> None:
+        ident, data = id(key), self._data
+        with suppress(TypeError):
+            data[ident] = (weakref.ref(key, lambda _, ident=ident: data.pop(ident, None)), value)
+
+    def pop(self, key, default=None):
+        held = self._data.pop(id(key), None)
+        return default if held is None else held[1]
+
+
 # model -> the modules that hold parameters: walking every module is most of a measurement's cost and the
 # module tree does not change between steps (the parameters themselves may: FSDP swaps them, so they are read
 # fresh from these modules each time). `forget(model)` drops the entry (the callback does at train begin).
-_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_OWNERS = ByIdentity()
 
 
 # model -> its last live-state count (`live_state`, `_LastCount`); kept by `forget`: every count checks it against
 # all it was read from, so a new run whose tensors are unchanged (the next `train()` call) need not count afresh.
-_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LIVE = ByIdentity()
 
 
 def forget(model) -> None:
@@ -197,22 +225,21 @@ def zero_optimizer(optimizer):
 # optimizer -> (base, zero), held through weak references (the base is often the key itself: a strong one would keep
 # the optimizer alive for ever): the layers of a built optimizer do not change (DeepSpeed sets its ZeRO buffers in
 # __init__; the profiler hooks these layers at its start), and finding them costs failed attribute lookups per layer
-_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LAYERS = ByIdentity()
 
 
 def _base_and_zero(optimizer) -> tuple:
     if optimizer is None:
         return None, None
-    try:
-        base, zero = _LAYERS[optimizer]  # (read at every measurement: no generator)
+    known = _LAYERS.get(optimizer)  # (read at every measurement: no generator)
+    if known is not None:
+        base, zero = known
         return None if base is None else base(), None if zero is None else zero()
-    except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
-        pass
     layers = optimizer_layers(optimizer)
     torch_optimizers = [o for o in layers if isinstance(o, torch.optim.Optimizer)]
     found = (torch_optimizers[-1] if torch_optimizers else None,
              next((layer for layer in layers if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None))
-    with suppress(TypeError):
+    with suppress(TypeError):  # no weak reference can point at a layer: not kept
         _LAYERS[optimizer] = tuple(None if layer is None else weakref.ref(layer) for layer in found)
     return found
 
@@ -231,10 +258,9 @@ def _tensors(value):
 def master_weights(optimizer) -> list:
     """The optimizer's own copies of the weights it updates (DeepSpeed fp32 master partitions)."""
     copies = []
-    base = base_optimizer(optimizer)
+    base, zero = _base_and_zero(optimizer)
     if base is not None:
         copies += [p for group in base.param_groups for p in group["params"]]
-    zero = zero_optimizer(optimizer)
     if zero is not None:
         copies += [t for name in ZERO_MASTER_WEIGHTS for t in _tensors(getattr(zero, name, None))]
     return copies
