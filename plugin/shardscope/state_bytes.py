@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_not, itemgetter, methodcaller
+from operator import attrgetter, call, is_, is_not, itemgetter, methodcaller
 
 import torch
 
@@ -322,21 +322,26 @@ def live_tensors(model, optimizer=None, objects=None) -> list:
 
 
 class _LastCount:
-    """A model's last live-state count and what it was counted from (`live_state`). Its objects are known by id:
-    an id names the same object while that object lives, and a weak reference's callback marks the count stale
-    as soon as one of them dies (before its id can be reused). Ids and pointers are kept in arrays: comparing
-    them reads two blocks of memory, not an int object per tensor (which a training step has long evicted)."""
+    """A model's last live-state count and what it was counted from (`live_state`). Its objects are held by weak
+    references, whose callback marks the count stale as soon as one of them dies. Pointers are kept in an array:
+    comparing them reads one block of memory, not an int object per tensor (which a training step has long
+    evicted)."""
 
     def __init__(self, objects: tuple, sizes: tuple, trainable: list, copies: list, pointers: array,
                  counted: StateBytes):
-        self.ids, self.sizes, self.trainable, self.copies, self.pointers, self.counted = \
-            _ids(objects), sizes, trainable, copies, pointers, counted
+        self.sizes, self.trainable, self.copies, self.pointers, self.counted = \
+            sizes, trainable, copies, pointers, counted
         self._died = died = []  # the callback holds this list, not the count: no reference cycle
         self._refs = [weakref.ref(t, died.append) for t in chain.from_iterable(objects)]
 
     @property
     def stale(self) -> bool:
         return bool(self._died)
+
+    def same_objects(self, objects: tuple) -> bool:
+        """`objects` (as many as counted: `sizes` checked first) are the very objects counted, in order (each
+        reference called and compared by identity in C loops: no int object made per tensor, as ids would)."""
+        return all(map(is_, map(call, self._refs), chain.from_iterable(objects)))
 
 
 class _NoPartition:
@@ -349,13 +354,13 @@ _NO_PARTITION = _NoPartition()
 def live_state(model, optimizer=None, walk=None) -> StateBytes:
     """Parameter and optimizer-state bytes (no gradients). The last count is reused while every object read is the
     same plain tensor at the same address (the `cached_entry` rule applied to the whole list) and the same
-    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops). `walk`: as in
-    `_live_objects`."""
+    parameters are trainable: a measurement then only compares objects, flags and pointers (in C loops). `walk`: as
+    in `_live_objects`."""
     objects = params, shards, masters, state = _live_objects(model, optimizer, walk)
     sizes, trainable = (len(params), len(masters), len(state)), list(map(_requires_grad, params))
     last = _LIVE.get(model)
     if (last is not None and not last.stale and last.sizes == sizes and last.trainable == trainable
-            and last.ids == _ids(objects) and last.pointers == _pointers(*objects, last.copies)):
+            and last.same_objects(objects) and last.pointers == _pointers(*objects, last.copies)):
         return last.counted.copy()
     result = StateBytes()
     tally = StorageTally(result)
@@ -376,10 +381,6 @@ _present, _partition = partial(is_not, None), partial(is_not, _NO_PARTITION)
 def _pointers(params, shards, masters, state, copies) -> array:
     """Data pointers of the live objects, each once: `copies` selects the weight copies that are no parameter."""
     return array("Q", map(_data_ptr, chain(params, filter(_partition, shards), compress(masters, copies), state)))
-
-
-def _ids(objects: tuple) -> array:
-    return array("Q", map(id, chain.from_iterable(objects)))
 
 
 def gradient_bytes(entries) -> dict:
