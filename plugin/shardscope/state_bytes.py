@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, compress, repeat
-from operator import attrgetter, call, is_, is_not, itemgetter, methodcaller
+from operator import attrgetter, call, is_, is_not, itemgetter
 
 import torch
 
@@ -301,7 +301,7 @@ def _live_objects(model, optimizer, walk=None) -> tuple:
     weight copies, its state tensors); `walk`: the first and third, already read (`state_walk`)."""
     params, masters = walk or state_walk(model, optimizer)
     base = base_optimizer(optimizer)
-    state = [*chain.from_iterable(map(methodcaller("values"), base.state.values()))] if base is not None else []
+    state = [value for held in base.state.values() for value in held.values()] if base is not None else []
     if not set(map(type, state)) <= _PLAIN_SET:  # numbers, None: left out (a C loop decides it, most often)
         state = [v for v in state if isinstance(v, torch.Tensor)]
     shards = list(map(getattr, params, repeat("ds_tensor"), repeat(_NO_PARTITION)))

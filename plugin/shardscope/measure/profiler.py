@@ -424,9 +424,10 @@ class ShardingProfiler:
         out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
         if summary:
             out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
-        with self._memory:
-            out.update(peak_reported(rank) if summary else
-                       {"peak_tensor_bytes": int_or_none(rank["peak_tensor_bytes"])})
+            with self._memory:
+                out.update(peak_reported(rank))
+        else:  # (one number, read as the others are)
+            out["peak_tensor_bytes"] = int_or_none(rank["peak_tensor_bytes"])
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = rates(totals, self._peak)
