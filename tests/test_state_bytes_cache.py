@@ -56,3 +56,32 @@ def test_a_dead_tensor_is_never_mistaken_for_a_new_one_at_its_id():
         state["note"] = 1.5
     assert state_bytes._LIVE[model].stale
     assert count_state(model, optimizer).total("optimizer") == 4 * 2
+
+
+def test_caches_by_identity_keep_no_entry_past_its_key():
+    """state_bytes' per-model and per-optimizer caches are found by the key's id: an entry must leave as its key
+    dies (before the id can name a new object), and a key no weak reference can point at is not kept."""
+    cache = state_bytes.ByIdentity()
+    model, twin = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    twin.load_state_dict(model.state_dict())  # equal, not the same object
+    cache[model] = "walk"
+    assert cache.get(model) == "walk" and cache[model] == "walk" and cache.get(twin) is None
+    del model
+    assert cache._data == {}
+    cache[7] = "not kept"
+    assert cache.get(7) is None and cache.pop(twin, "none") == "none"
+
+
+def test_a_state_tensor_swapped_for_a_live_one_is_counted_afresh():
+    """The cached count compares the objects it read by identity, not only whether one died: a state tensor replaced
+    by another live one (the weight's buffer, shared) is counted afresh."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 8)).sum().backward()
+    optimizer.step()
+    before = count_state(model, optimizer).total("optimizer")
+    small, large = optimizer.state[model[1].bias], optimizer.state[model[0].weight]
+    kept = small["momentum_buffer"]  # still alive, no longer in the state
+    small["momentum_buffer"] = large["momentum_buffer"]
+    assert not state_bytes._LIVE[model].stale  # every counted tensor still lives: no death marks the count stale
+    assert count_state(model, optimizer).total("optimizer") == before - kept.nbytes  # one storage, counted once

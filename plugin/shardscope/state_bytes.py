@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_not, itemgetter, methodcaller
+from operator import attrgetter, call, is_, is_not, itemgetter
 
 import torch
 
@@ -51,7 +51,7 @@ class StateBytes:
         return sum(self.by_device[category].values())
 
     def copy(self) -> "StateBytes":
-        return StateBytes({c: defaultdict(int, held) for c, held in self.by_device.items()}, self.trainable_params)
+        return StateBytes({c: held.copy() for c, held in self.by_device.items()}, self.trainable_params)
 
 
 def local_tensor(tensor):
@@ -136,15 +136,43 @@ class StorageTally:
             self.result.trainable_params += nbytes
 
 
+class ByIdentity:
+    """{object: value} kept in a plain dict by the key's id, each entry leaving as its key dies (a weak reference's
+    callback, run before the id can be reused): a `WeakKeyDictionary` look-up is Python code that makes a weak
+    reference, ~6 us once a training step has left it out of the cache, and a measuring step makes six. A key that
+    takes no weak reference is not kept."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self):
+        self._data: dict = {}
+
+    def get(self, key, default=None):
+        held = self._data.get(id(key))  # an id in here is a live key's
+        return default if held is None else held[1]
+
+    def __getitem__(self, key):
+        return self._data[id(key)][1]
+
+    def __setitem__(self, key, value) -> None:
+        ident, data = id(key), self._data
+        with suppress(TypeError):
+            data[ident] = (weakref.ref(key, lambda _, ident=ident: data.pop(ident, None)), value)
+
+    def pop(self, key, default=None):
+        held = self._data.pop(id(key), None)
+        return default if held is None else held[1]
+
+
 # model -> the modules that hold parameters: walking every module is most of a measurement's cost and the
 # module tree does not change between steps (the parameters themselves may: FSDP swaps them, so they are read
 # fresh from these modules each time). `forget(model)` drops the entry (the callback does at train begin).
-_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_OWNERS = ByIdentity()
 
 
 # model -> its last live-state count (`live_state`, `_LastCount`); kept by `forget`: every count checks it against
 # all it was read from, so a new run whose tensors are unchanged (the next `train()` call) need not count afresh.
-_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LIVE = ByIdentity()
 
 
 def forget(model) -> None:
@@ -197,22 +225,21 @@ def zero_optimizer(optimizer):
 # optimizer -> (base, zero), held through weak references (the base is often the key itself: a strong one would keep
 # the optimizer alive for ever): the layers of a built optimizer do not change (DeepSpeed sets its ZeRO buffers in
 # __init__; the profiler hooks these layers at its start), and finding them costs failed attribute lookups per layer
-_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LAYERS = ByIdentity()
 
 
 def _base_and_zero(optimizer) -> tuple:
     if optimizer is None:
         return None, None
-    try:
-        base, zero = _LAYERS[optimizer]  # (read at every measurement: no generator)
+    known = _LAYERS.get(optimizer)  # (read at every measurement: no generator)
+    if known is not None:
+        base, zero = known
         return None if base is None else base(), None if zero is None else zero()
-    except (KeyError, TypeError):  # not seen yet, or no weak reference can point at it
-        pass
     layers = optimizer_layers(optimizer)
     torch_optimizers = [o for o in layers if isinstance(o, torch.optim.Optimizer)]
     found = (torch_optimizers[-1] if torch_optimizers else None,
              next((layer for layer in layers if any(hasattr(layer, name) for name in ZERO_GRAD_BUFFERS)), None))
-    with suppress(TypeError):
+    with suppress(TypeError):  # no weak reference can point at a layer: not kept
         _LAYERS[optimizer] = tuple(None if layer is None else weakref.ref(layer) for layer in found)
     return found
 
@@ -231,10 +258,9 @@ def _tensors(value):
 def master_weights(optimizer) -> list:
     """The optimizer's own copies of the weights it updates (DeepSpeed fp32 master partitions)."""
     copies = []
-    base = base_optimizer(optimizer)
+    base, zero = _base_and_zero(optimizer)
     if base is not None:
         copies += [p for group in base.param_groups for p in group["params"]]
-    zero = zero_optimizer(optimizer)
     if zero is not None:
         copies += [t for name in ZERO_MASTER_WEIGHTS for t in _tensors(getattr(zero, name, None))]
     return copies
@@ -275,7 +301,7 @@ def _live_objects(model, optimizer, walk=None) -> tuple:
     weight copies, its state tensors); `walk`: the first and third, already read (`state_walk`)."""
     params, masters = walk or state_walk(model, optimizer)
     base = base_optimizer(optimizer)
-    state = [*chain.from_iterable(map(methodcaller("values"), base.state.values()))] if base is not None else []
+    state = [value for held in base.state.values() for value in held.values()] if base is not None else []
     if not set(map(type, state)) <= _PLAIN_SET:  # numbers, None: left out (a C loop decides it, most often)
         state = [v for v in state if isinstance(v, torch.Tensor)]
     shards = list(map(getattr, params, repeat("ds_tensor"), repeat(_NO_PARTITION)))
@@ -296,21 +322,26 @@ def live_tensors(model, optimizer=None, objects=None) -> list:
 
 
 class _LastCount:
-    """A model's last live-state count and what it was counted from (`live_state`). Its objects are known by id:
-    an id names the same object while that object lives, and a weak reference's callback marks the count stale
-    as soon as one of them dies (before its id can be reused). Ids and pointers are kept in arrays: comparing
-    them reads two blocks of memory, not an int object per tensor (which a training step has long evicted)."""
+    """A model's last live-state count and what it was counted from (`live_state`). Its objects are held by weak
+    references, whose callback marks the count stale as soon as one of them dies. Pointers are kept in an array:
+    comparing them reads one block of memory, not an int object per tensor (which a training step has long
+    evicted)."""
 
     def __init__(self, objects: tuple, sizes: tuple, trainable: list, copies: list, pointers: array,
                  counted: StateBytes):
-        self.ids, self.sizes, self.trainable, self.copies, self.pointers, self.counted = \
-            _ids(objects), sizes, trainable, copies, pointers, counted
+        self.sizes, self.trainable, self.copies, self.pointers, self.counted = \
+            sizes, trainable, copies, pointers, counted
         self._died = died = []  # the callback holds this list, not the count: no reference cycle
         self._refs = [weakref.ref(t, died.append) for t in chain.from_iterable(objects)]
 
     @property
     def stale(self) -> bool:
         return bool(self._died)
+
+    def same_objects(self, objects: tuple) -> bool:
+        """`objects` (as many as counted: `sizes` checked first) are the very objects counted, in order (each
+        reference called and compared by identity in C loops: no int object made per tensor, as ids would)."""
+        return all(map(is_, map(call, self._refs), chain.from_iterable(objects)))
 
 
 class _NoPartition:
@@ -323,13 +354,13 @@ _NO_PARTITION = _NoPartition()
 def live_state(model, optimizer=None, walk=None) -> StateBytes:
     """Parameter and optimizer-state bytes (no gradients). The last count is reused while every object read is the
     same plain tensor at the same address (the `cached_entry` rule applied to the whole list) and the same
-    parameters are trainable: a measurement then only reads ids, flags and pointers (in C loops). `walk`: as in
-    `_live_objects`."""
+    parameters are trainable: a measurement then only compares objects, flags and pointers (in C loops). `walk`: as
+    in `_live_objects`."""
     objects = params, shards, masters, state = _live_objects(model, optimizer, walk)
     sizes, trainable = (len(params), len(masters), len(state)), list(map(_requires_grad, params))
     last = _LIVE.get(model)
     if (last is not None and not last.stale and last.sizes == sizes and last.trainable == trainable
-            and last.ids == _ids(objects) and last.pointers == _pointers(*objects, last.copies)):
+            and last.same_objects(objects) and last.pointers == _pointers(*objects, last.copies)):
         return last.counted.copy()
     result = StateBytes()
     tally = StorageTally(result)
@@ -350,10 +381,6 @@ _present, _partition = partial(is_not, None), partial(is_not, _NO_PARTITION)
 def _pointers(params, shards, masters, state, copies) -> array:
     """Data pointers of the live objects, each once: `copies` selects the weight copies that are no parameter."""
     return array("Q", map(_data_ptr, chain(params, filter(_partition, shards), compress(masters, copies), state)))
-
-
-def _ids(objects: tuple) -> array:
-    return array("Q", map(id, chain.from_iterable(objects)))
 
 
 def gradient_bytes(entries) -> dict:

@@ -374,15 +374,16 @@ class ShardingProfiler:
         """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
         summary = window is self._run  # the whole run's window: the summary's measurement
         fields = self._fields if summary else self._log_fields
-        mine = dict.fromkeys(self._fields, math.nan)
+        mine = dict.fromkeys(fields, math.nan)  # (a logging step's: what its gather sends, and a few unsent)
         with self.guard("model-state bytes"):
             walk = None if summary else self._walk.pop(self.global_step, None)  # this step's snapshot's walk
             counted = count_state(self._module, self.optimizer, grad_bytes=self._grads, walk=walk)
             for category in ("params", "grads", "optimizer"):
                 mine[f"{category}_bytes"] = counted.total(category)
-                mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
+                if summary:  # (the logs read neither)
+                    mine[f"{category}_cpu_bytes"] = counted.by_device[category].get("cpu", 0)
+                    self.locations[category] = sorted(counted.by_device[category])
             mine["trainable_params_bytes"] = counted.trainable_params
-            self.locations = {c: sorted(counted.by_device[c]) for c in ("params", "grads", "optimizer")}
         with self.guard("frozen model bytes"):
             for name, module in self.frozen_models.items():
                 mine[f"frozen:{name}"] = count_state(module).total("params")
@@ -403,7 +404,7 @@ class ShardingProfiler:
                         tokens=as_float(totals.tokens), flops=as_float(totals.flops))
             if summary:  # (the logs do not read the step times)
                 mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
-        mine.update(self._sampled.fields())
+        mine.update(self._sampled.fields() if summary else ())
         with self.guard("cross-rank gather"):
             self._route = route(self._device, self._route)
             return start_gather(mine, self.global_step, self._route, fields)
@@ -423,9 +424,10 @@ class ShardingProfiler:
         out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
         if summary:
             out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
-        with self._memory:
-            out.update(peak_reported(rank) if summary else
-                       {"peak_tensor_bytes": int_or_none(rank["peak_tensor_bytes"])})
+            with self._memory:
+                out.update(peak_reported(rank))
+        else:  # (one number, read as the others are)
+            out["peak_tensor_bytes"] = int_or_none(rank["peak_tensor_bytes"])
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
                               0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
         out["throughput"] = rates(totals, self._peak)
@@ -550,8 +552,8 @@ class ShardingProfiler:
     def _windows(self, method, *args, **kwargs):  # both windows: this interval's and the whole run's
         if method == "step_end" and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
-        for window in (self._interval, self._run):
-            getattr(window, method)(*args, **kwargs)
+        getattr(self._interval, method)(*args, **kwargs)
+        getattr(self._run, method)(*args, **kwargs)
 
     def _is_measure_step(self, step: int) -> bool:
         return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
