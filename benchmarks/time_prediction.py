@@ -6,12 +6,13 @@
 Without --runs it trains them first (tests/workers/train_time.py under torchrun, at the highest CPU priority the
 machine allows: DDP, ZeRO-1/2/3 through the Trainer's DeepSpeed integration, FSDP2 full shard and shard-grad-op
 through tests/cpu_shim), every strategy's configurations (accumulation 1 and 2, checkpointing off and on) one after
-another in one launched process after a warm-up run, 8 steps each (instrumented steps 1-3, plain steps 4-8; each run's profiler times
-every collective kind once at its end: the summary's `link_probe`). Then: calibrated from the DDP run at
-accumulation 1 without checkpointing alone (the collective kinds DDP never issues, all_gather and reduce_scatter,
-from its link probe scaled to its all-reduces), every run's prediction beside its measured median; the predicted
-order against the measured one wherever two runs' p10-p90 spreads do not overlap; the same without the link probe;
-and DDP predicted from the ZeRO-3 run alone.
+another in one launched process after a warm-up run, 8 steps each (instrumented steps 1-3, plain steps 4-8;
+each run's profiler times every collective kind once at its end: the summary's `link_probe`). Then: calibrated
+from the DDP run at accumulation 1 without checkpointing alone (the collective kinds DDP never issues, all_gather
+and reduce_scatter, from its link probe), every run's prediction beside its measured median; the predicted order
+against the measured one wherever two runs' p10-p90 spreads do not overlap; the same without the link probe; DDP
+predicted from the ZeRO-3 run alone; every run from one run of each library (`ONE_PER_LIBRARY`); and, with several
+sets, how far the same configuration's median moved between sets.
 `--small`: DDP and ZeRO-3 only, two configurations (the test suite's size).
 """
 from __future__ import annotations
@@ -175,6 +176,7 @@ def section(root: Path) -> tuple[list[str], dict]:
     stats = {"within": within(main_rows), "runs": len(main_rows), "order": f"{apart - len(wrong)} of {apart}",
              "unprobed": within(unprobed), "reverse": within(from_zero3), "reverse_runs": len(from_zero3),
              "per_library": within(library_rows), "libraries": ", ".join(libraries),
+             "medians": {r["name"]: r["measured"]["median"] for r in main_rows},
              "update_ddp": main_fig.optimizer_s_per_param, "update_zero3": zero3_fig.optimizer_s_per_param,
              "zero_step": zero3_fig.zero_step_s_per_param}
     work = ", ".join(f"{k} {v * 1e9:.3g} ns" for k, v in sorted(library_fig.library_s_per_byte.items()))
@@ -206,7 +208,19 @@ def summary(stats: list[dict]) -> list[str]:
             f"{TOLERANCE:.0%}. Optimizer, per parameter a rank steps (first set): the update "
             f"{first['update_ddp'] * 1e9:.2g} ns on DDP (torch's AdamW), {first['update_zero3'] * 1e9:.2g} ns inside "
             f"DeepSpeed's step on ZeRO-3, and DeepSpeed's step around it {first['zero_step'] * 1e9:.2g} ns.",
-            "<!-- /part:summary -->", ""]
+            *repeatability(stats), "<!-- /part:summary -->", ""]
+
+
+def repeatability(stats: list[dict]) -> list[str]:
+    """With several sets: how far the same configuration's measured median moved between sets (the measurement's
+    own spread, which no prediction from one set can be closer than)."""
+    names = set.intersection(*(set(s["medians"]) for s in stats))
+    if len(stats) < 2 or not names:
+        return []
+    spread = sorted(max(m) / min(m) - 1 for m in ([s["medians"][n] for s in stats] for n in names))
+    worst = max(names, key=lambda n: max(s["medians"][n] for s in stats) / min(s["medians"][n] for s in stats))
+    return [f"- The same configuration measured in each set: its median moved between sets by {spread[0]:.0%} to "
+            f"{spread[-1]:.0%} (median {spread[len(spread) // 2]:.0%}; most: {worst}), the runs' own repeatability."]
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,8 @@ From the summary's `link_probe` (each kind timed once at the end of the run, `me
 bandwidth per kind, a source after the run's own figures.
 A figure several sources give is taken from the first that has it (so a run with its link probe, or `RUN_DIR
 preflight.json`: the run's figures, and for the collective kinds the run never issued the probe's or preflight's
-bandwidth scaled by the run's over theirs on the kinds both measured: `scaled_to`); a kind nothing measured takes
+bandwidth as measured: not scaled by the run's speed of another kind, which for DDP is an all-reduce slowed by the
+backward it overlaps, while ZeRO-3's and FSDP's gathers run alone on CPU); a kind nothing measured takes
 the slowest measured kind's bandwidth and hidden share (the same link: NCCL's bus bandwidths compare across kinds,
 gloo's do not, its all_gather and reduce_scatter being far slower than its all_reduce: benchmarks/results/
 time_prediction.md); figures no run measured stay datasheet.
@@ -54,10 +55,8 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
         for name, value in figures.items():
             if name in PER_KIND:
                 kinds = record.setdefault(name, {})
-                entries = scaled_to(kinds, source, value) if name == "bus_bytes_per_s" else \
-                    {kind: {"value": v, "run": str(source)} for kind, v in value.items()}
-                for kind, entry in entries.items():
-                    kinds.setdefault(kind, entry)
+                for kind, v in value.items():
+                    kinds.setdefault(kind, {"value": v, "run": str(source)})
             else:
                 record.setdefault(name, {"value": value, "run": str(source)})
     changes, sources = {}, dict(base.sources)
@@ -76,21 +75,9 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
     return replace(base, **changes, sources=sources), record
 
 
-def scaled_to(earlier: dict, source, speeds: dict) -> dict:
-    """A later source's bus bandwidths {kind: {value, run}}, scaled by the mean ratio earlier / later over the kinds
-    both measured (a run's in-training speed against a preflight's isolated one: the level from the run, the
-    ratios between kinds from the preflight); unscaled when they share no kind."""
-    common = [k for k in speeds if k in earlier and speeds[k] > 0]
-    if not common:
-        return {k: {"value": v, "run": str(source)} for k, v in speeds.items()}
-    scale = mean(earlier[k]["value"] / speeds[k] for k in common)
-    label = f"{source} x {scale:.3g} (its {', '.join(common)} against {earlier[common[0]]['run']}'s)"
-    return {k: {"value": v * scale, "run": label} for k, v in speeds.items()}
-
-
 def run_sources(path) -> list[tuple[str, dict]]:
     """[(source, figures)] a run folder's summary (or the summary file itself) measured: the run's, then its link
-    probe's bus bandwidths when it has one (`calibrate` scales them to the run's on the kinds both measured)."""
+    probe's bus bandwidths when it has one (`calibrate` takes them for the kinds the run did not issue)."""
     path = Path(path)
     summary = path / SUMMARY_FILE if path.is_dir() else path
     doc = load_json(summary, "run summary")
