@@ -12,12 +12,10 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install test demo clean
 
-# --no-compile: pip would byte-compile every installed .py file, one after another; Python compiles the
-# quarter of them that a run imports on first import instead, and keeps them.
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[deepspeed,peft,recipes,test]'
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[deepspeed,peft,recipes,test]'
 	$(PY) scripts/build_deepspeed_ops.py
 	touch $(STAMP)
 

@@ -123,7 +123,7 @@ class Figures:
     cpu_adam_params_per_s: float
     zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
     library_s_per_byte: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> its own work inside forward
-    sources: dict = field(default_factory=dict)                # and backward, s per parameter per micro-batch
+    sources: dict = field(default_factory=dict)                # and backward, s per byte gathered or reduce-scattered
 
     def bus(self, kind: str) -> float:
         return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
