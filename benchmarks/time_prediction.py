@@ -55,9 +55,9 @@ ONE_PER_LIBRARY = ("ddp/a1c0", "zero3/a1c0", "fsdp_full_shard/a1c0")
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False, warmup: bool = False,
               timeout: int = 900, model: dict = MODEL) -> None:
     """The strategies' configurations in one torchrun launch per library (the Trainer refuses FSDP in a process
-    where a DeepSpeed run set its flag), `timeout` seconds per strategy; with `priority`, at a raised CPU priority where the machine allows it (the benchmark: other work on
-    the machine then takes less of the timed steps' cores; not in the test suite, whose other worker runs tests with
-    deadlines of their own); with `warmup`, each launch first trains its first configuration once more into
+    where a DeepSpeed run set its flag), `timeout` seconds per strategy; with `priority`, at a raised CPU priority
+    where the machine allows it (the benchmark: other work on the machine then takes less of the timed steps'
+    cores; not in the test suite, whose other worker runs tests with deadlines of their own); with `warmup`, each launch first trains its first configuration once more into
     root/warmup/ (a process's first steps ran slower - the first run of a launch was the slowest per pass of its
     strategy in 5 of 6 launches before this - and would otherwise fall on that run alone). `model`: the random
     Llama's config sizes (default MODEL, the benchmark's)."""
@@ -217,8 +217,8 @@ def repeatability(stats: list[dict]) -> list[str]:
     names = set.intersection(*(set(s["medians"]) for s in stats))
     if len(stats) < 2 or not names:
         return []
-    spread = sorted(max(m) / min(m) - 1 for m in ([s["medians"][n] for s in stats] for n in names))
-    worst = max(names, key=lambda n: max(s["medians"][n] for s in stats) / min(s["medians"][n] for s in stats))
+    moved = {n: max(m) / min(m) - 1 for n, m in ((n, [s["medians"][n] for s in stats]) for n in names)}
+    spread, worst = sorted(moved.values()), max(moved, key=moved.get)
     return [f"- The same configuration measured in each set: its median moved between sets by {spread[0]:.0%} to "
             f"{spread[-1]:.0%} (median {spread[len(spread) // 2]:.0%}; most: {worst}), the runs' own repeatability."]
 

@@ -9,9 +9,8 @@ averaged over ITERS calls after WARMUP calls.
 The link probe (`probe_links`, run by `ShardingProfiler.close()` on every rank): each kind on the whole world, in
 one message as large as the counted step's traffic of its busiest kind (within PROBE_BYTES), so a run that never
 issued a kind (DDP: no all_gather, no reduce_scatter) still says how fast this cluster moves it. One large message
-times the link's throughput, not a call's latency: the step-time model takes the ratios between kinds from it and
-the level from the run (scaled on the kinds both measured). Its cost is bounded by a step's traffic x 3 kinds x
-(WARMUP + ITERS) calls.
+times the link's throughput, not a call's latency: the step-time model takes it, as measured, for the kinds the
+run did not issue. Its cost is bounded by a step's traffic x 3 kinds x (WARMUP + ITERS) calls.
 """
 from __future__ import annotations
 
@@ -58,12 +57,11 @@ def buffers_for(size: int, ranks: int, device, dtype) -> tuple:
     return torch.ones(numel, dtype=dtype, device=device), torch.ones(numel // ranks, dtype=dtype, device=device)
 
 
-def time_collective(kind: str, size: int, group, ranks: int, device, dtype, buffers=None) -> tuple[float, int]:
-    """(seconds per call, bytes of the whole buffer: `size` rounded down to a multiple of the ranks' elements)
-    of one collective on `group`, this rank's view (the caller takes the slowest rank's)."""
+def time_collective(kind: str, buffers, group, device) -> tuple[float, int]:
+    """(seconds per call, bytes of the whole buffer) of one collective on `group` over `buffers` (`buffers_for`),
+    this rank's view (the caller takes the slowest rank's)."""
     import torch.distributed as dist
 
-    buffers = buffers or buffers_for(size, ranks, device, dtype)
     for _ in range(WARMUP):
         call_collective(kind, buffers, group)
     sync(device)
@@ -116,11 +114,10 @@ def probe_links(size: int | None, device) -> dict | None:
     dist.all_reduce(ready, op=dist.ReduceOp.MIN)
     if not ready.item():
         return None
-    out = {"size_bytes": buffers[0].numel() * 4, "ranks": ranks, "backend": dist.get_backend(),
-           "seconds": {}, "bus_bytes_per_s": {}}
+    out = {"size_bytes": None, "ranks": ranks, "backend": dist.get_backend(), "seconds": {}, "bus_bytes_per_s": {}}
     for kind in KINDS:
-        seconds, real = time_collective(kind, size, None, ranks, device, torch.float32, buffers)
+        seconds, out["size_bytes"] = time_collective(kind, buffers, None, device)
         seconds = slowest(seconds, None, device)
         out["seconds"][kind] = seconds
-        out["bus_bytes_per_s"][kind] = bus_bandwidth(kind, real, seconds, ranks)
+        out["bus_bytes_per_s"][kind] = bus_bandwidth(kind, out["size_bytes"], seconds, ranks)
     return out

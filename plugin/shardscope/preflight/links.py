@@ -1,13 +1,14 @@
 """Timing the links: collectives inside each node and across nodes, and send/recv between every pair of nodes.
 
 Bus bandwidth and one collective's timing: `measure.collective_timing` (nccl-tests' convention). Pairs: in round
-d = 1..N-1 every node sends to node k+d and receives from node k-d at once (N-1 rounds cover every ordered pair); a pair's figure is bytes/s one way.
+d = 1..N-1 every node sends to node k+d and receives from node k-d at once (N-1 rounds cover every ordered pair);
+a pair's figure is bytes/s one way.
 """
 from __future__ import annotations
 
 import time
 
-from ..measure.collective_timing import ITERS, KINDS, bus_bandwidth, slowest, sync, time_collective
+from ..measure.collective_timing import ITERS, KINDS, buffers_for, bus_bandwidth, slowest, sync, time_collective
 
 
 def topology(members: list[dict]) -> tuple[dict[int, list[int]], dict[str, list[list[int]]]]:
@@ -37,7 +38,7 @@ def measure_collectives(members: list[dict], me: int, sizes: list[int], device, 
                 continue
             for kind in KINDS:
                 for size in sizes:
-                    seconds, real = time_collective(kind, size, group, len(ranks), device, dtype)
+                    seconds, real = time_collective(kind, buffers_for(size, len(ranks), device, dtype), group, device)
                     seconds = slowest(seconds, group, device)
                     if me == ranks[0]:
                         rows.append({"kind": kind, "scope": scope, "group": index, "ranks": ranks,
