@@ -10,7 +10,6 @@ to `<output_dir>/<strategy>/<config>/`.
 import argparse
 import copy
 import gc
-import itertools
 import json
 from pathlib import Path
 
@@ -38,9 +37,9 @@ STRATEGIES = {"ddp": {}, **{f"zero{stage}": {"deepspeed": deepspeed_config(stage
               "fsdp_full_shard": fsdp2("full_shard"), "fsdp_shard_grad_op": fsdp2("shard_grad_op")}
 
 
-def training_args(strategy: str, micro_batch: int, out: Path, accumulation: int,
-                  checkpointing: bool) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=micro_batch,
+def training_args(strategy: str, micro_batch: int, out: Path, accumulation: int, checkpointing: bool,
+                  steps: int) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=micro_batch,
                              gradient_accumulation_steps=accumulation, gradient_checkpointing=checkpointing,
                              learning_rate=1e-4, use_cpu=True, report_to="none", save_strategy="no", seed=0,
                              logging_steps=1, disable_tqdm=True, dataloader_drop_last=True,
@@ -56,8 +55,10 @@ def main():
     p.add_argument("--strategies", default="ddp", help="comma-separated STRATEGIES names")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--warmup", action="store_true",
-                   help="first train the first configuration once into <output_dir>/warmup/ (the benchmark: a "
-                        "process's first steps run slower, which would fall on the launch's first run alone)")
+                   help="before each strategy's runs, train its first configuration once into <output_dir>/warmup/"
+                        "<strategy>/ (the benchmark: a process's first steps, and a strategy's first run after "
+                        "another's, ran slower, which would fall on that strategy's first run alone)")
+    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run (plain from step 4)")
     opts = p.parse_args()
     vocab = AutoConfig.from_pretrained(opts.model).vocab_size
     strategies = opts.strategies.split(",")
@@ -65,18 +66,19 @@ def main():
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    runs = list(itertools.product(strategies, opts.configs.split(",")))
-    for index, (strategy, name) in enumerate(runs[:1] * opts.warmup + runs):
-        warmup = index < opts.warmup
+    configs = opts.configs.split(",")
+    runs = [(strategy, name, warmup) for strategy in strategies
+            for name, warmup in [(configs[0], True)] * opts.warmup + [(name, False) for name in configs]]
+    for strategy, name, warmup in runs:
         accumulation, checkpointing = int(name[1]), name[3] == "1"
         from accelerate.state import AcceleratorState
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         AcceleratorState._reset_state()  # each Trainer builds its own accelerator state (DeepSpeed plugin too)
         unset_hf_deepspeed_config()  # and its own DeepSpeed config (ZeRO-3 loading reads it)
-        out = Path(opts.output_dir) / ("warmup" if warmup else strategy) / name
-        args = training_args(strategy, opts.micro_batch, out, accumulation, checkpointing)
-        data = RandomTokens(opts.micro_batch * accumulation * args.world_size * STEPS, opts.seq_len, vocab)
+        out = Path(opts.output_dir) / ("warmup" if warmup else "") / strategy / name
+        args = training_args(strategy, opts.micro_batch, out, accumulation, checkpointing, opts.steps)
+        data = RandomTokens(opts.micro_batch * accumulation * args.world_size * opts.steps, opts.seq_len, vocab)
         model = AutoModelForCausalLM.from_pretrained(opts.model)
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback(**SAMPLED)])
         trainer.train()
