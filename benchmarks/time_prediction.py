@@ -7,13 +7,12 @@ Without --runs it trains them first (tests/workers/train_time.py under torchrun,
 machine allows: DDP, ZeRO-1/2/3 through the Trainer's DeepSpeed integration, FSDP2 full shard and shard-grad-op
 through tests/cpu_shim), every strategy's configurations (accumulation 1 and 2, checkpointing off and on) one after
 another in one launched process, each strategy after a warm-up run, STEPS steps each (instrumented steps 1-3, plain
-steps 4 on;
-each run's profiler times every collective kind once at its end: the summary's `link_probe`). Then: calibrated
-from the DDP run at accumulation 1 without checkpointing alone (the collective kinds DDP never issues, all_gather
-and reduce_scatter, from its link probe), every run's prediction beside its measured median; the predicted order
-against the measured one wherever two runs' p10-p90 spreads do not overlap; the same without the link probe; DDP
-predicted from the ZeRO-3 run alone; every run from one run of each library (`ONE_PER_LIBRARY`); and, with several
-sets, how far the same configuration's median moved between sets.
+steps 4 on; each run's profiler times every collective kind once at its end: the summary's `link_probe`). Then:
+calibrated from the DDP run at accumulation 1 without checkpointing alone (the collective kinds DDP never issues,
+all_gather and reduce_scatter, from its link probe), every run's prediction beside its measured median; the
+predicted order against the measured one wherever two runs' p10-p90 spreads do not overlap; the same without the
+link probe; DDP predicted from the ZeRO-3 run alone; every run from one run of each library (`ONE_PER_LIBRARY`);
+and, with several sets, how far the same configuration's median moved between sets.
 `--small`: DDP and ZeRO-3 only, two configurations (the test suite's size).
 """
 from __future__ import annotations
