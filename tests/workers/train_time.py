@@ -56,8 +56,8 @@ def main():
     p.add_argument("--output_dir", required=True)
     p.add_argument("--warmup", action="store_true",
                    help="before each strategy's runs, train its first configuration once into <output_dir>/warmup/"
-                        "<strategy>/ (the benchmark: a process's first steps, and a strategy's first run after "
-                        "another's, ran slower, which would fall on that strategy's first run alone)")
+                        "<strategy>/ (the benchmark: no recorded run is its strategy's first in the process, whose "
+                        "first steps ran slower)")
     p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run (plain from step 4)")
     opts = p.parse_args()
     vocab = AutoConfig.from_pretrained(opts.model).vocab_size
