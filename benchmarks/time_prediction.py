@@ -55,13 +55,13 @@ STEPS = 16  # optimizer steps per run: 13 plain steps for each median and p10-p9
 
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False, warmup: bool = False,
               timeout: int = 900, model: dict = MODEL, steps: int | None = None) -> None:
-    """The strategies' configurations in one torchrun launch per library (the Trainer refuses FSDP in a process
-    where a DeepSpeed run set its flag), `timeout` seconds per strategy; with `priority`, at a raised CPU priority
-    where the machine allows it (the benchmark: other work on the machine then takes less of the timed steps'
-    cores; not in the test suite, whose other worker runs tests with deadlines of their own); with `warmup`, each
-    strategy first trains its first configuration once more into root/warmup/, so that no recorded run is its
-    strategy's first in the process (a process's first steps ran slower: the first run of a launch was the slowest
-    per pass of its strategy in 5 of 6 launches before any warm-up). `model`: the random Llama's config sizes (default MODEL, the
+    """The strategies' configurations in one torchrun launch per library (the Trainer refuses FSDP in a process where a
+    DeepSpeed run set its flag), `timeout` seconds per strategy; with `priority`, at a raised CPU priority where the
+    machine allows it (the benchmark: other work on the machine then takes less of the timed steps' cores; not in
+    the test suite, whose other worker runs tests with deadlines of their own); with `warmup`, each strategy first
+    trains its first configuration once more into root/warmup/, so that no recorded run is its strategy's first in
+    the process (a process's first steps ran slower: the first run of a launch was the slowest per pass of its
+    strategy in 5 of 6 launches before any warm-up). `model`: the random Llama's config sizes (default MODEL, the
     benchmark's); `steps`: optimizer steps per run (default train_time.py's)."""
     from shardscope.recipes.tiny import make_causal_lm
 

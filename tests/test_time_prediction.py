@@ -1,8 +1,9 @@
-"""The step-time model against measured steps on 2 CPU ranks, at the benchmark's small size (launched: DDP and
-ZeRO-3, each training accumulation 1 without checkpointing and accumulation 2 with it, all in one torchrun;
-tests/workers/train_time.py) on a smaller random Llama than the benchmark's (MODEL below). How close predictions come to other runs' medians is the benchmark's figure
-(benchmarks/results/time_prediction.md), not asserted here: on a 2-core machine shared with the suite's other
-worker, the same micro-batch's measured compute time moves by more than the 15% bar between runs."""
+"""The step-time model against measured steps on 2 CPU ranks, at the benchmark's small size (launched: DDP and ZeRO-3,
+each training accumulation 1 without checkpointing and accumulation 2 with it, all in one torchrun;
+tests/workers/train_time.py) on a smaller random Llama than the benchmark's (MODEL below). How close predictions
+come to other runs' medians is the benchmark's figure (benchmarks/results/time_prediction.md), not asserted here: on
+a 2-core machine shared with the suite's other worker, the same micro-batch's measured compute time moves by more
+than the 15% bar between runs."""
 from __future__ import annotations
 
 import sys
