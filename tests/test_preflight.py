@@ -250,11 +250,11 @@ def test_fingerprint_differences_name_the_odd_members_and_the_majority():
 
 
 def test_links_below_half_the_expected_speed_or_of_their_peers():
-    from shardscope.plan.time_model import LINKS, Hardware
+    from shardscope.plan.time_model import DATASHEETS, Hardware
     from shardscope.preflight.verdict import COMPARED_FROM, expected_links, link_findings, slowest_pair
 
     expected = expected_links("NVIDIA H100 80GB HBM3")
-    assert expected["intra"] == LINKS["H100"][0] * 1e9  # the fit model's table, not a copy
+    assert expected["intra"] == DATASHEETS["H100"][2] * 1e9  # the fit model's table, not a copy
     assert expected["inter"] == Hardware.network_bytes_per_s and expected_links(None) is None
 
     def row(scope, who, busbw, kind="all_reduce", size=COMPARED_FROM):

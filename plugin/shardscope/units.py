@@ -22,6 +22,7 @@ GPUS = {
     "V100-16": (16, "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
     "V100-32": (32, "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
     "T4": (16, "https://www.nvidia.com/en-us/data-center/tesla-t4/"),
+    "TITAN-RTX": (24, "https://www.nvidia.com/en-us/deep-learning-ai/products/titan-rtx/"),
     "RTX-4090": (24, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/"),
     "RTX-A6000": (48, "https://www.nvidia.com/en-us/design-visualization/rtx-a6000/"),
     "MI300X": (192, "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
@@ -107,6 +108,7 @@ PEAK_TFLOPS = {
     "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
     "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
     "v100": {"fp16": 125.0, "fp32": 15.7},
+    "titan rtx": {"fp16": 130.5, "fp32": 16.3},  # TITAN RTX (Turing): tensor cores with fp32 accumulate; CUDA cores
 }
 
 

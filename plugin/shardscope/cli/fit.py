@@ -14,7 +14,8 @@ from ..plan.trace_cache import cached_tracer
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
 from .plan import add_hardware_arguments, memory_from_args
-from .step_time import add_calibrate_argument, figures
+from ..plan.calibration import figures
+from .step_time import add_calibrate_argument, expectation, read_preflight
 
 ACCELERATE_FILE, TRAINING_FILE, RESULT_FILE = "accelerate_config.yaml", "training_args.yaml", "fit.json"
 MULTINODE_CONFIGS = {"ddp": "ddp_multinode", "zero3": "zero3_multinode"}
@@ -23,7 +24,8 @@ MIXED = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "fit", help="the fastest strategy, micro-batch, checkpointing and accumulation that fit, global batch kept",
+        "fit", help="the strategy, micro-batch, checkpointing and accumulation that fit, fastest where the model can "
+                    "tell, global batch kept",
         description="Search strategy x micro-batch x activation checkpointing x gradient accumulation for a fixed "
                     "global batch; keep what the planner says fits, rank by a predicted step time (assumptions "
                     "printed). docs/fit.md explains the model.",
@@ -105,7 +107,7 @@ def fit_command(args) -> int:
     else:
         spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)
-    fig, record = figures(hw, args.calibrate)
+    fig, record = figures(hw, args.calibrate, read_preflight, expectation(spec, setup))
     found = search(spec, setup, args.global_batch, fig, allowed, traces)
     below = below_model_states(found, setup)
     if below:
@@ -129,7 +131,8 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
     out = {key: getattr(winner, key) for key in ("strategy", "per_device_train_batch_size",
                                                  "gradient_accumulation_steps", "gradient_checkpointing", "tp",
                                                  "peak_bytes", "step_time_s")}
-    out["alternatives"] = alternatives(found["fitting"], args.top)
+    out["alternatives"] = alternatives(found["fitting"], args.top, found["tie"])
+    out["tie"] = found["tie"]
     fitting = {c.strategy for c in found["fitting"]}
     out.update({
         "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
@@ -265,6 +268,9 @@ def format_fit(r: dict) -> str:
         "headroom (planner.usable_bytes); a candidate fits when the planner's peak_bytes is at most that",
         "",
         f"winner: {describe(r)}",
+        *([f"  a tie within the model's error of {r['tie']['error']:.0%} (docs/fit.md): "
+           f"{', '.join(r['tie']['strategies'])}; chosen by memory headroom, then simplicity (predicted fastest: "
+           f"{r['tie']['fastest_predicted']})"] if r.get("tie") else []),
         f"  step {r['step_time_s']:.3g} s = " + " + ".join(f"{k.replace('_', ' ')} {v:.3g}"
                                                       for k, v in step["step_time_parts"].items()),
     ]

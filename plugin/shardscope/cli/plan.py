@@ -8,16 +8,17 @@ from dataclasses import replace
 
 from ..errors import UsageError
 from ..model.spec import LORA_DEFAULT_TARGETS, model_spec, shipped_models, shipped_source
+from ..plan.calibration import figures
 from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
 from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
 from ..plan.planner import convention_table, estimate, fit_rule, plan_dict
-from ..plan.time_model import hardware
+from ..plan.time_model import annotate_rows, hardware
 from ..plan.trace_cache import cached_traces_for
 from ..report.peak_section import percent, step_size
 from ..report.plan_vs_run import plan_vs_run
 from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from ..units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
-from .step_time import add_calibrate_argument, annotate_rows, figures, format_step_times
+from .step_time import add_calibrate_argument, expectation, format_step_times, read_preflight
 
 CONVENTIONS = ("rule-of-thumb-12",)
 OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
@@ -335,7 +336,8 @@ def plan_command(args) -> int:
     result = estimate(spec, setup, traces, knobs_from_args(args))
     if note:
         result["notes"].append(note)
-    fig, record = figures(datasheet_hardware(args.gpu, args.precision), args.calibrate)
+    fig, record = figures(datasheet_hardware(args.gpu, args.precision), args.calibrate, read_preflight,
+                          expectation(spec, setup))
     annotate_rows(result, spec, setup, fig)
     if record:
         result["calibration"] = record

@@ -18,14 +18,15 @@ from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
 from ..plan.planner import TIERS, estimate, usable_bytes
-from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, step_time
+from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, model_error, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb
 
-# Equal predicted times: the planner's decision-tree order (fsdp first within a tier), zero1 beside zero2.
-TIE_ORDER = [s for tier in TIERS for s in sorted(tier, key=lambda s: family(s) != "fsdp")]
-TIE_ORDER.insert(TIE_ORDER.index("zero2") + 1, "zero1")
-TIE_ORDER += [s for s in STRATEGIES if s not in TIE_ORDER]
+# Candidates tied within the model's error: the most memory headroom first, then the simplest (DDP, ZeRO-1/2, the
+# gathering strategies, tensor parallelism, offload last).
+SIMPLICITY = ["ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_full_shard", "zero3", "tp",
+              "fsdp_tp", "hsdp_tp", "zero2_offload", "fsdp_offload", "zero3_offload"]
+SIMPLICITY += [s for s in STRATEGIES if s not in SIMPLICITY]
 
 
 # ----------------------------------------------------------------------------- search
@@ -46,8 +47,8 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        """Ranking: predicted time, then the planner's simplicity order, then fewer micro-batches."""
-        return (round(self.step_time_s, 9), TIE_ORDER.index(self.strategy), self.gradient_accumulation_steps,
+        """Ranking: predicted time, then simplicity, then fewer micro-batches."""
+        return (round(self.step_time_s, 9), SIMPLICITY.index(self.strategy), self.gradient_accumulation_steps,
                 self.tp)
 
     def public(self) -> dict:
@@ -130,10 +131,33 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
     if not smallest:
         raise UsageError(not_divisible_message(global_batch, skipped))
     fitting.sort(key=lambda c: c.key)
+    tie = break_tie(fitting, setup, model_error(fig))
     notes = [f"{', '.join(names)} left out: --global-batch {global_batch} is not a multiple of their data-parallel "
              f"size {dp} (nearest: {nearest_multiples(global_batch, dp)})" for names, dp in skipped]
     return {"fitting": fitting, "smallest": smallest, "tokens_per_sample": tokens, "model": model, "notes": notes,
-            "host": host}
+            "host": host, "tie": tie}
+
+
+def break_tie(fitting: list[Candidate], setup: Setup, error: float) -> dict | None:
+    """The fastest candidate of each (strategy, tp) predicted within `error` (a fraction) of the fastest of all
+    is a tie: the model cannot tell them apart. Among them the most memory headroom wins, then the simplest; the
+    winner moves to the front of `fitting`. None when one strategy is clearly fastest."""
+    if not fitting:
+        return None
+    best: dict = {}
+    for cand in fitting:  # sorted fastest first: each (strategy, tp)'s first is its fastest
+        best.setdefault((cand.strategy, cand.tp), cand)
+    bound = fitting[0].step_time_s * (1 + error)
+    tied = [c for c in best.values() if c.step_time_s <= bound]
+    if len(tied) < 2:
+        return None
+    usable = usable_bytes(setup)
+    tied.sort(key=lambda c: (-(usable - c.peak_bytes), SIMPLICITY.index(c.strategy)))
+    fitting.remove(tied[0])
+    fitting.insert(0, tied[0])
+    return {"error": error, "strategies": [c.strategy + (f" (tp {c.tp})" if c.tp > 1 else "") for c in tied],
+            "fastest_predicted": best[next(iter(best))].strategy,
+            "rule": "tied within the model's error: the most memory headroom, then the simplest"}
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -193,9 +217,13 @@ def not_divisible_message(global_batch: int, skipped) -> str:
 
 
 # ----------------------------------------------------------------------------- explaining
-def why_lost(cand: Candidate, winner: Candidate) -> str:
+def why_lost(cand: Candidate, winner: Candidate, tie: dict | None = None) -> str:
     """One line: which part of the predicted step makes `cand` slower than the winner (or what breaks the tie)."""
     delta = cand.step_time_s - winner.step_time_s
+    if tie and cand.strategy + (f" (tp {cand.tp})" if cand.tp > 1 else "") in tie["strategies"]:
+        more = "less memory headroom" if cand.peak_bytes > winner.peak_bytes else "not simpler"
+        return (f"{delta / winner.step_time_s:+.1%} step time, within the model's error of {tie['error']:.0%}: a tie; "
+                f"{more} than {winner.strategy}")
     if delta <= 1e-9 * max(winner.step_time_s, 1e-12):
         if cand.strategy != winner.strategy:
             return (f"same predicted time; {winner.strategy} comes first in the planner's order (fewer "
@@ -215,14 +243,14 @@ def why_lost(cand: Candidate, winner: Candidate) -> str:
     return f"+{delta / winner.step_time_s:.1%} step time ({delta:.3g} s): {parts[worst]}"
 
 
-def alternatives(fitting: list[Candidate], count: int = 4) -> list[dict]:
+def alternatives(fitting: list[Candidate], count: int = 4, tie: dict | None = None) -> list[dict]:
     """The best candidate of each other (strategy, tp) after the winner, up to `count`, with why each lost."""
     winner, seen, out = fitting[0], set(), []
     for cand in fitting[1:]:
         if (cand.strategy, cand.tp) in seen or (cand.strategy, cand.tp) == (winner.strategy, winner.tp):
             continue
         seen.add((cand.strategy, cand.tp))
-        out.append({**cand.public(), "why": why_lost(cand, winner)})
+        out.append({**cand.public(), "why": why_lost(cand, winner, tie)})
         if len(out) == count:
             break
     return out

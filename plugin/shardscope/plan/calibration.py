@@ -1,10 +1,11 @@
-"""`--calibrate RUN_DIR|preflight.json ...`: the step-time model's machine figures, measured.
+"""`--calibrate RUN_DIR|preflight.json|calibration.json ...`: the step-time model's machine figures, measured.
 
 From a run folder's shardscope_summary.json (mean over ranks; the timed step's `time_breakdown` parts
-scaled by median plain step / timed step, so the profiler's own cost is spread over the parts):
+scaled by median plain step / timed step, so the profiler's own cost is spread over the parts), with
+C = forward_s + backward_s - library_s the step's compute and F = forward_s:
     flops_per_s            = training FLOPs per step per rank (`throughput`: TFLOP/s x window seconds / steps,
-                             + 1/3 for the recomputed forward with checkpointing)
-                             / (forward_s + backward_s - library_s)
+                             no recompute counted) / (C, less F with checkpointing: the forward recomputed)
+    recompute_share        = F / C (a run without checkpointing), F / (C - F) (with): one forward again, timed
     library_s_per_byte     = {library: library_s / library_bytes}, from a ZeRO-3 or FSDP run (`library_s`: their
                              per-module work inside forward and backward; library_bytes: the counted all-gather,
                              reduce-scatter and reduce bytes per step as whole tensors, `time_model.library_bytes`)
@@ -17,18 +18,22 @@ scaled by median plain step / timed step, so the profiler's own cost is spread o
     zero_step_s_per_param  = (optimizer_s - optimizer_update_s) / the same, from a DeepSpeed ZeRO run: its step's
                              copies and bookkeeping around the update
     overhead_s             = (data_wait_s + other_s) / gradient_accumulation_steps
+    and, since a run's own times already hold them: no collective latency or contention on top of its measured
+    bandwidth and compute, no datasheet copies or host work for the libraries (a run of the library measures them)
 From a preflight's measurements (`from_links`, given `preflight.calibration.calibration_from_preflight`'s
-record by the command line, which reads the file): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth
-per kind inside a node; the slowest across-node bandwidth as the network.
+record): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth per kind inside a node; the slowest
+across-node bandwidth as the network.
 From the summary's `link_probe` (each kind timed once at the end of the run, `measure.collective_timing`): bus
 bandwidth per kind, a source after the run's own figures.
+From a calibration.json (`shardscope calibrate`): the figures of each run it made, as measured then.
 A figure several sources give is taken from the first that has it (so a run with its link probe, or `RUN_DIR
 preflight.json`: the run's figures, and for the collective kinds the run never issued the probe's or preflight's
 bandwidth as measured: not scaled by the run's speed of another kind, which for DDP is an all-reduce slowed by the
 backward it overlaps, while ZeRO-3's and FSDP's gathers run alone on CPU); a kind nothing measured takes
 the slowest measured kind's bandwidth and hidden share (the same link: NCCL's bus bandwidths compare across kinds,
 gloo's do not, its all_gather and reduce_scatter being far slower than its all_reduce: benchmarks/results/
-time_prediction.md); figures no run measured stay datasheet.
+time_prediction.md); figures no run measured stay datasheet. Without a datasheet (no --gpu) the base is the
+H100's, every figure said to be assumed so.
 """
 from __future__ import annotations
 
@@ -39,8 +44,12 @@ from ..errors import UsageError
 from ..safe_io import load_json
 from ..strategy import family, strategy_from_summary
 from ..summary import SUMMARY_FILE
-from .time_model import Figures, gathers, library_bytes, overlapped
+from .calibration_file import read_calibration
+from .time_model import ASSUMED_GPU, Figures, datasheet_figures, gathers, hardware, library_bytes, overlapped
 
+# What a run's own times already hold: its measured compute and bandwidths include any latency and contention, and
+# a library's run measures its copies and host work (per byte); nothing on top of them.
+INSIDE_A_RUN = {"comm_sm_share": 0.0, "latency_s": {}, "copy_s_per_byte": 0.0, "library_host_s": {}}
 TERM_OF_KIND = {"all_reduce": "grad_all_reduce", "all_gather": "param_all_gather",
                 "reduce_scatter": "grad_reduce_scatter"}
 PER_KIND = ("bus_bytes_per_s", "hidden_share", "library_s_per_byte")  # dicts: per collective kind, per library
@@ -71,7 +80,8 @@ def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures,
                 if missing else "")
         else:
             changes[name] = entry["value"]
-            sources[name] = f"measured on {entry['run']}"
+            sources[name] = (f"inside what {entry['run']} measured" if name in INSIDE_A_RUN else
+                             f"measured on {entry['run']}")
     return replace(base, **changes, sources=sources), record
 
 
@@ -140,9 +150,12 @@ def from_summary(doc, where) -> dict:
         flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_time_s"]["steps"]
                  for r in ranks if (r.get("throughput") or {}).get("tflops_per_device")]
         library = part.get("library_s", 0.0) if gathers(strategy) else 0.0  # (older summaries: none)
-        if flops and part["forward_s"] + part["backward_s"] - library > 0:
-            recompute = 4 / 3 if (ranks[0].get("peak_step") or {}).get("gradient_checkpointing") else 1
-            out["flops_per_s"] = mean(flops) * recompute / (part["forward_s"] + part["backward_s"] - library)
+        compute, forward = part["forward_s"] + part["backward_s"] - library, part["forward_s"]
+        matmul = compute - forward if (ranks[0].get("peak_step") or {}).get("gradient_checkpointing") else compute
+        if flops and matmul > 0:
+            out["flops_per_s"] = mean(flops) / matmul
+            out["recompute_share"] = forward / matmul
+        out.update(INSIDE_A_RUN)
         mesh = doc.get("mesh") or {}
         moved = mean(library_bytes(counted_sent(r), mesh.get("dp_shard") or 1) for r in ranks)
         if library > 0 and moved > 0:
@@ -181,3 +194,47 @@ def comm_figures(strategy: str, ranks: list, part: dict) -> dict:
         hidden = (part["comm_s"] - part["exposed_comm_s"]) / (part["comm_s"] * share)
         out["hidden_share"] = dict.fromkeys(hideable, max(0.0, min(1.0, hidden)))
     return out
+
+
+# ----------------------------------------------------------------------------- which figures a command uses
+CALIBRATION_FILE = "calibration.json"  # what `shardscope calibrate` writes
+
+
+def measured_figures(paths, read_preflight, expect: dict | None = None) -> list[tuple[str, dict]]:
+    """[(source, figures)] of each --calibrate path: a run folder (its summary), a calibration.json (`shardscope
+    calibrate`; `expect`: the model and precision it must have been measured on) or a preflight.json (read by
+    `read_preflight`, preflight/'s own reader)."""
+    out = []
+    for path in map(Path, paths):
+        if path.is_dir() and (path / SUMMARY_FILE).is_file() or path.name == SUMMARY_FILE and path.is_file():
+            out.extend(run_sources(path))
+            continue
+        if path.is_dir() and (path / CALIBRATION_FILE).is_file():
+            path = path / CALIBRATION_FILE
+        doc = load_json(path, "--calibrate file") if path.is_file() else None
+        if isinstance(doc, dict) and "calibration_version" in doc:
+            out.extend(read_calibration(doc, path, expect))
+            continue
+        preflight = path / "preflight.json" if path.is_dir() else path
+        if not preflight.is_file():
+            raise UsageError(f"--calibrate {path}: neither a run folder with {SUMMARY_FILE}, a {CALIBRATION_FILE} "
+                             "nor a preflight.json")
+        out.append((str(path), from_links(read_preflight(preflight))))
+    return out
+
+
+def figures(hw, paths, read_preflight, expect: dict | None = None) -> tuple[Figures | None, dict | None]:
+    """The figures a command ranks with: the datasheet of `hw` (None: no datasheet, no figures), with what `paths`
+    measured in their place; without a datasheet every figure the model needs must be measured, the rest are the
+    H100's and say so."""
+    if not paths:
+        return (datasheet_figures(hw) if hw is not None else None), None
+    base = datasheet_figures(hw) if hw is not None else None
+    if base is None:
+        base = datasheet_figures(hardware(ASSUMED_GPU, "bf16-mixed"))
+        base = replace(base, sources=dict.fromkeys(base.sources, f"assumed ({ASSUMED_GPU}'s: --gpu not known)"))
+    fig, record = calibrate(measured_figures(paths, read_preflight, expect), base)
+    if hw is None and "flops_per_s" not in record:
+        raise UsageError(f"--calibrate {' '.join(map(str, paths))}: no achieved FLOP/s measured and no datasheet "
+                         "peak (give --gpu with a known GPU)")
+    return fig, record

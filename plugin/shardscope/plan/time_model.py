@@ -1,36 +1,40 @@
-"""The step-time model `plan` and `fit` share: seconds per optimizer step of one planner row, by part.
+"""The step-time model `plan`, `fit` and `report` share: seconds per optimizer step of one planner row, by part.
 
-    compute      = micro_batch x accumulation x tokens x flops_per_token / (tp x flops_per_s)
+    compute      = matmul x (1 + recompute_share with activation checkpointing)
+                   + the overlapped collectives' hidden seconds x comm_sm_share (their kernels take SMs and memory
+                   bandwidth from the matmuls while they run beside them)
+                   matmul = micro_batch x accumulation x tokens x flops_per_token / (tp x flops_per_s)
                    flops_per_token = 6 x N_trained + 4 x N_frozen + 12 x layers x hidden x tokens
-                   (+ 2 x N + 4 x layers x hidden x tokens with activation checkpointing: the forward again)
-                   + for ZeRO-3 and FSDP: library_bytes x library_s_per_byte[library] (their per-module gather
-                   and release work, measured by a run of that library; none without one), library_bytes =
-                   whole-tensor bytes through the row's all-gathers and reduce-scatters per step (`library_bytes`)
     exposed_comm = per planner comm term (bytes each rank sends, ring convention): seconds = bytes / bus bandwidth
-                   of its collective kind; a term the library runs beside compute (`OVERLAPPED`) hides the share
-                   `hidden_share[kind]` of its seconds behind compute, the rest is exposed, and so is whatever
-                   hidden time exceeds compute; tensor-parallel terms are never hidden
-    optimizer    = trainable parameters this rank steps (trainable / shard degree) x (optimizer_s_per_param,
-                   + zero_step_s_per_param for DeepSpeed ZeRO: its step's copies and bookkeeping around the
-                   update) (offload rows: 0, their CPU step is in offload)
+                   of its kind + calls x ring hops x latency; what the library cannot hide (`exposure`):
+                   DDP: the last gradient bucket (25 MB) after backward, and what backward cannot cover;
+                   ZeRO-3 / FSDP: per micro-batch and pass, the first unit's gather, then whatever of each unit's
+                   gather (backward: gather + reduce-scatter on the same link) the previous unit's compute cannot
+                   hide (prefetch one unit ahead; DeepSpeed fetches per sub-module); ZeRO-1/2, TP: all of it;
+                   of the hideable part only `hidden_share[kind]` hides (datasheet 100%, a run measures it)
+    library      = ZeRO-3 / FSDP's own work: library_bytes x s/byte (datasheet: one copy, read + write, at HBM
+                   speed; calibrated: a run of that library measures all its per-module work per byte) + the
+                   host's per-module work where it exceeds a pass's GPU time (the host runs ahead of the GPU)
+    optimizer    = trainable parameters this rank steps x (optimizer_s_per_param, + zero_step_s_per_param for
+                   DeepSpeed ZeRO) (offload rows: 0, their CPU step is in offload)
     offload      = PCIe copies of the offloaded states + the CPU optimizer step (`offload_seconds`)
     overhead     = accumulation x overhead_s (per micro-batch: launches, Python, data)
-    step_time_s  = compute + exposed_comm + optimizer + offload + overhead
+    step_time_s  = compute + exposed_comm + library + optimizer + offload + overhead
 
-`Hardware` is what a GPU's datasheet says (`hardware(gpu, precision)`: dense peak FLOP/s from
-`units.PEAK_TFLOPS`, NVLink/PCIe from `LINKS`); `Figures` holds every figure the model uses with where it came
-from: the datasheet (`datasheet_figures`) or measured runs (`plan.calibration`). Nothing here imports torch.
-docs/fit.md states why each strategy family overlaps what.
+`Hardware` is what a GPU's datasheet says (`hardware(gpu, precision)`); `Figures` holds every figure the model
+uses with where it came from (`sources`): the datasheet and the stated constants below (`datasheet_figures`) or
+measured runs (`plan.calibration`). Nothing here imports torch. docs/fit.md explains each term and its source.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from ..strategy import family
 from ..units import peak_flops
 
-PARTS = ("compute", "exposed_comm", "optimizer", "offload", "overhead")
+PARTS = ("compute", "exposed_comm", "library", "optimizer", "offload", "overhead")
 OFFLOAD = ("zero2_offload", "zero3_offload", "fsdp_offload")
 KIND_OF_TERM = {"grad_all_reduce": "all_reduce", "param_all_gather": "all_gather",
                 "grad_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
@@ -40,24 +44,55 @@ TP_TERMS = ("tp_all_reduce", "tp_logits_all_gather")
 # partition's owner is its reduce-scatter)
 LIBRARY_COMM = ("param_all_gather", "grad_reduce_scatter", "all_gather", "reduce_scatter", "reduce")
 NODE_LOCAL = ("fsdp_hybrid_shard", "hsdp_tp")  # their gathers / reduce-scatters stay inside a node
-# Per GPU, HBM bandwidth in bytes/s (datasheets): the GPU optimizer step is memory-bound.
-HBM = {"H200": 4.8e12, "H100-NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12, "V100": 0.9e12, "L40S": 0.864e12,
-       "L4": 0.3e12, "T4": 0.32e12, "A10": 0.6e12}
+GATHERING_LIBRARIES = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp": "FSDP"}
+
+# ---------------------------------------------------------------------------- constants, each with its source
+# Per GPU: HBM bytes/s, streaming multiprocessors, (NVLink or the card's peer link, PCIe) GB/s one direction.
+DATASHEETS = {
+    "H200": (4.8e12, 132, 450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
+    "H100-NVL": (3.9e12, 132, 300, 64, "NVLink bridge 600 GB/s both directions; PCIe 5.0 x16"),
+    "H100-PCIE": (2.0e12, 114, 64, 64, "no NVLink switch: PCIe 5.0 x16"),
+    "H100": (3.35e12, 132, 450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
+    "A100": (2.0e12, 108, 300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),
+    "V100": (0.9e12, 80, 150, 16, "NVLink 2 300 GB/s both directions; PCIe 3.0 x16"),
+    "L40S": (0.864e12, 142, 32, 32, "no NVLink: PCIe 4.0 x16"),
+    "L4": (0.3e12, 58, 32, 32, "no NVLink: PCIe 4.0 x16"),
+    "A10": (0.6e12, 72, 32, 32, "no NVLink: PCIe 4.0 x16"),
+    "T4": (0.32e12, 40, 16, 16, "no NVLink: PCIe 3.0 x16"),
+    "TITAN-RTX": (0.672e12, 72, 50, 16, "NVLink bridge 100 GB/s both directions; PCIe 3.0 x16"),
+}
+ASSUMED_GPU = "H100"  # a GPU without a datasheet entry takes these figures, and says so
 ADAM_BYTES_PER_PARAM = 36  # fused AdamW: read and write fp32 master, both moments (24), read fp32 grad, write 16-bit
 # ZeRO's step around the update: the 16-bit gradient into the fp32 partition (read 2, write 4), the updated fp32
 # master back into the 16-bit weights (read 4, write 2)
 ZERO_STEP_BYTES_PER_PARAM = 12
-
-# Per GPU, GB/s one direction (datasheets): NVLink (or PCIe where the card has none) and its PCIe link.
-LINKS = {
-    "A100": (300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),
-    "H100-NVL": (300, 64, "NVLink bridge 600 GB/s both directions; PCIe 5.0 x16"),
-    "H100": (450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
-    "H200": (450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
-    "V100": (150, 16, "NVLink 2 300 GB/s both directions; PCIe 3.0 x16"),
-    "T4": (16, 16, "no NVLink: PCIe 3.0 x16"),
+COPY_BYTES_PER_BYTE = 2  # a library copy reads and writes each byte once (FSDP2's copy-out after the all-gather and
+#                          copy-in before the reduce-scatter; DeepSpeed's gather buffer and gradient bucket copies)
+NCCL_CHANNELS = 16  # NCCL runs one thread block per channel, each on an SM (NCCL_MIN/MAX_NCHANNELS)
+HOP_LATENCY_S = {"node": 5e-6, "network": 10e-6}  # per ring step of one collective call
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: the last bucket reduces after backward
+# Full activation recompute, published as step-time ratios: MPT-1B on 8 x A100-40 (llm-foundry's benchmark table,
+# 19,264 vs 15,733 tokens/s/GPU: 1.22x) and a 7B on 8 x H100 (9,200 vs 7,350: 1.25x); the matmul FLOPs of one more
+# forward would be 1.33x. The forward's share of the step's compute time that recompute adds again:
+RECOMPUTE_SHARE = 0.23
+# The host's per-module work of each gathering library (hooks, bookkeeping, issuing the collectives), seconds per
+# module per pass, measured by benchmarks/library_host_cost.py (results/library_host_cost.md) on a 2-core CPU:
+HOST_S_PER_MODULE = {"fsdp": 300e-6, "deepspeed": 330e-6}
+# The model's measured error on the ratio of two settings' step times: datasheet figures against published
+# same-setting GPU measurements (the 80th percentile, benchmarks/results/published_ratios.md; a test holds the two
+# equal); calibrated figures against the time benchmark's CPU runs out of sample (the bar results/time_prediction.md
+# holds them to). `fit` calls candidates closer than this a tie.
+DATASHEET_ERROR = 0.197
+CALIBRATED_ERROR = 0.15
+SOURCES = {
+    "network_bytes_per_s": "assumed: one 200 Gb/s HDR InfiniBand adapter per GPU (DGX A100 datasheet: 8 x 200 Gb/s)",
+    "cpu_adam_params_per_s": "assumed: order of magnitude of DeepSpeedCPUAdam per rank (no published per-rank rate)",
+    "overhead_s": "assumed: kernel launches, Python and the data loader per micro-batch",
+    "hidden_share": "structure of the overlap (first unit, per-unit excess, last bucket); nothing further assumed",
+    "recompute_share": "published full-recompute step times 1.21-1.25x (MPT-1B on 8 x A100-40, a 7B on 8 x H100)",
+    "latency_s": "assumed: 5 us per ring step inside a node, 10 us across nodes",
+    "library_host_s": "measured on a 2-core CPU: benchmarks/results/library_host_cost.md",
 }
-PCIE4 = (32, 32, "no NVLink: PCIe 4.0 x16")  # L4, L40S, A10, A10G, RTX cards
 
 
 @dataclass(frozen=True)
@@ -69,11 +104,24 @@ class Hardware:
     peak_source: str
     mfu: float = 0.40                 # fraction of that peak the matmuls reach
     nvlink_bytes_per_s: float = 450e9
-    network_bytes_per_s: float = 25e9  # per GPU across nodes (200 Gb/s InfiniBand HDR per GPU)
+    network_bytes_per_s: float = 25e9  # per GPU across nodes (SOURCES)
     pcie_bytes_per_s: float = 32e9
-    cpu_adam_params_per_s: float = 1e9  # CPU optimizer step, per rank (DeepSpeedCPUAdam order of magnitude)
+    cpu_adam_params_per_s: float = 1e9  # CPU optimizer step, per rank (SOURCES)
     micro_step_overhead_s: float = 0.005
     link_source: str = ""
+    hbm_bytes_per_s: float = 3.35e12
+    sms: int = 132
+    datasheet: str = ""               # whose datasheet the HBM, SM and link figures are ("assumed (H100's)")
+
+
+def model_error(fig: "Figures") -> float:
+    """The model's error for these figures: measured compute means calibrated (module constants above)."""
+    return CALIBRATED_ERROR if fig.sources.get("flops_per_s", "").startswith("measured") else DATASHEET_ERROR
+
+
+def datasheet_key(gpu: str | None) -> str | None:
+    name = (gpu or "").upper().replace(" ", "-")
+    return next((k for k in DATASHEETS if k in name), None)  # "NVIDIA H100 NVL" too; H100-NVL before H100
 
 
 def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, **overrides) -> Hardware:
@@ -88,12 +136,74 @@ def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, 
         if peak is None:
             raise UsageError(f"no dense peak FLOP/s known for {name} at {dtype}: give --peak-tflops "
                              "(the step-time ranking needs it), or --gpu with a known GPU")
-    key = next((k for k in LINKS if k in (gpu or "").upper().replace(" ", "-")), None)  # "NVIDIA H100 NVL" too
-    nvlink, pcie, link_source = LINKS[key] if key else PCIE4 if gpu else (450, 64, "unknown GPU: H100 links assumed")
+    key = datasheet_key(gpu)
+    hbm, sms, nvlink, pcie, links = DATASHEETS[key or ASSUMED_GPU]
+    whose = f"{key} datasheet" if key else f"assumed ({ASSUMED_GPU}'s: no datasheet entry for {name})"
     values = dict(gpu=name, peak_flops=peak, peak_source=source, nvlink_bytes_per_s=nvlink * 1e9,
-                  pcie_bytes_per_s=pcie * 1e9, link_source=link_source)
+                  pcie_bytes_per_s=pcie * 1e9, link_source=f"{links} ({whose})", hbm_bytes_per_s=hbm, sms=sms,
+                  datasheet=whose)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Hardware(**values)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the model assumes about the machine; `sources[name]` says where each figure came from."""
+
+    flops_per_s: float                      # achieved per rank, forward + backward
+    bus_bytes_per_s: dict                   # collective kind -> sent bytes/s per rank inside a node
+    network_bytes_per_s: float              # per GPU across nodes
+    hidden_share: dict                      # collective kind -> share of its hideable seconds that hide
+    optimizer_s_per_param: float            # per parameter this rank steps: the torch optimizer's update
+    overhead_s: float                       # per micro-batch
+    pcie_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
+    library_s_per_byte: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> measured per-module work per byte
+    sources: dict = field(default_factory=dict)
+    recompute_share: float = 1 / 3          # checkpointing adds this share of the matmul time again
+    comm_sm_share: float = 0.0              # compute lost per second of collective hidden beside it
+    latency_s: dict = field(default_factory=dict)          # "node"/"network" -> seconds per ring step
+    copy_s_per_byte: float = 0.0            # a library's copies per byte gathered or reduce-scattered (no run of it)
+    library_host_s: dict = field(default_factory=dict)     # library -> host seconds per module per pass
+
+    def bus(self, kind: str) -> float:
+        return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
+
+
+def datasheet_figures(hw: Hardware) -> Figures:
+    """Figures from a `Hardware`: datasheet peak x MFU, the GPU's link for every kind, the optimizer and the
+    libraries' copies at HBM speed, the constants above with their sources."""
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    hbm = f"{hw.datasheet}: {{}} B/param at {hw.hbm_bytes_per_s / 1e12:g} TB/s HBM"
+    peak = f"{hw.peak_source}: dense peak {hw.peak_flops / 1e12:g} TFLOP/s at MFU {hw.mfu:.0%}"
+    sources = {**SOURCES, "flops_per_s": peak, "bus_bytes_per_s": hw.link_source,
+               "optimizer_s_per_param": hbm.format(ADAM_BYTES_PER_PARAM),
+               "zero_step_s_per_param": hbm.format(ZERO_STEP_BYTES_PER_PARAM),
+               "comm_sm_share": f"{NCCL_CHANNELS} NCCL channels (one SM each) of {hw.sms} SMs ({hw.datasheet})",
+               "copy_s_per_byte": f"one copy, read + write, at {hw.hbm_bytes_per_s / 1e12:g} TB/s HBM ({hw.datasheet})",
+               "pcie_bytes_per_s": hw.link_source}
+    return Figures(hw.peak_flops * hw.mfu, dict.fromkeys(kinds, hw.nvlink_bytes_per_s), hw.network_bytes_per_s,
+                   dict.fromkeys(kinds, 1.0), ADAM_BYTES_PER_PARAM / hw.hbm_bytes_per_s, hw.micro_step_overhead_s,
+                   hw.pcie_bytes_per_s, hw.cpu_adam_params_per_s, ZERO_STEP_BYTES_PER_PARAM / hw.hbm_bytes_per_s,
+                   sources=sources, recompute_share=RECOMPUTE_SHARE, comm_sm_share=NCCL_CHANNELS / hw.sms,
+                   latency_s=dict(HOP_LATENCY_S), copy_s_per_byte=COPY_BYTES_PER_BYTE / hw.hbm_bytes_per_s,
+                   library_host_s=dict(HOST_S_PER_MODULE))
+
+
+# ---------------------------------------------------------------------------- the model
+def flops_per_token(spec, model: dict, tokens: int, checkpointing: bool) -> float:
+    """Model FLOPs per token (formula in the module docstring; + one forward again with checkpointing, the
+    convention MFU/HFU figures count); `model` is `estimate`'s "model" entry; an untied input embedding is a lookup."""
+    embedding = spec.untied_embedding_params
+    base = max(spec.params_total - embedding, 0)
+    trained = model["trainable_params"] if model["trainable_params"] != model["params_total"] else base
+    frozen = base if trained != base else 0
+    attention = 12 * spec.num_layers * spec.hidden_size * tokens
+    total = 6 * trained + 4 * frozen + attention
+    if checkpointing:
+        total += 2 * (trained + frozen) + attention / 3
+    return total
 
 
 def overlapped(strategy: str, term: str) -> bool:
@@ -109,69 +219,92 @@ def overlapped(strategy: str, term: str) -> bool:
     return family(strategy) in ("torch", "fsdp", "deepspeed", "tp")
 
 
-@dataclass(frozen=True)
-class Figures:
-    """What the model assumes about the machine; `sources[name]` says where each figure came from."""
-
-    flops_per_s: float                      # achieved per rank, forward + backward
-    bus_bytes_per_s: dict                   # collective kind -> sent bytes/s per rank inside a node
-    network_bytes_per_s: float              # per GPU across nodes
-    hidden_share: dict                      # collective kind -> share of an overlapped collective hidden
-    optimizer_s_per_param: float            # per parameter this rank steps: the torch optimizer's update
-    overhead_s: float                       # per micro-batch
-    pcie_bytes_per_s: float
-    cpu_adam_params_per_s: float
-    zero_step_s_per_param: float = 0.0      # DeepSpeed ZeRO's step around the update, per parameter stepped
-    library_s_per_byte: dict = field(default_factory=dict)  # "deepspeed"/"fsdp" -> its own work inside forward
-    sources: dict = field(default_factory=dict)                # and backward, s per byte gathered or reduce-scattered
-
-    def bus(self, kind: str) -> float:
-        return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
+def gathers(strategy: str) -> bool:
+    """Whether the strategy's library gathers and releases parameters module by module (ZeRO-3, FSDP)."""
+    return strategy.startswith("zero3") or family(strategy) == "fsdp"
 
 
-def datasheet_figures(hw: Hardware) -> Figures:
-    """Figures from a `Hardware` (datasheet peak x MFU, NVLink for every kind, every overlapped collective
-    fully hidden, the optimizer at HBM speed)."""
-    key = next((k for k in HBM if k in hw.gpu.upper().replace(" ", "-")), None)
-    hbm = HBM[key] if key else HBM["H100"]
-    source = f"datasheet ({hw.gpu})"
-    kinds = ("all_reduce", "all_gather", "reduce_scatter")
-    peak = f"{hw.peak_source}: dense peak {hw.peak_flops / 1e12:g} TFLOP/s at MFU {hw.mfu:.0%}"
-    return Figures(hw.peak_flops * hw.mfu, dict.fromkeys(kinds, hw.nvlink_bytes_per_s), hw.network_bytes_per_s,
-                   dict.fromkeys(kinds, 1.0), ADAM_BYTES_PER_PARAM / hbm, hw.micro_step_overhead_s,
-                   hw.pcie_bytes_per_s, hw.cpu_adam_params_per_s, ZERO_STEP_BYTES_PER_PARAM / hbm,
-                   sources={"flops_per_s": peak, "bus_bytes_per_s": f"{hw.link_source or source}",
-                    "hidden_share": f"assumed: {source}", "optimizer_s_per_param": f"{source}: {ADAM_BYTES_PER_PARAM} "
-                    f"B/param at {hbm / 1e12:g} TB/s HBM", "overhead_s": f"assumed: {source}",
-                    "zero_step_s_per_param": f"{source}: {ZERO_STEP_BYTES_PER_PARAM} B/param at {hbm / 1e12:g} TB/s"})
+def library_bytes(comm: dict, shards: int) -> float:
+    """Bytes of whole tensors a ZeRO-3 or FSDP rank's library gathers and reduce-scatters per step: the bytes it
+    sends in them (`comm`: planned terms or counted kinds, ring convention) over the ring's (n - 1) / n. Its
+    per-module work (copies in and out of the collectives' buffers) scales with them."""
+    sent = sum(v for k, v in comm.items() if k in LIBRARY_COMM)
+    return sent * shards / (shards - 1) if shards > 1 else 0.0
 
 
-def flops_per_token(spec, model: dict, tokens: int, checkpointing: bool) -> float:
-    """Model FLOPs per token (formula in the module docstring); `model` is `estimate`'s "model" entry;
-    an untied input embedding is a lookup, left out."""
-    embedding = spec.untied_embedding_params
-    base = max(spec.params_total - embedding, 0)
-    trained = model["trainable_params"] if model["trainable_params"] != model["params_total"] else base
-    frozen = base if trained != base else 0
-    attention = 12 * spec.num_layers * spec.hidden_size * tokens
-    total = 6 * trained + 4 * frozen + attention
-    if checkpointing:
-        total += 2 * (trained + frozen) + attention / 3
-    return total
+def modules(spec, strategy: str) -> int:
+    """What a gathering library gathers one at a time: FSDP's units (each block, the root), DeepSpeed's
+    sub-modules with parameters (each linear layer, two norms per block, the embedding and the final norm)."""
+    if family(strategy) == "fsdp":
+        return max(len(spec.unit_numels), 1)
+    linears = sum(count for *_, count in spec.linear_shapes) or 7 * spec.num_layers
+    return linears + 2 * spec.num_layers + 2
 
 
-def comm_seconds(row, setup, fig: Figures) -> tuple[float, float]:
-    """(exposed-for-sure, hideable) seconds of the row's (`formulas.Row`) collectives."""
-    exposed = hideable = 0.0
-    for term, nbytes in row.comm.items():
-        kind = KIND_OF_TERM.get(term, "all_reduce")
-        across = setup.nodes > 1 and term not in TP_TERMS and (row.strategy not in NODE_LOCAL
-                                                               or term == "grad_all_reduce")
-        seconds = nbytes / (fig.network_bytes_per_s if across else fig.bus(kind))
-        share = fig.hidden_share.get(kind, 1.0) if overlapped(row.strategy, term) else 0.0
-        exposed += (1 - share) * seconds
-        hideable += share * seconds
-    return exposed, hideable
+def term_seconds(row, setup, fig: Figures, term: str, nbytes: float, calls: float) -> float:
+    """One term's seconds: bytes at its link's bandwidth + calls x the ring's steps x the hop latency."""
+    across = setup.nodes > 1 and term not in TP_TERMS and (row.strategy not in NODE_LOCAL or term == "grad_all_reduce")
+    kind = KIND_OF_TERM.get(term, "all_reduce")
+    group = row.shard_degree if kind != "all_reduce" and row.shard_degree > 1 else setup.world_size // row.mesh["tp"]
+    hops = max(group - 1, 0) * (2 if kind == "all_reduce" else 1)
+    latency = fig.latency_s.get("network" if across else "node", 0.0)
+    return nbytes / (fig.network_bytes_per_s if across else fig.bus(kind)) + calls * hops * latency
+
+
+def pipelined(comm_s: float, compute_s: float, units: int) -> float:
+    """Exposed seconds of a pass whose `units` each gather before they compute, the next unit's collective issued
+    while this one computes: the first unit's in full, then each unit's excess over its predecessor's compute."""
+    per_comm, per_compute = comm_s / units, compute_s / units
+    return per_comm + (units - 1) * max(0.0, per_comm - per_compute)
+
+
+def exposure(row, spec, setup, fig: Figures, micro_compute: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the row's collectives per step (module docstring); `micro_compute`: one
+    micro-batch's compute, a third of it forward (the matmul FLOPs), the rest backward."""
+    A, exposed, hidden = setup.grad_accum_steps, 0.0, 0.0
+    forward = micro_compute / (1 + fig.recompute_share if setup.activation_checkpointing else 1) / 3
+    backward = micro_compute - forward
+    comm = dict(row.comm)
+    if gathers(row.strategy) and row.shard_degree > 1:
+        units = modules(spec, row.strategy)
+        gathered, reduced = comm.pop("param_all_gather", 0.0), comm.pop("grad_reduce_scatter", 0.0)
+        once = row.strategy == "fsdp_shard_grad_op"  # gathers for forward only, keeps the unit for backward
+        g = term_seconds(row, setup, fig, "param_all_gather", gathered, A * units * (1 if once else 2)) / A
+        reduce_every_micro = row.strategy.startswith("zero3")
+        r = term_seconds(row, setup, fig, "grad_reduce_scatter", reduced, (A if reduce_every_micro else 1) * units)
+        r_micro = r / A if reduce_every_micro else r
+        g_fwd = g if once else g / 2
+        for micro in range(A):
+            r_here = r_micro if reduce_every_micro or micro == A - 1 else 0.0
+            for comm_s, compute_s in ((g_fwd, forward), (g - g_fwd + r_here, backward)):
+                out = pipelined(comm_s, compute_s, units)
+                exposed, hidden = exposed + out, hidden + comm_s - out
+    for term, nbytes in comm.items():
+        bucketed = term == "grad_all_reduce" and overlapped(row.strategy, term)
+        whole = nbytes / max(2 * (1 - 1 / max(setup.world_size, 2)), 1e-9)
+        calls = math.ceil(whole / DDP_BUCKET_BYTES) if bucketed else A
+        seconds = term_seconds(row, setup, fig, term, nbytes, calls)
+        if not bucketed:
+            exposed += seconds
+            continue
+        last = seconds * min(1.0, DDP_BUCKET_BYTES / whole) if whole else 0.0  # after backward: nothing to hide it
+        beside = min(seconds - last, backward)
+        exposed, hidden = exposed + seconds - beside, hidden + beside
+    kinds = {KIND_OF_TERM.get(t, "all_reduce") for t in row.comm if overlapped(row.strategy, t)}
+    share = min((fig.hidden_share.get(k, 1.0) for k in kinds), default=1.0)
+    return exposed + (1 - share) * hidden, share * hidden
+
+
+def library_seconds(row, spec, setup, fig: Figures, micro_compute: float) -> float:
+    """ZeRO-3 / FSDP's own work per step (module docstring): per byte moved, and the host's excess per pass."""
+    if not gathers(row.strategy) or row.shard_degree < 2:
+        return 0.0
+    lib = family(row.strategy)
+    per_byte = fig.library_s_per_byte.get(lib, fig.copy_s_per_byte)
+    host = modules(spec, row.strategy) * fig.library_host_s.get(lib, 0.0)
+    passes = (micro_compute / 3, micro_compute * 2 / 3)
+    return (library_bytes(row.comm, row.shard_degree) * per_byte
+            + setup.grad_accum_steps * sum(max(0.0, host - gpu) for gpu in passes))
 
 
 def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
@@ -187,66 +320,71 @@ def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
     return copies / fig.pcie_bytes_per_s + t_shard / fig.cpu_adam_params_per_s
 
 
-def gathers(strategy: str) -> bool:
-    """Whether the strategy's library gathers and releases parameters module by module (ZeRO-3, FSDP)."""
-    return strategy.startswith("zero3") or family(strategy) == "fsdp"
-
-
-def library_bytes(comm: dict, shards: int) -> float:
-    """Bytes of whole tensors a ZeRO-3 or FSDP rank's library gathers and reduce-scatters per step: the bytes it
-    sends in them (`comm`: planned terms or counted kinds, ring convention) over the ring's (n - 1) / n. Its
-    per-module work (copies in and out of the collectives' buffers) scales with them."""
-    sent = sum(v for k, v in comm.items() if k in LIBRARY_COMM)
-    return sent * shards / (shards - 1) if shards > 1 else 0.0
-
-
 def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row (`formulas.Row`) at
     `setup` (its micro-batch, accumulation and checkpointing)."""
-    fpt = flops_per_token(spec, model, tokens, setup.activation_checkpointing)
-    samples = setup.micro_batch * setup.grad_accum_steps
-    compute = samples * tokens * fpt / (row.mesh["tp"] * fig.flops_per_s)
-    if gathers(row.strategy):
-        compute += library_bytes(row.comm, row.shard_degree) * fig.library_s_per_byte.get(family(row.strategy), 0)
-    exposed, hideable = comm_seconds(row, setup, fig)
-    offload = offload_seconds(row, model, setup, fig)
+    matmul = setup.micro_batch * tokens * flops_per_token(spec, model, tokens, False) / (row.mesh["tp"] * fig.flops_per_s)
+    micro = matmul * (1 + fig.recompute_share if setup.activation_checkpointing else 1)
+    exposed, hidden = exposure(row, spec, setup, fig, micro)
     steps_here = row.strategy not in OFFLOAD
     per_param = fig.optimizer_s_per_param + (fig.zero_step_s_per_param if family(row.strategy) == "deepspeed" else 0)
-    optimizer = model["trainable_params"] / row.shard_degree * per_param * steps_here
-    parts = {"compute": compute, "exposed_comm": exposed + max(0.0, hideable - compute), "optimizer": optimizer,
-             "offload": offload, "overhead": setup.grad_accum_steps * fig.overhead_s}
-    return {"step_time_s": sum(parts.values()), "step_time_parts": parts, "flops_per_token": fpt}
+    parts = {"compute": setup.grad_accum_steps * micro + hidden * fig.comm_sm_share, "exposed_comm": exposed,
+             "library": library_seconds(row, spec, setup, fig, micro),
+             "optimizer": model["trainable_params"] / row.shard_degree * per_param * steps_here,
+             "offload": offload_seconds(row, model, setup, fig), "overhead": setup.grad_accum_steps * fig.overhead_s}
+    return {"step_time_s": sum(parts.values()), "step_time_parts": parts,
+            "flops_per_token": flops_per_token(spec, model, tokens, setup.activation_checkpointing)}
 
 
+def annotate_rows(result: dict, spec, setup, fig: Figures | None) -> None:
+    """Each `plan` row gets `step_time_s` and `step_time_parts` at the plan's micro-batch, accumulation and
+    checkpointing (None without a GPU name or --calibrate); the result, the assumptions in words."""
+    tokens = result["activations"]["tokens_per_sample"]
+    for row in result["rows"]:
+        if fig is not None:
+            predicted = step_time(row, spec, result["model"], setup, tokens, fig)
+            row.step_time_s, row.step_time_parts = predicted["step_time_s"], predicted["step_time_parts"]
+    result["step_time_assumptions"] = describe(fig) if fig else ["no step time: give --gpu NAME or --calibrate"]
+
+
+# ---------------------------------------------------------------------------- the assumptions in words
 def describe(fig: Figures) -> list[str]:
-    """The assumptions in words, each with its source ("measured on RUN" or the datasheet)."""
+    """The assumptions in words, each with its source ("measured on RUN", a datasheet, or "assumed")."""
     s = fig.sources
     bus = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in sorted(fig.bus_bytes_per_s.items()))
     hidden = ", ".join(f"{k} {v:.0%}" for k, v in sorted(fig.hidden_share.items()))
-    return [f"compute: {fig.flops_per_s / 1e12:.4g} TFLOP/s per rank for forward + backward ({s['flops_per_s']}); "
-            "flops/token = 6 x trained + 4 x frozen matmul params + 12 x layers x hidden x tokens, + one forward "
-            "again with checkpointing",
-            f"collectives, bus bandwidth per rank: {bus} GB/s inside a node ({s['bus_bytes_per_s']}); network "
-            f"{fig.network_bytes_per_s / 1e9:g}"
-            f" GB/s across nodes, PCIe {fig.pcie_bytes_per_s / 1e9:g} GB/s for offload",
-            f"overlap: share hidden behind compute of a collective the strategy runs beside it: {hidden} "
-            f"({s['hidden_share']}); ZeRO-1/2's and tensor-parallel collectives are exposed (docs/fit.md)",
-            f"optimizer: {fig.optimizer_s_per_param * 1e9:.3g} ns per parameter this rank steps "
-            f"({s['optimizer_s_per_param']}), DeepSpeed ZeRO's step + {fig.zero_step_s_per_param * 1e9:.3g} ns around "
-            f"it ({s['zero_step_s_per_param']}); offload: CPU step at {fig.cpu_adam_params_per_s / 1e9:g} G params/s",
-            f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"] + (
-        [f"library work inside forward + backward (ZeRO-3, FSDP), per byte of whole tensors gathered or "
-         f"reduce-scattered: {', '.join(f'{k} {v * 1e9:.3g} ns' for k, v in sorted(fig.library_s_per_byte.items()))} "
-         f"({s['library_s_per_byte']})"] if fig.library_s_per_byte else []) + unmeasured_library_work(fig)
-
-
-GATHERING_LIBRARIES = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp": "FSDP"}
+    lat = ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in sorted(fig.latency_s.items())) or "none"
+    host = ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in sorted(fig.library_host_s.items())) or "none"
+    lines = [
+        f"compute: {fig.flops_per_s / 1e12:.4g} TFLOP/s per rank for forward + backward ({s['flops_per_s']}); "
+        "flops/token = 6 x trained + 4 x frozen matmul params + 12 x layers x hidden x tokens; checkpointing adds "
+        f"{fig.recompute_share:.0%} of the matmul time again ({s.get('recompute_share', 'one more forward')})",
+        f"collectives, bus bandwidth per rank: {bus} GB/s inside a node ({s['bus_bytes_per_s']}); network "
+        f"{fig.network_bytes_per_s / 1e9:g} GB/s across nodes ({s.get('network_bytes_per_s', '-')}); latency per "
+        f"ring step: {lat} ({s.get('latency_s', '-')})",
+        f"overlap: what the library cannot hide is exposed (first unit, each unit's excess over its predecessor's "
+        f"compute, DDP's last bucket); of the rest, hidden: {hidden} ({s['hidden_share']}); compute lost while a "
+        f"collective runs beside it: {fig.comm_sm_share:.0%} of its time ({s.get('comm_sm_share', '-')})",
+        f"optimizer: {fig.optimizer_s_per_param * 1e9:.3g} ns per parameter this rank steps "
+        f"({s['optimizer_s_per_param']}), DeepSpeed ZeRO's step + {fig.zero_step_s_per_param * 1e9:.3g} ns around "
+        f"it ({s['zero_step_s_per_param']}); offload: PCIe {fig.pcie_bytes_per_s / 1e9:g} GB/s, CPU step at "
+        f"{fig.cpu_adam_params_per_s / 1e9:g} G params/s ({s.get('cpu_adam_params_per_s', '-')})",
+        f"overhead: {fig.overhead_s * 1e3:.3g} ms per micro-batch ({s['overhead_s']})"]
+    if fig.library_s_per_byte:
+        lines.append("library work inside forward + backward (ZeRO-3, FSDP), per byte of whole tensors gathered or "
+                     f"reduce-scattered: {', '.join(f'{k} {v * 1e9:.3g} ns' for k, v in sorted(fig.library_s_per_byte.items()))} "
+                     f"({s['library_s_per_byte']})")
+    if fig.copy_s_per_byte or fig.library_host_s:
+        lines.append(f"library copies (ZeRO-3, FSDP): {fig.copy_s_per_byte * 1e12:.3g} ps per byte gathered or "
+                     f"reduce-scattered ({s.get('copy_s_per_byte', '-')}); host work per module and pass: {host} "
+                     f"({s.get('library_host_s', '-')}), exposed where it exceeds the pass's GPU time")
+    return lines + unmeasured_library_work(fig)
 
 
 def unmeasured_library_work(fig: Figures) -> list[str]:
     """With measured compute, the gathering libraries none of the runs measured (their rows count no library work)."""
     missing = [name for key, name in GATHERING_LIBRARIES.items() if key not in fig.library_s_per_byte]
-    if not missing or not fig.sources["flops_per_s"].startswith("measured"):
+    if not missing or not fig.sources["flops_per_s"].startswith("measured") or fig.copy_s_per_byte:
         return []
     return [f"library work of {' and '.join(missing)}: not counted, no run of it was given (a DDP run cannot time "
-            "it): those rows are predicted short by it; add a run of that library to --calibrate"]
+            "it): those rows are predicted short by it; `shardscope calibrate` runs one of each library"]
