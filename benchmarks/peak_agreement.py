@@ -5,7 +5,7 @@
     python benchmarks/render_docs.py                               # then place the table into docs/planner.md
 
 Each run is `accelerate launch` of tests/workers/train_tiny.py (a Trainer with the profiling callback) under a
-shipped config, through `shardscope compare`'s own launcher (`compare.launch_command`, log in launch.log), on a
+shipped config, through `shardscope compare`'s own launcher (`launching.launch_command`, log in launch.log), on a
 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, 3 steps; the callback measures step 3.
 FSDP runs need tests/cpu_shim (accelerate never runs FSDP on CPU by itself), put on PYTHONPATH here. The table
 is `report`'s peak section (`peak_report.markdown_lines`: planned from `planner.plan_vs_run`, the same plan
@@ -43,7 +43,8 @@ def run_name(config: str, precision: str, ckpt: bool) -> str:
 
 
 def launch_all(out: Path, only: list[str], small: bool = False) -> list[Path]:
-    from shardscope.report.compare import launch, launch_command, resolve_config
+    from shardscope.configs import resolve_config
+    from shardscope.launching import launch, launch_command
     from shardscope.recipes.tiny import make_causal_lm
 
     os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",

@@ -62,6 +62,7 @@ def script(name: str):
     """A benchmark script as a module, to run its main() in this process."""
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -143,6 +144,13 @@ def test_published_ratios_are_what_the_time_model_gives_now(tmp_path):
     script("published_ratios").main(["--out", str(out)])
     assert out.read_text() == (BENCHMARKS / "results" / "published_ratios.md").read_text(), \
         "run `python benchmarks/published_ratios.py` then `python benchmarks/render_docs.py`"
+    from shardscope.plan.time_model import DATASHEET_ERROR
+
+    ratios = script("published_ratios")
+    rows = ratios.comparisons(ratios.read_groups())
+    assert DATASHEET_ERROR == round(ratios.verdict(rows)["error"], 3)  # fit's tie bound is the measured error
+    groups = ratios.read_groups()
+    assert set(groups) == set(ratios.GROUPS) | set(ratios.NOT_EXPRESSED)  # every published group accounted for
 
 
 def test_suite_time_keeps_every_run_and_shows_the_median(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardscope import cli
+from shardscope import launching
 from shardscope.report import compare
 from shardscope.configs import find_config
 from shardscope.plan.mesh import Setup
@@ -124,12 +125,12 @@ def test_gpu_memory_as_sold_and_why_alternatives_lost(capsys):
 
 def test_compare_without_gpu_or_process_count_names_the_launcher_arguments():
     zero3 = find_config("zero3").path
-    problem = compare.cpu_launch_problem([zero3], "accelerate", None, [], gpus=0)
+    problem = launching.cpu_launch_problem([zero3], "accelerate", None, [], gpus=0)
     assert "zero3.yaml: num_processes 8" in problem and '--launcher-args "--num_processes 2 --mixed_precision no"' in problem
-    assert compare.cpu_launch_problem([zero3], "accelerate", None, [], gpus=8) is None
-    assert compare.cpu_launch_problem([zero3], "accelerate", 2, [], gpus=0) is None
-    assert compare.cpu_launch_problem([zero3], "accelerate", None, ["--num_processes=2"], gpus=0) is None
-    assert "deepspeed launcher" in compare.cpu_launch_problem([zero3], "deepspeed", None, [], gpus=0)
+    assert launching.cpu_launch_problem([zero3], "accelerate", None, [], gpus=8) is None
+    assert launching.cpu_launch_problem([zero3], "accelerate", 2, [], gpus=0) is None
+    assert launching.cpu_launch_problem([zero3], "accelerate", None, ["--num_processes=2"], gpus=0) is None
+    assert "deepspeed launcher" in launching.cpu_launch_problem([zero3], "deepspeed", None, [], gpus=0)
 
 
 def test_compare_cli_stops_before_launching_on_cpu(tmp_path, monkeypatch, capsys):

@@ -91,7 +91,9 @@ def test_winner_is_not_cautious():
     """No larger micro-batch of the winner's strategy (same checkpointing) fits: it would be faster."""
     found = search(SPEC, setup(), 64, H100)
     win = found["fitting"][0]
-    assert win.step_time_s == min(c.step_time_s for c in found["fitting"])
+    assert win.step_time_s == min(c.step_time_s for c in found["fitting"] if (c.strategy, c.tp) == (win.strategy, win.tp))
+    fastest = min(c.step_time_s for c in found["fitting"])  # another strategy may be predicted faster: within error
+    assert win.step_time_s == fastest or win.step_time_s <= fastest * (1 + found["tie"]["error"])
     assert not [c for c in found["fitting"] if (c.strategy, c.tp, c.gradient_checkpointing) ==
                 (win.strategy, win.tp, win.gradient_checkpointing)
                 and c.per_device_train_batch_size > win.per_device_train_batch_size]
@@ -127,7 +129,7 @@ def test_json_keys_and_alternatives(capsys):
                 "tp", "peak_bytes", "step_time_s", "alternatives", "assumptions"):
         assert key in result
     assert result["peak_bytes"] <= result["usable_bytes"]
-    assert result["alternatives"] and all(a["why"] and a["step_time_s"] >= result["step_time_s"]
+    assert result["alternatives"] and all(a["why"] and (a["step_time_s"] >= result["step_time_s"] or "a tie" in a["why"])
                                           for a in result["alternatives"])
     for key in ("mfu", "peak_flops", "nvlink_bytes_per_s", "network_bytes_per_s", "pcie_bytes_per_s", "headroom"):
         assert result["assumptions"][key] > 0

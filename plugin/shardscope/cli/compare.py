@@ -1,5 +1,5 @@
 """`shardscope compare` (launch a recipe once per config, then report) and `shardscope report` arguments;
-launching, collecting and writing are report/compare's."""
+launching is shardscope.launching's, collecting and writing report/compare's."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,9 @@ import shlex
 from pathlib import Path
 
 from ..errors import UsageError
-from ..report.compare import (CPU_LAUNCHER_ARGS, LOG_FILE, no_summary_reason, outcome, cpu_launch_problem,
-                              launch, launch_command, launcher_config, write_report)
+from ..launching import (CPU_LAUNCHER_ARGS, LOG_FILE, cpu_launch_problem, launch, launch_command, launcher_config,
+                         no_summary_reason)
+from ..report.compare import outcome, write_report
 from ..summary import SUMMARY_FILE
 from ..plan.calibration import measured_figures
 from .step_time import add_calibrate_argument, read_preflight

@@ -17,6 +17,7 @@ COMMANDS = {
     "configs": "cli.configs",
     "plan": "cli.plan",
     "fit": "cli.fit",
+    "calibrate": "cli.calibrate",
     "compare": "cli.compare",
     "report": "cli.compare",
     "doctor": "cli.doctor",

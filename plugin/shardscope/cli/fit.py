@@ -30,6 +30,17 @@ def register(subparsers) -> None:
                     "global batch; keep what the planner says fits, rank by a predicted step time (assumptions "
                     "printed). docs/fit.md explains the model.",
         epilog="Exit status: 0 a fit found, 1 nothing fits (one line says what would), 2 bad input.")
+    add_search_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="machine-readable")
+    out.add_argument("--output-dir", help=f"write {ACCELERATE_FILE}, {TRAINING_FILE} (a recipe --config) and "
+                                          f"{RESULT_FILE} there")
+    out.add_argument("--top", type=int, default=4, help="alternatives shown (default 4)")
+    p.set_defaults(func=fit_command)
+
+
+def add_search_arguments(p) -> None:
+    """The model, hardware, training and step-time-model arguments `fit` and `calibrate` share."""
     src = p.add_argument_group("model (one of)")
     src.add_argument("--model", help=f"shipped name ({', '.join(shipped_models())}), local folder or hub id")
     src.add_argument("--params", help="parameter count, e.g. 7e9 or 7B (shapes assumed)")
@@ -52,12 +63,6 @@ def register(subparsers) -> None:
     sm.add_argument("--pcie-bandwidth", type=float, help="GB/s per GPU to the host, for offload")
     sm.add_argument("--micro-step-overhead-ms", type=float, default=5.0, help="fixed cost per micro-batch (default 5)")
     add_calibrate_argument(sm)
-    out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="machine-readable")
-    out.add_argument("--output-dir", help=f"write {ACCELERATE_FILE}, {TRAINING_FILE} (a recipe --config) and "
-                                          f"{RESULT_FILE} there")
-    out.add_argument("--top", type=int, default=4, help="alternatives shown (default 4)")
-    p.set_defaults(func=fit_command)
 
 
 def setup_and_hardware(args) -> tuple[Setup, object]:
@@ -96,7 +101,9 @@ def setup_and_hardware(args) -> tuple[Setup, object]:
     return setup, hw
 
 
-def fit_command(args) -> int:
+def searched(args) -> tuple:
+    """`fit`'s search from its arguments (and `calibrate`'s): (spec, setup, hw, figures, calibration record, found,
+    traces); bad input raises UsageError."""
     setup, hw = setup_and_hardware(args)
     params = parse_count(args.params) if args.params is not None else None
     if args.model and params is not None:
@@ -112,8 +119,17 @@ def fit_command(args) -> int:
     below = below_model_states(found, setup)
     if below:
         raise UsageError(below)
+    return spec, setup, hw, fig, record, found, traces
+
+
+def nothing_fits_lines(spec, setup, found: dict, args, traces) -> list[str]:
+    return [nothing_fits(spec, setup, found, tuple(args.strategy or STRATEGIES), traces), *host_lines(found["host"])]
+
+
+def fit_command(args) -> int:
+    spec, setup, hw, fig, record, found, traces = searched(args)
     if not found["fitting"]:
-        lines = [nothing_fits(spec, setup, found, allowed, traces), *host_lines(found["host"])]
+        lines = nothing_fits_lines(spec, setup, found, args, traces)
         print(json.dumps({"strategy": None, "reason": lines[0], "reasons": lines}) if args.json else "\n".join(lines))
         return 1
     result = fit_result(spec, setup, fig, found, args, traces, hw)

@@ -17,24 +17,17 @@ measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak
 tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_report.py`; the peak
 of one step planned beside measured, by part: `peak_report.py`.
 
-Layout: launching (`launch_command`, `launch`, `failure_reason`) -> collecting (`load_run`, `collect`)
--> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
+Layout: launching (`shardscope.launching`) -> collecting (`load_run`, `collect`) -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
 """
 from __future__ import annotations
 
 import io
 import json
 import os
-import re
-import shlex
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from ..configs import resolve_config
 from ..errors import UsageError
+from ..launching import LOG_FILE, MAX_LOG_BYTES, exit_footer, failure_reason, no_summary_reason
 from ..safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from ..summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
 from . import peak_section as peak_report, time_prediction
@@ -43,128 +36,6 @@ from .time_section import markdown_lines, plot_time, row_facts
 # Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
 HELD = (*COMPONENTS, "frozen_models_bytes")
 
-LOG_FILE = "launch.log"
-MAX_LOG_BYTES = 16 * 2 ** 20  # the end of a launch log (its exit-code footer and last errors) is what is read
-_FOOTER = re.compile(r"^\[shardscope compare\] exit code (-?\d+) after ([\d.]+) s$", re.MULTILINE)
-
-
-# ----------------------------------------------------------------------------- launching
-def _executable(name: str) -> str:
-    """The launcher beside this Python (the venv's), else whatever PATH finds."""
-    local = Path(sys.executable).parent / name
-    return str(local) if local.exists() else name
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher_config(name: str, launcher: str) -> Path:
-    """The config file `launcher` reads: a path, or a shipped name of its kind (`zero3`: the accelerate yaml for
-    `accelerate launch`, ds/zero3 for `deepspeed`)."""
-    if launcher == "accelerate":
-        return resolve_config(name, "accelerate")
-    try:
-        return resolve_config(name, "deepspeed")
-    except UsageError:
-        raise UsageError(f"--launcher deepspeed needs a DeepSpeed JSON config: '{name}' is not one of the shipped "
-                         "ds/ configs (zero1, zero2, zero2_offload, zero3, zero3_offload) nor a file") from None
-
-
-def launch_command(launcher: str, recipe: str, config: Path, recipe_args: list[str], output_dir: Path,
-                   num_processes: int | None = None, launcher_args: list[str] = ()) -> list[str]:
-    """accelerate: `accelerate launch --config_file C [--num_processes N] [port] ARGS recipe ... --output_dir D`;
-    deepspeed: `deepspeed [--num_gpus N] [port] ARGS recipe ... --output_dir D --deepspeed C`.
-    A free port is added unless the launcher arguments name one, so consecutive runs never collide."""
-    launcher_args = list(launcher_args)
-    if launcher == "accelerate":
-        cmd = [_executable("accelerate"), "launch", "--config_file", str(config)]
-        count, port = "--num_processes", "--main_process_port"
-        tail = ["--output_dir", str(output_dir)]
-    else:
-        cmd, count, port = [_executable("deepspeed")], "--num_gpus", "--master_port"
-        tail = ["--output_dir", str(output_dir), "--deepspeed", str(config)]
-    if num_processes:
-        cmd += [count, str(num_processes)]
-    if not any(a.split("=")[0] == port for a in launcher_args):
-        cmd += [port, str(_free_port())]
-    return cmd + launcher_args + [str(recipe), *recipe_args] + tail
-
-
-CPU_LAUNCHER_ARGS = "--num_processes 2 --mixed_precision no"
-
-
-def cpu_launch_problem(configs: list[Path], launcher: str, num_processes: int | None, launcher_args: list[str],
-                       gpus: int) -> str | None:
-    """On a machine with no GPU, why the launch would fail and which launcher arguments to pass, or None.
-
-    The shipped configs start one process per GPU (num_processes 8, bf16); without a GPU and without a
-    process count the launcher would start them all on this machine's cores."""
-    import yaml
-
-    given = num_processes or any(a.split("=")[0] in ("--num_processes", "--num_gpus") for a in launcher_args)
-    if gpus or given:
-        return None
-    cores = os.cpu_count() or 1
-    if launcher == "accelerate":
-        asked = {}
-        for config in configs:
-            try:
-                asked[config.name] = int((yaml.safe_load(config.read_text()) or {}).get("num_processes") or 1)
-            except (yaml.YAMLError, ValueError, TypeError, AttributeError):
-                continue  # the launcher names the bad file itself
-        too_many = {name: n for name, n in asked.items() if n > cores}
-        if not too_many:
-            return None
-        what = ", ".join(f"{name}: num_processes {n}" for name, n in too_many.items())
-    else:
-        what = "the deepspeed launcher starts one process per GPU"
-    return (f"no GPU on this machine and no process count given ({what}; {cores} CPU cores). On CPU pass "
-            f"--launcher-args \"{CPU_LAUNCHER_ARGS}\" (2 processes over gloo, fp32); FSDP configs then train as "
-            f"plain DDP, see docs/compare.md")
-
-
-def launch(cmd: list[str], run_dir: Path) -> tuple[int, float]:
-    """Run `cmd`, stdout and stderr together into run_dir/launch.log (command first, exit code last)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with open(run_dir / LOG_FILE, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n\n")
-        log.flush()
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
-        seconds = time.perf_counter() - start
-        log.write(f"\n[shardscope compare] exit code {code} after {seconds:.1f} s\n")
-    return code, seconds
-
-
-# What went wrong, best first: a Python exception / OOM / a script's one-line usage error; then a signal
-# (e.g. the kernel's OOM killer: SIGKILL); launcher lines that only say a child failed are skipped.
-_ERRORS = (re.compile(r"^([\w.]*(Error|Exception|Interrupt)\b.*|.*out of memory.*|\S+\.py: error: .*)$", re.I),
-           re.compile(r".*Signal \d+ \(SIG\w+\).*"))
-_LAUNCHER_NOISE = ("CalledProcessError", "ChildFailedError", "elastic", "exits with return code")
-
-
-def no_summary_reason(exit_code: int | None, log_text: str) -> str:
-    return f"exited 0 but wrote no {SUMMARY_FILE} (profiler not attached?)" if exit_code == 0 else \
-        failure_reason(log_text)
-
-
-def failure_reason(log_text: str) -> str:
-    """The last meaningful error line of a launch log (rank prefixes dropped; an error ending in ':' gets
-    its next line), else the log's last line."""
-    lines = [re.sub(r"^\[(rank|default)\d+\]:\s*", "", line).strip() for line in log_text.splitlines()]
-    lines = [line for line in lines if line and not _FOOTER.match(line)]
-    for pattern in _ERRORS:
-        hits = [i for i, line in enumerate(lines) if pattern.match(line) and not any(n in line for n in _LAUNCHER_NOISE)]
-        if hits:
-            i = hits[-1]
-            reason = lines[i] + (" " + lines[i + 1] if lines[i].endswith(":") and i + 1 < len(lines) else "")
-            break
-    else:
-        reason = lines[-1] if lines else "empty log"
-    return reason if len(reason) <= 240 else reason[:237] + "..."
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -216,8 +87,8 @@ def _load_run(run_dir: Path, row: dict) -> dict:
     log = run_dir / LOG_FILE
     log_text = read_bytes(log, "launch log", MAX_LOG_BYTES, tail=True).decode(errors="replace") \
         if os.path.lexists(log) else ""
-    footer = _FOOTER.findall(log_text)
-    exit_code, launch_s = (int(footer[-1][0]), float(footer[-1][1])) if footer else (None, None)
+    footer = exit_footer(log_text)
+    exit_code, launch_s = (int(footer[1]), float(footer[2])) if footer else (None, None)
     row.update(exit_code=exit_code, launch_s=launch_s)
     summary_path = run_dir / SUMMARY_FILE
     if not os.path.lexists(summary_path):

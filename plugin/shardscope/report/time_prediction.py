@@ -78,8 +78,10 @@ def measured_parts(doc: dict) -> dict | None:
     if not ranks:
         return None
     b = scaled_breakdown(ranks)
-    return {"compute": b["forward_s"] + b["backward_s"], "exposed_comm": b["exposed_comm_s"],
-            "optimizer": b["optimizer_s"], "offload": 0.0, "overhead": b["data_wait_s"] + b["other_s"]}
+    library = b.get("library_s", 0.0)
+    return {"compute": b["forward_s"] + b["backward_s"] - library, "exposed_comm": b["exposed_comm_s"],
+            "library": library, "optimizer": b["optimizer_s"], "offload": 0.0,
+            "overhead": b["data_wait_s"] + b["other_s"]}
 
 
 def explaining_part(prediction: dict) -> str | None:

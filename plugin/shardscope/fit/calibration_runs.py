@@ -1,0 +1,94 @@
+"""`shardscope calibrate`: the short profiled runs the step-time ranking needs, launched, and their figures kept.
+
+From `fit`'s search, one candidate per library family that fits (DDP or ZeRO-1/2; DeepSpeed ZeRO-3; FSDP): the
+fastest of the family's first strategy that fits (`FAMILIES` order), at its micro-batch and checkpointing, with
+no accumulation. Each is launched with the shipped accelerate config of its strategy, one after the other, into
+OUTPUT_DIR/<strategy>/ (log: launch.log); the script gets the Trainer's own arguments (`--output_dir`,
+`--per_device_train_batch_size`, `--gradient_accumulation_steps 1`, `--gradient_checkpointing`, `--max_steps`),
+so a recipe or any HfArgumentParser script that attaches ShardingProfilerCallback works. A run that fails is a
+row with its log's last lines; the others go on. The figures each run measured
+(`plan.calibration.run_sources`) are written to OUTPUT_DIR/calibration.json (`plan.calibration_file`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UsageError
+from ..launching import LOG_FILE, launch, launch_command, launcher_config, failure_reason, no_summary_reason
+from ..plan.calibration import CALIBRATION_FILE, run_sources
+from ..plan.calibration_file import VERSION
+from ..safe_io import atomic_write_text, read_bytes
+from ..summary import SUMMARY_FILE
+
+# Library family -> its strategies, the one to run first where it fits.
+FAMILIES = {"DDP or ZeRO-1/2": ("ddp", "zero2", "zero1"), "DeepSpeed ZeRO-3": ("zero3",),
+            "FSDP": ("fsdp_full_shard", "fsdp_shard_grad_op")}
+TAIL_LINES = 12
+
+
+def choose_runs(fitting: list) -> list:
+    """One fitting candidate per library family (`FAMILIES`), fastest of its first strategy that fits."""
+    chosen = []
+    for family, names in FAMILIES.items():
+        for name in names:
+            found = [c for c in fitting if c.strategy == name and c.tp == 1]
+            if found:
+                chosen.append((family, min(found, key=lambda c: c.step_time_s)))
+                break
+    return chosen
+
+
+def script_arguments(cand, steps: int) -> list[str]:
+    """The Trainer arguments a calibration run gets (after the user's own; the launcher adds --output_dir)."""
+    return ["--per_device_train_batch_size", str(cand.per_device_train_batch_size),
+            "--gradient_accumulation_steps", "1", "--gradient_checkpointing", str(cand.gradient_checkpointing).lower(),
+            "--max_steps", str(steps)]
+
+
+def log_tail(run_dir: Path) -> list[str]:
+    log = run_dir / LOG_FILE
+    if not log.is_file():
+        return []
+    return read_bytes(log, "launch log", 2 ** 20, tail=True).decode(errors="replace").splitlines()[-TAIL_LINES:]
+
+
+def run_one(script: Path, cand, family: str, args, output: Path, number: int, total: int, say) -> dict:
+    """Launch one calibration run; its row for calibration.json (figures, or why it failed)."""
+    run_dir = output / cand.strategy
+    config = launcher_config(cand.strategy, "accelerate")
+    cmd = launch_command("accelerate", str(script), config, [*args.script_args, *script_arguments(cand, args.steps)],
+                         run_dir, launcher_args=args.launcher_args)
+    say(f"[{number}/{total}] {family}: {cand.strategy}, micro-batch {cand.per_device_train_batch_size}, "
+        f"checkpointing {'on' if cand.gradient_checkpointing else 'off'}, {args.steps} steps (log: {run_dir / LOG_FILE})")
+    code, seconds = launch(cmd, run_dir)
+    row = {"family": family, "strategy": cand.strategy, "config": str(config), "run_dir": str(run_dir),
+           "log": str(run_dir / LOG_FILE), "exit_code": code, "seconds": round(seconds, 1)}
+    log_text = "\n".join(log_tail(run_dir))
+    if code != 0 or not (run_dir / SUMMARY_FILE).is_file():
+        reason = failure_reason(log_text) if code else no_summary_reason(code, log_text)
+        say(f"      failed after {seconds:.0f} s: {reason}")
+        return {**row, "status": "failed", "reason": reason, "log_tail": log_tail(run_dir), "figures": []}
+    try:
+        figures = [{"source": source, "figures": values} for source, values in run_sources(run_dir)]
+    except UsageError as error:  # a summary with no timed step: the run is reported, the others go on
+        say(f"      finished in {seconds:.0f} s but measured nothing usable: {error}")
+        return {**row, "status": "failed", "reason": str(error), "log_tail": log_tail(run_dir), "figures": []}
+    say(f"      done in {seconds:.0f} s")
+    return {**row, "status": "ok", "figures": figures}
+
+
+def calibrate_runs(script: Path, fitting: list, model: dict, precision: str, fingerprint: dict, args,
+                   say=print) -> dict:
+    """Launch the runs `choose_runs` picks, write OUTPUT_DIR/calibration.json; the document written."""
+    chosen = choose_runs(fitting)
+    if not chosen:
+        raise UsageError("calibrate: no candidate of DDP, ZeRO-1/2, ZeRO-3 or FSDP fits: nothing to run")
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    runs = [run_one(script, cand, family, args, output, i, len(chosen), say)
+            for i, (family, cand) in enumerate(chosen, 1)]
+    doc = {"calibration_version": VERSION, "model": model, "precision": precision, "fingerprint": fingerprint,
+           "runs": runs}
+    atomic_write_text(output / CALIBRATION_FILE, json.dumps(doc, indent=1), "--output-dir")
+    return doc
