@@ -55,7 +55,7 @@ def test_the_benchmark_writes_every_run_beside_its_prediction(runs, tmp_path):
     for row in bench.predictions(runs, "ddp/a1c0"):  # the DDP run, then its link probe
         assert f"| {row['name']} | {row['accumulation']} | " in text
         assert f"| {row['predicted_s']:.3f} | {row['measured']['median']:.3f} |" in text
-    unprobed = bench.predicted(runs, bench.calibrated(runs, "ddp/a1c0", probe=False))
+    unprobed = bench.others(bench.predicted(runs, bench.calibrated(runs, "ddp/a1c0", probe=False)), "ddp/a1c0")
     assert f"without its link probe: {bench.within(unprobed)} of {len(unprobed)} within 15%" in text
     assert "Predicted order: " in text and "### Runs in time_prediction" in text and "<!-- part:summary -->" in text
 

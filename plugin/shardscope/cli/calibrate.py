@@ -47,7 +47,7 @@ def calibrate_command(args) -> int:
     if os.path.lexists(args.output_dir) and not args.output_dir.is_dir():
         raise UsageError(f"--output-dir '{args.output_dir}' exists and is not a folder")
     args.launcher_args = shlex.split(args.launcher_args)
-    spec, setup, _, _, _, found, traces = searched(args)
+    spec, setup, _, _, _, found, traces = searched(args, assume_gpu=True)
     if not found["fitting"]:
         print("\n".join(nothing_fits_lines(spec, setup, found, args, traces)))
         return 1

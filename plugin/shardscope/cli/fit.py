@@ -9,7 +9,7 @@ from ..fit.search import alternatives, below_model_states, host_lines, larger_mi
 from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, resolve_model, shipped_models, spec_from_config
 from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
-from ..plan.time_model import Figures, describe as describe_figures, hardware
+from ..plan.time_model import ASSUMED_GPU, Figures, describe as describe_figures, hardware
 from ..plan.trace_cache import cached_tracer
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
@@ -65,7 +65,7 @@ def add_search_arguments(p) -> None:
     add_calibrate_argument(sm)
 
 
-def setup_and_hardware(args) -> tuple[Setup, object]:
+def setup_and_hardware(args, assume_gpu: bool = False) -> tuple[Setup, object]:
     """Validate the cheap inputs (before any model is read)."""
     memory, cpu_memory = memory_from_args(args)
     if memory is None:
@@ -74,7 +74,7 @@ def setup_and_hardware(args) -> tuple[Setup, object]:
         raise UsageError(f"--global-batch must be at least 1, got {args.global_batch}")
     if args.seq_len < 1:
         raise UsageError(f"--seq-len must be at least 1, got {args.seq_len}")
-    if args.top < 0:
+    if getattr(args, "top", 0) < 0:
         raise UsageError(f"--top must not be negative, got {args.top}")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
@@ -95,16 +95,19 @@ def setup_and_hardware(args) -> tuple[Setup, object]:
                       nvlink_bytes_per_s=gbs["nvlink_bandwidth"], network_bytes_per_s=gbs["network_bandwidth"],
                       pcie_bytes_per_s=gbs["pcie_bandwidth"], micro_step_overhead_s=args.micro_step_overhead_ms / 1e3)
     except UsageError:
-        if not args.calibrate:  # measured figures stand in for a datasheet the table lacks
+        if args.calibrate:  # measured figures stand in for a datasheet the table lacks
+            hw = None
+        elif assume_gpu:  # only to choose what to run: the H100's figures, said so
+            hw = hardware(ASSUMED_GPU, args.precision, mfu=args.mfu)
+        else:
             raise
-        hw = None
     return setup, hw
 
 
-def searched(args) -> tuple:
-    """`fit`'s search from its arguments (and `calibrate`'s): (spec, setup, hw, figures, calibration record, found,
-    traces); bad input raises UsageError."""
-    setup, hw = setup_and_hardware(args)
+def searched(args, assume_gpu: bool = False) -> tuple:
+    """`fit`'s search from its arguments (and `calibrate`'s, which may rank with an assumed GPU's datasheet): (spec,
+    setup, hw, figures, calibration record, found, traces); bad input raises UsageError."""
+    setup, hw = setup_and_hardware(args, assume_gpu)
     params = parse_count(args.params) if args.params is not None else None
     if args.model and params is not None:
         raise UsageError("give --model or --params, not both")

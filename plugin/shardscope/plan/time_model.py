@@ -11,7 +11,8 @@
                    ZeRO-3 / FSDP: per micro-batch and pass, the first unit's gather, then whatever of each unit's
                    gather (backward: gather + reduce-scatter on the same link) the previous unit's compute cannot
                    hide (prefetch one unit ahead; DeepSpeed fetches per sub-module); ZeRO-1/2, TP: all of it;
-                   of the hideable part only `hidden_share[kind]` hides (datasheet 100%, a run measures it)
+                   of the hideable part only `hidden_share[kind]` hides (datasheet 100%); a run's measured share
+                   replaces the structure: that share of each overlapped term hides while compute lasts
     library      = ZeRO-3 / FSDP's own work: library_bytes x s/byte (datasheet: one copy, read + write, at HBM
                    speed; calibrated: a run of that library measures all its per-module work per byte) + the
                    host's per-module work where it exceeds a pass's GPU time (the host runs ahead of the GPU)
@@ -295,6 +296,18 @@ def exposure(row, spec, setup, fig: Figures, micro_compute: float) -> tuple[floa
     return exposed + (1 - share) * hidden, share * hidden
 
 
+def measured_exposure(row, setup, fig: Figures, compute: float) -> tuple[float, float]:
+    """(exposed, hidden) with hidden shares a run measured: of each overlapped term that share hides, as long as
+    the step's compute lasts; the rest is exposed (what the run itself showed, so it predicts itself)."""
+    exposed = hideable = 0.0
+    for term, nbytes in row.comm.items():
+        seconds = term_seconds(row, setup, fig, term, nbytes, 0)
+        share = fig.hidden_share.get(KIND_OF_TERM.get(term, "all_reduce"), 1.0) if overlapped(row.strategy, term) \
+            else 0.0
+        exposed, hideable = exposed + (1 - share) * seconds, hideable + share * seconds
+    return exposed + max(0.0, hideable - compute), min(hideable, compute)
+
+
 def library_seconds(row, spec, setup, fig: Figures, micro_compute: float) -> float:
     """ZeRO-3 / FSDP's own work per step (module docstring): per byte moved, and the host's excess per pass."""
     if not gathers(row.strategy) or row.shard_degree < 2:
@@ -325,7 +338,10 @@ def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     `setup` (its micro-batch, accumulation and checkpointing)."""
     matmul = setup.micro_batch * tokens * flops_per_token(spec, model, tokens, False) / (row.mesh["tp"] * fig.flops_per_s)
     micro = matmul * (1 + fig.recompute_share if setup.activation_checkpointing else 1)
-    exposed, hidden = exposure(row, spec, setup, fig, micro)
+    if fig.sources.get("hidden_share", "").startswith("measured"):
+        exposed, hidden = measured_exposure(row, setup, fig, setup.grad_accum_steps * micro)
+    else:
+        exposed, hidden = exposure(row, spec, setup, fig, micro)
     steps_here = row.strategy not in OFFLOAD
     per_param = fig.optimizer_s_per_param + (fig.zero_step_s_per_param if family(row.strategy) == "deepspeed" else 0)
     parts = {"compute": setup.grad_accum_steps * micro + hidden * fig.comm_sm_share, "exposed_comm": exposed,

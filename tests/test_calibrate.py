@@ -1,0 +1,115 @@
+"""`shardscope calibrate` on 2 CPU ranks: fit's search on a tiny Llama, then one short profiled run of the SFT recipe
+per library family that fits (here DDP and FSDP2 full shard: `--strategy` keeps DeepSpeed's JIT-built ops out of
+the suite), calibration.json written, and `fit --calibrate calibration.json` ranking from it; then what a user can
+give wrongly (another precision or model, a broken file, another machine) without a launch.
+
+FSDP on CPU needs tests/cpu_shim on PYTHONPATH (accelerate would silently run DDP): the launched runs inherit it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, SHIM
+
+pytestmark = pytest.mark.launch
+SEQ = 96  # recipes/llama/demo_tiny.yaml's max_seq_length: the search plans what the runs train
+
+
+def shardscope(*args, timeout=900):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "plugin")]))
+    return subprocess.run([sys.executable, "-m", "shardscope", *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    from shardscope.recipes.tiny import make_sft_assets
+
+    root = tmp_path_factory.mktemp("calibrate")
+    assets = make_sft_assets(root / "assets", "llama", n=64)
+    search = ["--model", assets["model"], "--gpus", 2, "--gpu-memory", "4GB", "--seq-len", SEQ, "--global-batch", 8,
+              "--precision", "fp32"]
+    done = shardscope("calibrate", *search, "--strategy", "ddp", "--strategy", "fsdp_full_shard",
+                      "--recipe", "recipes/causal_lm_sft.py", "--steps", 6, "--output-dir", root / "out",
+                      "--launcher-args", "--num_processes 2 --mixed_precision no", "--",
+                      "--config", "recipes/llama/demo_tiny.yaml", "--model_name_or_path", assets["model"],
+                      "--dataset", assets["data"])
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    return done, root / "out", search
+
+
+def test_one_run_per_library_family_and_their_figures(calibrated):
+    done, out, _ = calibrated
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("[1/2] DDP or ZeRO-1/2: ddp, micro-batch ") and lines[1].startswith("      done in ")
+    assert lines[2].startswith("[2/2] FSDP: fsdp_full_shard, micro-batch ") and lines[3].startswith("      done in ")
+    doc = json.loads((out / "calibration.json").read_text())
+    assert [(r["strategy"], r["status"]) for r in doc["runs"]] == [("ddp", "ok"), ("fsdp_full_shard", "ok")]
+    assert doc["precision"] == "fp32" and doc["fingerprint"]["backend"] == "gloo"
+    for run in doc["runs"]:  # each run's own figures, as --calibrate RUN_DIR reads them
+        from shardscope.plan.calibration import run_sources
+
+        assert [e["figures"] for e in run["figures"]] == [f for _, f in run_sources(run["run_dir"])]
+        first = run["figures"][0]["figures"]
+        assert first["flops_per_s"] > 0 and first["optimizer_s_per_param"] > 0
+    fsdp = doc["runs"][1]["figures"][0]["figures"]
+    assert set(fsdp["library_s_per_byte"]) == {"fsdp"}  # FSDP's own work, which the DDP run cannot time
+
+
+def fit(capsys, *argv):
+    """`shardscope fit ARGV` in this process: (exit code, stdout, stderr)."""
+    from shardscope.cli import main
+
+    code = main(["fit", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
+    """The file gives every figure the runs measured, the first run first; FSDP rows count FSDP's measured work;
+    and the prediction of each calibration run at its own setup gives its measured median back (the arithmetic)."""
+    from shardscope.cli.step_time import read_preflight
+    from shardscope.plan.calibration import calibrate, measured_figures
+    from shardscope.plan.time_model import datasheet_figures, hardware
+    from shardscope.report.time_prediction import predict_run
+
+    _, out, search = calibrated
+    file = out / "calibration.json"
+    code, out_text, err = fit(capsys, *search, "--calibrate", file, "--json")
+    assert code == 0, err[-3000:]
+    result = json.loads(out_text)
+    record = result["calibration"]
+    assert record["flops_per_s"]["run"].startswith(f"{file} ({out / 'ddp'}")  # the DDP run came first
+    assert record["library_s_per_byte"]["fsdp"]["run"].startswith(f"{file} ({out / 'fsdp_full_shard'}")
+    assert not any(t.startswith("library work of FSDP") for t in result["assumptions"]["text"])
+    fig, _ = calibrate(measured_figures([file], read_preflight), datasheet_figures(hardware("H100", "fp32")))
+    for name in ("ddp", "fsdp_full_shard"):
+        own, _ = calibrate(measured_figures([out / name], read_preflight), datasheet_figures(hardware("H100", "fp32")))
+        predicted = predict_run(out / name, own)
+        assert predicted["predicted_s"] == pytest.approx(predicted["measured"]["median"], rel=1e-4)
+    assert fig.library_s_per_byte["fsdp"] == own.library_s_per_byte["fsdp"]
+
+
+def test_a_calibration_from_elsewhere_is_refused_or_flagged(calibrated, tmp_path, capsys):
+    _, out, search = calibrated
+    doc = json.loads((out / "calibration.json").read_text())
+    cases = {"bf16": (["--precision", "bf16-mixed"], doc, "precision 'fp32'"),
+             "model": (["--params", "7e9"], doc, "params_total"),
+             "broken": ([], {**doc, "runs": [{"status": "ok"}]}, "malformed calibration file"),
+             "version": ([], {**doc, "calibration_version": 9}, "'calibration_version' is 9")}
+    for name, (extra, content, words) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(content))
+        argv = [a for a in search if a != "--precision" and a != "fp32"] + ["--precision", "fp32"]
+        if extra[:1] == ["--params"]:
+            argv = argv[2:]  # --model out, --params in
+        code, _, err = fit(capsys, *argv, *extra, "--calibrate", path)
+        assert code == 2 and words in err and err.count("\n") == 1, (name, err)
+        assert str(path) in err and "Traceback" not in err
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps({**doc, "fingerprint": {**doc["fingerprint"], "host": "another-host"}}))
+    code, _, err = fit(capsys, *search, "--calibrate", moved)
+    assert code == 0 and "measured on another machine (host 'another-host' there" in err
