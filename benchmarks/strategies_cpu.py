@@ -4,7 +4,7 @@ Per run: the median over steps (after `--skip` warm-up steps) of the step time a
 profiler's per-step log entries in trainer_state.json (run with --logging_steps 1, so each entry is one
 step's window); bytes per rank and peak RSS from the report that `shardscope compare` wrote (report.json).
 
-    python benchmarks/strategies_cpu.py OUT_DIR [--skip 5] > benchmarks/strategies_cpu.md
+    python benchmarks/strategies_cpu.py OUT_DIR [--skip 5] > benchmarks/results/strategies_cpu.md
 """
 import argparse
 import json

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DDP vs FSDP vs ZeRO-1/2/3 on 2 CPU ranks with `shardscope compare`; writes benchmarks/strategies_cpu.md
+# DDP vs FSDP vs ZeRO-1/2/3 on 2 CPU ranks with `shardscope compare`; writes benchmarks/results/strategies_cpu.md
 # and its plots under docs/img/. About 5 minutes on 2 idle cores.
 #
 # The model (~7.5M-parameter random Llama, hidden 384, 4 layers) is large enough that a step is compute
@@ -19,7 +19,7 @@ OUT=${OUT:-${TMPDIR:-/tmp}/shardscope_strategies_cpu}
 CONFIGS=${CONFIGS:-ddp fsdp_full_shard zero1 zero2 zero3}
 STEPS=${STEPS:-30}
 SKIP=${SKIP:-5}
-RESULT=${RESULT:-benchmarks/strategies_cpu.md}
+RESULT=${RESULT:-benchmarks/results/strategies_cpu.md}
 IMG=${IMG:-docs/img}
 
 if [ -z "${COMPARED:-}" ]; then

@@ -45,6 +45,12 @@ def cpu_env(**extra) -> dict:
     return env
 
 
+def shardscope_cli(*args, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m shardscope ARGS` from the checkout, in the CPU environment (the runs it launches inherit the shim)."""
+    return subprocess.run([sys.executable, "-m", "shardscope", *map(str, args)], env=cpu_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def accelerate_cpu_overrides(config_file: Path, num_processes: int = 2) -> list[str]:
     """Launcher flags that shrink a shipped GPU config to a CPU run with `num_processes` gloo ranks."""
     config = yaml.safe_load(Path(config_file).read_text())

@@ -153,6 +153,15 @@ def test_published_ratios_are_what_the_time_model_gives_now(tmp_path):
     assert set(groups) == set(ratios.GROUPS) | set(ratios.NOT_EXPRESSED)  # every published group accounted for
 
 
+def test_the_time_models_host_work_is_the_measured_one():
+    """`time_model.HOST_S_PER_MODULE` is what benchmarks/library_host_cost.py measured (its results file)."""
+    from shardscope.plan.time_model import HOST_S_PER_MODULE
+
+    text = (BENCHMARKS / "results" / "library_host_cost.md").read_text()
+    measured = {m[0]: float(m[1]) for m in re.findall(r"^\| (fsdp|deepspeed) \| (\d+) \|$", text, re.M)}
+    assert measured == {k: round(v * 1e6) for k, v in HOST_S_PER_MODULE.items()}
+
+
 def test_suite_time_keeps_every_run_and_shows_the_median(tmp_path):
     suite_time, part, out = script("suite_time"), script("render_docs").result, tmp_path / "suite_time.md"
     for passed, took in ((1000, 700.0), (1001, 600.0), (1001, 650.0)):

@@ -5,23 +5,13 @@ give wrongly (another precision or model, a broken file, another machine) withou
 
 FSDP on CPU needs tests/cpu_shim on PYTHONPATH (accelerate would silently run DDP): the launched runs inherit it."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from launch import ROOT, SHIM
+from launch import ROOT, shardscope_cli as shardscope
 
 pytestmark = pytest.mark.launch
 SEQ = 96  # recipes/llama/demo_tiny.yaml's max_seq_length: the search plans what the runs train
-
-
-def shardscope(*args, timeout=900):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "plugin")]))
-    return subprocess.run([sys.executable, "-m", "shardscope", *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

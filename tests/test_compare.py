@@ -9,25 +9,17 @@ inherit it from the environment given to `shardscope compare`, which itself know
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from PIL import Image, ImageStat
 
-from launch import ROOT, SHIM
+from launch import ROOT, shardscope_cli as shardscope
 from shardscope import launching
 from shardscope.report import compare
 
 # ZeRO-2 whose gradient clipping disagrees with the Trainer's max_grad_norm (1.0): the Trainer raises on
 # every rank after start-up, a realistic failure ("DeepSpeed config values that mismatch").
 CLIP_MISMATCH = "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 2\n  gradient_clipping: 0.5\n"
-
-
-def shardscope(*args, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "plugin")]))
-    return subprocess.run([sys.executable, "-m", "shardscope", *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,9 @@ def run_strategy(args, model) -> tuple[str, dict | None, dict]:
 
 
 def decide(args, model, global_batch: int, budget: int, seq_len, image_size, headroom: float) -> dict:
-    """Rank 0's decision: the fastest fitting candidate of the run's own strategy."""
+    """Rank 0's decision: the fastest fitting candidate of the run's own strategy (the strategy is the run's: no
+    choice between strategies, so no tie within the model's error to break; micro-batch and checkpointing differ
+    in what the model counts with most confidence, their compute and per-micro-batch cost)."""
     from ..model.spec import live_config, spec_from_config
     from ..plan.trace import tracer
 
@@ -182,7 +184,7 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
             "why": (f"{strategy} on {world} ranks, global batch {global_batch}, {found['tokens_per_sample']} tokens per "
                     f"sample: planned peak {gb(best.peak_bytes)} GB of {gb(usable)} GB usable "
                     f"({gb(budget)} GB budget less {headroom:.0%} headroom), fastest predicted of "
-                    f"{len(found['fitting'])} that fit{assumed}")}
+                    f"{len(found['fitting'])} settings of {strategy} that fit (the strategy is the run's own){assumed}")}
 
 
 def data_parallel_size(args, model) -> int:
