@@ -128,9 +128,16 @@ def test_cuda_memory_branch_reads_the_allocator(monkeypatch):
 
 
 def test_peak_flops_override_gives_mfu_on_any_device(llama, tmp_path):
-    _, summary = train(llama, token_rows(), tmp_path, peak_tflops=1.0)
+    """MFU = tokens/s x FLOPs per token / peak, the FLOPs convention of docs/summary.md written out here: every
+    parameter trains, so 6 N (N without an untied input embedding) + 12 x layers x heads x head_dim x seq_len."""
+    config, seq = llama.config, 8  # token_rows: 8 tokens a row, none padding
+    untied_embedding = 0 if config.tie_word_embeddings else llama.get_input_embeddings().weight.numel()
+    n = sum(p.numel() for p in llama.parameters()) - untied_embedding
+    flops_per_token = 6 * n + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq
+    _, summary = train(llama, token_rows(), tmp_path, peak_tflops=2.0)
     throughput = summary["ranks"][0]["throughput"]
-    assert throughput["mfu"] == pytest.approx(throughput["tflops_per_device"] / 1.0)
+    assert throughput["tflops_per_device"] == pytest.approx(throughput["tokens_per_s"] * flops_per_token / 1e12)
+    assert throughput["mfu"] == pytest.approx(throughput["tokens_per_s"] * flops_per_token / 2.0e12)
 
 
 @pytest.mark.parametrize("gpu_bytes, fits", [(1_000_000, False), (80 * 10**9, True)])
