@@ -29,11 +29,12 @@ if [ "$status" -ne 0 ]; then
     if grep -q "terminate called without an active exception" "$OUT/sft.log" &&
             [ -f "$OUT/sft/model.safetensors" ] && [ -f "$OUT/sft/trainer_state.json" ]; then
         echo "demo: the launch exited with status $status. Training finished and this run saved its model and"
-        echo "      trainer state (results below); then a rank aborted while Python was exiting (\"terminate called"
-        echo "      without an active exception\": gloo's worker threads outlive the interpreter, pytorch/pytorch#179291;"
-        echo "      how often: benchmarks/results/exit_abort_rate.md). Log: $OUT/sft.log"
+        echo "      trainer state (results below); then a rank aborted while Python was exiting (\"terminate"
+        echo "      called without an active exception\": gloo's worker threads outlive the interpreter,"
+        echo "      pytorch/pytorch#179291; how often: benchmarks/results/exit_abort_rate.md). Log: $OUT/sft.log"
     else
-        tail -n 40 "$OUT/sft.log"; echo "demo: training failed (exit status $status), full log: $OUT/sft.log" >&2; exit 1
+        tail -n 40 "$OUT/sft.log"
+        echo "demo: training failed (exit status $status), full log: $OUT/sft.log" >&2; exit 1
     fi
 fi
 grep -o '\[shardscope\] rank=.*' "$OUT/sft.log" || true
@@ -76,5 +77,5 @@ if last >= first:
     sys.exit("demo: the loss did not go down")
 PY
 if [ "$status" -ne 0 ]; then
-    echo "demo: done; training and saving finished, the launch itself exited with status $status (the exit-time abort above)"
+    echo "demo: done; training and saving finished, the launch exited with status $status (the exit-time abort above)"
 fi

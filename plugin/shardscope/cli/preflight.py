@@ -47,7 +47,8 @@ def register(subparsers) -> None:
     parser.add_argument("--hosts", help="node check: comma-separated host names by node rank, to name a missing "
                                         "node by host (SLURM: $(scontrol show hostnames | paste -sd,))")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds from the start for every member to join (default 60)")
-    parser.add_argument("--output-dir", type=Path, default=Path("."), help="where preflight.json goes, created if missing (default .)")
+    parser.add_argument("--output-dir", type=Path, default=Path("."),
+                        help="where preflight.json goes, created if missing (default .)")
     parser.add_argument("--sizes", default=list(DEFAULT_SIZES),
                         help="message sizes, comma-separated (default 1MiB,4MiB,16MiB,64MiB,256MiB)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),

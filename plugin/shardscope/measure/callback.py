@@ -59,7 +59,7 @@ class ShardingProfilerCallback(TrainerCallback):
     Instrumented steps are left out of throughput.
     """
 
-    profiler_class = ShardingProfiler  # shardscope.ShardingProfilerCallback: the one with the planner's preflight
+    profiler_class = ShardingProfiler  # shardscope.ShardingProfilerCallback's: with the planner's plan_for_live_run
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
                  summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3,
