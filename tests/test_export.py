@@ -397,6 +397,6 @@ def test_export_peak_memory_above_its_baseline_stays_within_the_stated_bound(tmp
     assert done.returncode == 0, done.stderr[-2000:]
     before, peak = map(int, done.stdout.split()[-2:])
     shards = [p.stat().st_size for p in (tmp_path / "out").glob("model-*.safetensors")]
-    assert len(shards) == 4 and max(shards) <= 100e6 and sum(shards) >= total
+    assert len(shards) >= 4 and max(shards) <= 100e6 and sum(shards) >= total  # 337 MB, 100 MB shards
     bound = max(shards) + 2 * largest
     assert 0 < peak - before <= bound + EXPORT_SLACK < total, (peak - before, bound)

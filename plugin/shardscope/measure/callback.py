@@ -151,7 +151,8 @@ class ShardingProfilerCallback(TrainerCallback):
         frame = inspect.currentframe()
         while frame is not None:
             caller = frame.f_locals.get("self")
-            if isinstance(caller, Trainer) and self in getattr(caller.callback_handler, "callbacks", ()):
+            handler = getattr(caller, "callback_handler", None) if isinstance(caller, Trainer) else None
+            if self in getattr(handler, "callbacks", ()):
                 return caller
             frame = frame.f_back
         return None
