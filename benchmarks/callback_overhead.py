@@ -14,6 +14,9 @@ step; rank 0's steps are reported. `--ranks 1`: one process, where that gather i
 import argparse, datetime, json, os, platform, random, socket, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -25,6 +28,7 @@ from shardscope.recipes.tiny import make_causal_lm
 
 OUT = Path(__file__).parent / "results" / "callback_overhead.md"
 PLUGIN = Path(__file__).resolve().parents[1] / "plugin"
+MEASURES = ("plugin/shardscope/measure", "plugin/shardscope/summary.py")  # render_docs.stale
 TARGETS = (0.3, 1)  # % of a step: issue 35, <= 0.3% at the default interval, <= 1% logging every step
 
 
@@ -250,7 +254,7 @@ def main(argv=None):
     ranks = (f"{a.ranks} ranks, `torchrun --nproc_per_node {a.ranks}`, DDP over gloo; rank 0's steps (each "
              "measurement's all_gather included)" if a.ranks > 1 else "single process (the all_gather is a no-op)")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(
+    a.out.write_text(stamped(
         f"# ShardingProfilerCallback overhead{' - A/A CONTROL (no-op callback)' if a.aa else ''}\n\n{text}\n\n"
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; command: `{cmd}`; wall: "
         f"{time.perf_counter() - started:.0f} s\n- machine: {platform.platform()}, {platform.processor() or '?'}, "
@@ -269,7 +273,8 @@ def main(argv=None):
         "thread's, thread_time), per step, and as a % of the median step without; met = time inside <= target and "
         "the block ratio's CI reaching down to the target (the block ratio alone cannot resolve a fraction of a "
         "percent here)." + (f" Code compared: before = `{a.baseline}`, after = this tree's plugin/, launched "
-                            "alternately (before, after, after, before, ...)." if a.baseline else "") + "\n")
+                            "alternately (before, after, after, before, ...)." if a.baseline else "") + "\n",
+        __file__, MEASURES))
     return rows
 
 

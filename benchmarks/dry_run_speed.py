@@ -22,11 +22,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
-from shardscope.plan import dry_run as dr
-from shardscope.model.spec import load_model_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
+from shardscope.plan import dry_run as dr  # noqa: E402
+from shardscope.model.spec import load_model_config  # noqa: E402
+
+MEASURES = ("plugin/shardscope/plan", "plugin/shardscope/model", "plugin/shardscope/cli/plan.py")  # render_docs.stale
 
 BUILD_IMPORTS = """import torch, transformers
 from transformers.models.llama import configuration_llama, modeling_llama
@@ -64,7 +70,7 @@ def main(argv=None) -> None:
         lines.append(f"| {model} | {strategy} | {world} | {nodes} | {tp or '-'} | {wall:.2f} | {cpu:.2f} |")
         print(lines[-1], flush=True)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
 
 
 def vs_import(repeats: int, out: str | None, quick: bool = False, before: str | None = None) -> None:
@@ -109,7 +115,7 @@ def vs_import(repeats: int, out: str | None, quick: bool = False, before: str | 
         lines.append(f"| {arm} | {wall:.2f} | {cpu:.2f} | {wall / base[0]:.2f}x | {cpu / base[1]:.2f}x |")
     print("\n".join(lines))
     if out:
-        Path(out).write_text("\n".join(lines) + "\n")
+        Path(out).write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
 
 
 if __name__ == "__main__":

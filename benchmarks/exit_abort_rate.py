@@ -21,8 +21,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the launch helpers the tests use
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
 
 from launch import BIN, cpu_env, free_port  # noqa: E402
+
+MEASURES = ("plugin/shardscope/measure",)  # render_docs.stale: what the profiled arm runs
 
 USER_SCRIPT = '''
 import sys, torch, torch.distributed as dist
@@ -97,7 +101,7 @@ def main(argv=None) -> None:
     arms = "" if len(args.arms) == 2 else " --arms " + " ".join(args.arms)
     lines += ["", f"command: `python benchmarks/exit_abort_rate.py --runs {args.runs}{arms}`"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    args.out.write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
     print("\n".join(lines))
 
 

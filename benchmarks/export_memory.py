@@ -38,9 +38,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the launch helpers the tests use
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
 
 import yaml  # noqa: E402
 from launch import accelerate_launch, cpu_env  # noqa: E402
+
+MEASURES = ("plugin/shardscope/checkpoint", "plugin/shardscope/cli/export.py")  # render_docs.stale
 
 PEAK = "print('VMHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))"
 IMPORTS = ("import torch, transformers, safetensors.torch, deepspeed, torch.distributed.checkpoint; "
@@ -178,7 +182,7 @@ def write(args, rows, weights: int, largest: int) -> None:
     lines += ["", "The bound `export --help` states, above the baseline: one shard + the largest tensor = "
               + (f"{mb(shard + largest)} (ZeRO); DCP: one shard + twice the largest tensor = {mb(shard + 2 * largest)}."
                  if shard else "S + largest (ZeRO), S + 2 x largest (DCP).")]
-    args.out.write_text("\n".join(lines) + "\n")
+    args.out.write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
     print("\n".join(lines))
 
 

@@ -31,12 +31,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the launch helpers the multi-node tests use
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
 
 from launch import accelerate_multinode_launch, cpu_env, free_port  # noqa: E402
 
 from shardscope.configs import find_config  # noqa: E402
 from shardscope.errors import UsageError  # noqa: E402
 from shardscope.safe_io import parse_yaml  # noqa: E402
+
+# render_docs.stale: the refusals timed (YAML, the dry run's mesh check, the recipe's model look-up)
+MEASURES = ("plugin/shardscope/safe_io.py", "plugin/shardscope/plan/dry_run.py", "plugin/shardscope/cli",
+            "plugin/shardscope/recipes", "recipes")
 
 BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]"
                                                          for p, n in zip("abcdefgh", "bcdefghi")]) + "\n"
@@ -114,7 +120,7 @@ def main(argv=None) -> None:
             lines.append(f"| {name} | {wall:.3f} | {cpu:.3f} | {str(outcome).replace('|', '/')[:160]} |")
             print(lines[-1], flush=True)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
+# render_docs.stale: the planner's peak (and the trace behind it), the profiler's measured peak, the report's table
+MEASURES = ("plugin/shardscope/plan", "plugin/shardscope/measure", "plugin/shardscope/report/peak_section.py",
+            "plugin/shardscope/report/plan_vs_run.py", "plugin/shardscope/data", "tests/workers/train_tiny.py")
 RESULTS = ROOT / "benchmarks" / "results" / "peak_agreement.md"
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4)
@@ -118,8 +124,8 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = args.out.with_suffix(".png")
     atomic_write_bytes(png, image.getvalue(), "results")
-    atomic_write_text(args.out, "# Peak memory of one step: planned vs measured\n\n" + text
-                      + f"\n![{png.name}]({png.name})\n", "results")
+    atomic_write_text(args.out, stamped("# Peak memory of one step: planned vs measured\n\n" + text
+                                        + f"\n![{png.name}]({png.name})\n", __file__, MEASURES), "results")
     print(text)
 
 

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
-from shardscope.plan.mesh import Setup
-from shardscope.model.spec import model_spec
-from shardscope.plan.planner import estimate
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+from shardscope.plan.mesh import Setup  # noqa: E402
+from shardscope.model.spec import model_spec  # noqa: E402
+from shardscope.plan.planner import estimate  # noqa: E402
+
+MEASURES = ("plugin/shardscope/plan", "plugin/shardscope/model")  # render_docs.stale
 
 MODELS = ("llama-2-7b", "llama-2-70b", "mixtral-8x7b", "qwen2.5-72b", "llama-3.1-405b")
 
@@ -42,7 +47,7 @@ def main(argv=None) -> None:
                      f"{cpu:.3f} |")
         print(lines[-1], flush=True)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+MEASURES = ("plugin/shardscope/plan", "plugin/shardscope/model", "plugin/shardscope/cli")  # render_docs.stale
 # What a cold `plan --model` imports before it counts anything (argv[1]: the model's config.json).
 FLOOR = """import importlib, json, sys
 import torch, transformers
@@ -90,7 +94,7 @@ def main(argv=None) -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text(stamped(text + "\n", __file__, MEASURES))
 
 
 if __name__ == "__main__":

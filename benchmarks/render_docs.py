@@ -15,13 +15,22 @@ benchmark script wrote its results file; tests/test_docs_results.py fails when a
 renders.
 
     python benchmarks/render_docs.py            # rewrite the docs in place (atomically)
-    python benchmarks/render_docs.py --check    # exit 1 naming each doc that differs
+    python benchmarks/render_docs.py --check    # exit 1 naming each doc that differs; also list stale results
+
+Staleness: a results file a benchmark measured starts with `<!-- measured at: SHA by benchmarks/SCRIPT -->`
+(`stamped`, called by the script that writes it), and that script declares the code it measures (`MEASURES`, paths
+under the repository root). `--check` lists each results file whose measured paths changed since SHA (working tree
+included), or that records no commit; it does not change the exit status (rerunning a benchmark takes minutes to
+hours). Results computed rather than measured (COMPUTED) record nothing: tests/test_benchmarks.py holds each equal
+to what its script writes now.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +39,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 MARKED = re.compile(r"(?<!`)<!-- results:(?P<spec>[\w.-]+(?:#[\w-]+)?) -->(?P<body>.*?)<!-- /results:(?P=spec) -->",
                     re.S)
 LINK = re.compile(r"(\]\()(?!https?:|#|/)([^)\s]+)(\))")
+MEASURED = re.compile(r"\A<!-- measured at: (?P<sha>[0-9a-f]{40})(?P<dirty> with uncommitted changes)? "
+                      r"by (?P<script>benchmarks/[\w.]+) -->\n")
+COMPUTED = ("fit_examples", "planner_figures", "published_ratios")  # held equal to their scripts by tests
 
 
 class RenderError(Exception):
@@ -47,7 +59,7 @@ def result(spec: str, results: Path = RESULTS) -> str:
     path = results / f"{name}.md"
     if not path.is_file():
         raise RenderError(f"no results file {path.relative_to(results.parents[1])}")
-    text = path.read_text()
+    text = MEASURED.sub("", path.read_text())
     if part == "table":
         lines = text.splitlines()
         start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
@@ -85,6 +97,59 @@ def render(text: str, doc: Path, results: Path = RESULTS) -> str:
     return rendered
 
 
+def git(*args: str, root: Path = ROOT) -> str | None:
+    """git's output in `root`, or None where git or the commit is not there (an unpacked sdist, a shallow clone)."""
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def stamped(text: str, script: str, measures: tuple, root: Path = ROOT) -> str:
+    """`text` (a results file) with its first line saying the commit it was measured at and by which `script`;
+    "with uncommitted changes" where `measures` differed from that commit (then `stale` counts from the commit that
+    adds the results file). Outside a git checkout, `text` as it is."""
+    sha = (git("rev-parse", "HEAD", root=root) or "").strip()
+    if not sha:
+        return text
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--", *measures, root=root) else ""
+    return f"<!-- measured at: {sha}{dirty} by benchmarks/{Path(script).name} -->\n" + MEASURED.sub("", text)
+
+
+def declared(script: Path) -> tuple | None:
+    """The `MEASURES` tuple a benchmark script declares (read, not imported), or None."""
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MEASURES" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return None
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """One line per results file that may no longer describe the code: its measured paths changed since."""
+    found = []
+    for path in sorted((root / "benchmarks" / "results").glob("*.md")):
+        name, stamp = path.relative_to(root), MEASURED.match(path.read_text())
+        if path.stem in COMPUTED:
+            continue
+        if not stamp:
+            found.append(f"{name}: records no commit it was measured at")
+            continue
+        measures = declared(root / stamp["script"]) if (root / stamp["script"]).is_file() else None
+        if not measures:
+            found.append(f"{name}: {stamp['script']} declares no MEASURES")
+            continue
+        since = (git("log", "-1", "--format=%H", "--", str(name), root=root) or "").strip() if stamp["dirty"] \
+            else stamp["sha"]
+        changed = git("diff", "--name-only", since, "--", *measures, root=root) if since else None
+        if changed is None:
+            found.append(f"{name}: cannot tell (commit {stamp['sha'][:10]} not in this checkout)")
+        elif changed.split():
+            files = changed.split()
+            more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+            found.append(f"{name}: measured at {stamp['sha'][:10]}; changed since: {', '.join(files[:3])}{more}")
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,6 +172,9 @@ def main(argv=None) -> int:
                 atomic_write_text(doc, rendered, "doc")
     for doc in differ:
         print(f"{doc.relative_to(ROOT)}: {'differs from its results' if args.check else 'rewritten'}")
+    if args.check:
+        for line in stale():
+            print(f"stale results: {line}")
     return 1 if args.check and differ else 0
 
 

@@ -23,7 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+# render_docs.stale: the whole suite and the demo (the stamp is the commit of the latest recorded run)
+MEASURES = ("plugin", "tests", "recipes", "scripts/demo.sh", "Makefile", "pyproject.toml")
 OUT = ROOT / "benchmarks" / "results" / "suite_time.md"
 SUMMARY = re.compile(r"(?:(\d+) failed, )?(\d+) passed(?:, (\d+) skipped)?(?:, (\d+) \w+)*(?:, (\d+) errors?)?"
                      r" in ([\d.]+)s")
@@ -107,7 +112,7 @@ def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str,
     sys.path.insert(0, str(ROOT / "plugin"))
     from shardscope.safe_io import atomic_write_text
 
-    atomic_write_text(out, render(rows), "results")
+    atomic_write_text(out, stamped(render(rows), __file__, MEASURES), "results")
     return summary(rows, target)
 
 

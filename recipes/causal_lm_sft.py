@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
 from shardscope.checkpoint.resume import prepare_resume
-from shardscope.doctor.diagnose import preflight
+from shardscope.doctor.diagnose import startup_checks
 from shardscope.errors import UsageError
 from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
 from shardscope.model.spec import load_model_config
@@ -90,7 +90,7 @@ def main():
         raw = raw.select(range(min(script_args.max_train_samples, len(raw))))
 
     # --- shardscope doctor's checks (DeepSpeed/FSDP files, layer classes, precision): refuse to start on a finding ---
-    preflight(parser.namespace, model_args.model_name_or_path)
+    startup_checks(parser.namespace, model_args.model_name_or_path)
 
     # --- Training arguments (this initialises the process group) ---
     training_args = parser.training_args()

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 
 from shardscope.checkpoint.resume import prepare_resume
-from shardscope.doctor.diagnose import preflight
+from shardscope.doctor.diagnose import startup_checks
 from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments, check_dinov2, run
 from shardscope.model.spec import load_model_config
 from shardscope.recipes.data import accuracy, collate_images, image_transform, load_image_dataset
@@ -66,7 +66,7 @@ def main():
         eval_data = eval_data.shuffle(seed=0).select(range(min(script_args.max_eval_samples, len(eval_data))))
 
     # --- shardscope doctor's checks (DeepSpeed/FSDP files, layer classes, precision): refuse to start on a finding ---
-    preflight(parser.namespace, model_args.model_name_or_path)
+    startup_checks(parser.namespace, model_args.model_name_or_path)
 
     # --- Training arguments (this initialises the process group) ---
     training_args = parser.training_args()

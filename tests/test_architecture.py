@@ -88,23 +88,32 @@ def test_the_planner_split_and_the_recipe_split_stay_apart():
 
 
 # --- layers (docs/architecture.md) -----------------------------------------------------------------
-LAYERS = ("model", "plan", "fit", "measure", "doctor", "report", "cli", "recipes", "checkpoint", "preflight")
+# docs/architecture.md's layer diagram, row by row from the top (test_the_diagram_is_this_table holds the two equal):
+# a layer may import the layers drawn below it, never one beside it or above it.
+DIAGRAM = (("cli",), ("preflight", "checkpoint"), ("doctor", "report"), ("recipes",), ("fit",), ("plan", "measure"),
+           ("model",))
+LAYERS = tuple(name for row in DIAGRAM for name in row)
+FORBIDDEN = {name: {other for above in DIAGRAM[:i + 1] for other in above} - {name}  # layer -> what it must not import
+             for i, row in enumerate(DIAGRAM) for name in row}
 # The modules at the top of the package: the foundation every layer may use (they import no layer), and the
-# named modules above the layers (the public surface, the bridge that hands measure/ the planner's preflight,
-# `shardscope export` until it moves into checkpoint/).
-ABOVE_LAYERS = {"", "__main__", "profiling", "export"}
-FORBIDDEN = {  # layer -> layers it must not import
-    "model": set(LAYERS) - {"model"},
-    "measure": {"plan", "fit", "doctor", "report", "cli", "recipes", "checkpoint", "preflight"},
-    "plan": {"measure", "fit", "doctor", "report", "cli", "recipes", "checkpoint", "preflight"},
-    "fit": {"doctor", "report", "cli", "recipes", "checkpoint", "preflight"},
-    "doctor": {"measure", "report", "cli", "checkpoint", "preflight"},
-    "report": {"fit", "doctor", "cli", "recipes", "checkpoint", "preflight"},
-    # checkpoint/ and preflight/ are tools beside doctor/ and report/: they may use model/, plan/, measure/
-    "checkpoint": {"report", "cli", "recipes", "preflight"},
-    "preflight": {"report", "cli", "recipes", "checkpoint"},
-    "recipes": {"report", "checkpoint", "preflight"},
-}
+# named modules above the layers (the public surface, `python -m shardscope`, the bridge that hands measure/ the
+# planner's plan for a live run).
+ABOVE_LAYERS = {"", "__main__", "profiling"}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def test_the_diagram_is_this_table():
+    """The rows of the diagram under "Layers and the rules between them" (the `name/` words a line starts with) are
+    DIAGRAM's, and every module ABOVE_LAYERS names exists."""
+    import re
+
+    block = DOCS.read_text().split("## Layers and the rules between them", 1)[1].split("```")[1]
+    rows = tuple(tuple(re.findall(r"(\w+)/", found.group(1))) for line in block.splitlines()
+                 if (found := re.match(r"((?:\w+/ +)+)", line)))
+    assert rows == DIAGRAM
+    assert sorted(ABOVE_LAYERS - set(MODULES)) == []
+
+
 # Functions still over MAX_FUNCTION_LINES, to be split (each named: none is silently exempt).
 TO_SPLIT: set[str] = set()
 MAX_FUNCTION_LINES = 60

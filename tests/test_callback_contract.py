@@ -128,13 +128,20 @@ def test_cuda_memory_branch_reads_the_allocator(monkeypatch):
 
 
 def test_peak_flops_override_gives_mfu_on_any_device(llama, tmp_path):
-    _, summary = train(llama, token_rows(), tmp_path, peak_tflops=1.0)
+    """MFU = tokens/s x FLOPs per token / peak, the FLOPs convention of docs/summary.md written out here: every
+    parameter trains, so 6 N (N without an untied input embedding) + 12 x layers x heads x head_dim x seq_len."""
+    config, seq = llama.config, 8  # token_rows: 8 tokens a row, none padding
+    untied_embedding = 0 if config.tie_word_embeddings else llama.get_input_embeddings().weight.numel()
+    n = sum(p.numel() for p in llama.parameters()) - untied_embedding
+    flops_per_token = 6 * n + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq
+    _, summary = train(llama, token_rows(), tmp_path, peak_tflops=2.0)
     throughput = summary["ranks"][0]["throughput"]
-    assert throughput["mfu"] == pytest.approx(throughput["tflops_per_device"] / 1.0)
+    assert throughput["tflops_per_device"] == pytest.approx(throughput["tokens_per_s"] * flops_per_token / 1e12)
+    assert throughput["mfu"] == pytest.approx(throughput["tokens_per_s"] * flops_per_token / 2.0e12)
 
 
 @pytest.mark.parametrize("gpu_bytes, fits", [(1_000_000, False), (80 * 10**9, True)])
-def test_preflight_warns_with_the_planners_advice_when_the_strategy_will_not_fit(
+def test_the_live_run_plan_warns_with_the_planners_advice_when_the_strategy_will_not_fit(
         llama, gpu_bytes, fits, monkeypatch, caplog, tmp_path):
     """GPU-only branch, with the device's total memory faked."""
     from types import SimpleNamespace
@@ -142,19 +149,20 @@ def test_preflight_warns_with_the_planners_advice_when_the_strategy_will_not_fit
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu_bytes))
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
     profiler._device = torch.device("cuda", 0)
-    profiler.preflight = {"strategy": "ddp", "world_size": 1}
+    profiler.detected = {"strategy": "ddp", "world_size": 1}
     ids = torch.zeros(1, 32, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="shardscope"):
-        profiler._plan_preflight({"input_ids": ids})
-    plan = profiler.preflight["plan"]
+        profiler._plan_live_run({"input_ids": ids})
+    plan = profiler.detected["plan"]
     assert plan["strategy"] == "ddp" and plan["fits"] is fits and plan["gpu_memory_bytes"] == gpu_bytes
+    assert profiler.preflight is profiler.detected  # the former name, kept for code that reads it
     warned = [r.getMessage() for r in caplog.records if "usable on this GPU" in r.getMessage()]
     assert bool(warned) is (not fits)
     if not fits:
         assert "recommended" in warned[0] and "ddp" in warned[0]
 
 
-def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, tmp_path):
+def test_the_live_run_plan_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, tmp_path):
     """GPU-only branch: an FSDP x TP run (2 shards x tp 2) is planned on that mesh, not the planner's
     default TP degree for 4 GPUs (4 here)."""
     from dataclasses import replace
@@ -168,12 +176,12 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
     profiler._device = torch.device("cuda", 0)
-    profiler.preflight = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
-    profiler._plan_preflight({})  # no batch: model states and buffers
+    profiler.detected = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
+    profiler._plan_live_run({})  # no batch: model states and buffers
     _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=1, gpu_memory_bytes=80 * 10**9), mesh)
     default = estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
     assert mesh not in [r.mesh for r in default]  # only the mesh gives this row
-    assert profiler.preflight["plan"]["strategy"] == "fsdp_tp"
+    assert profiler.detected["plan"]["strategy"] == "fsdp_tp"
     # By hand, fp32 AdamW on 2 shards x tp 2 with no batch (states and what FSDP gathers; the peak is at the end
     # of backward): a rank holds the linear layers and embeddings split four ways, the norms (TP replicates them)
     # two ways: 4 B weights + 4 B gradients + 8 B moments per element, AdamW's 4 B `step` per tensor; plus the
@@ -185,11 +193,11 @@ def test_preflight_plans_a_tensor_parallel_run_on_its_mesh(llama, monkeypatch, t
     root = sum(p.numel() for name, p in params.items() if ".layers." not in name)
     shard = (elements - norms) // 4 + norms // 2
     assert root > max(sum(p.numel() for name, p in params.items() if f".layers.{i}." in name) for i in range(2))
-    assert profiler.preflight["plan"]["total_bytes"] == 16 * shard + 4 * len(params) + 2 * 4 * root // 2
+    assert profiler.detected["plan"]["total_bytes"] == 16 * shard + 4 * len(params) + 2 * 4 * root // 2
 
 
-def test_preflight_plans_the_traced_peak_at_the_first_training_batch(llama, monkeypatch):
-    """GPU-only branch: at the first training forward the preflight plans the batch's shape with the step traced
+def test_the_live_run_plan_plans_the_traced_peak_at_the_first_training_batch(llama, monkeypatch):
+    """GPU-only branch: at the first training forward the live-run plan plans the batch's shape with the step traced
     as `plan --model` traces it (the same row), once, and its seconds are left out of the step's time."""
     from types import SimpleNamespace
 
@@ -200,22 +208,22 @@ def test_preflight_plans_the_traced_peak_at_the_first_training_batch(llama, monk
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None, comm_step=None, time_step=None)
-    profiler._device, profiler._preflight_due = torch.device("cuda", 0), True
-    profiler.preflight = {"strategy": "ddp", "world_size": 1}
+    profiler._device, profiler._plan_due = torch.device("cuda", 0), True
+    profiler.detected = {"strategy": "ddp", "world_size": 1}
     profiler.begin_step()
     anchored = profiler._interval.anchor  # where the step's time starts
     ids = torch.zeros(2, 48, dtype=torch.long)
     llama.train()
     llama(input_ids=ids, labels=ids).loss.backward()
-    plan = profiler.preflight.pop("plan")
+    plan = profiler.detected.pop("plan")
     setup = Setup(precision="fp32", micro_batch=2, seq_len=48, gpu_memory_bytes=80 * 10**9)
     row = next(r for r in estimate(spec_from_config(llama.config), setup, traces_for(llama.config, setup)[0])["rows"]
                if r.strategy == "ddp")
     assert (plan["micro_batch"], plan["seq_len"], plan["activations_source"]) == (2, 48, "traced")
     assert plan["peak_bytes"] == row.peak_bytes and plan["fits"] is True
-    assert profiler._interval.anchor > anchored  # the step's time restarts after the preflight
+    assert profiler._interval.anchor > anchored  # the step's time restarts after the plan
     llama(input_ids=ids, labels=ids)
-    assert "plan" not in profiler.preflight  # once per run
+    assert "plan" not in profiler.detected  # once per run
     profiler.close()
 
 

@@ -64,3 +64,29 @@ def test_every_relative_link_in_the_docs_points_to_a_file():
 
 def test_readme_fits_a_screen():
     assert len((ROOT / "README.md").read_text().splitlines()) <= README_LINES
+
+
+def test_a_result_whose_measured_code_changed_since_is_listed_stale(tmp_path):
+    """`stamped` records the commit a benchmark ran at; `stale` lists the file once a path its script declares in
+    `MEASURES` changes after that commit (working tree included), and the rendered text never shows the stamp."""
+    git = lambda *args: render_docs.git(*args, root=tmp_path)  # noqa: E731
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "benchmarks" / "bench.py").write_text('MEASURES = ("pkg/measured.py",)\n')
+    for name in ("measured.py", "other.py"):
+        (tmp_path / "pkg" / name).write_text("x = 1\n")
+    assert git("init", "-q") is not None and git("add", ".") is not None
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
+    results = tmp_path / "benchmarks" / "results" / "bench.md"
+    results.write_text(render_docs.stamped("# Bench\n\n| a |\n| --- |\n| 1 |\n", "bench.py", ("pkg/measured.py",),
+                                           root=tmp_path))
+    head = git("rev-parse", "HEAD").strip()
+    assert results.read_text().startswith(f"<!-- measured at: {head} by benchmarks/bench.py -->\n# Bench\n")
+    assert render_docs.result("bench", results.parent) == "| a |\n| --- |\n| 1 |"
+    (tmp_path / "pkg" / "other.py").write_text("x = 2\n")  # not what it measures
+    assert render_docs.stale(tmp_path) == []
+    (tmp_path / "pkg" / "measured.py").write_text("x = 2\n")
+    assert render_docs.stale(tmp_path) == [
+        f"benchmarks/results/bench.md: measured at {head[:10]}; changed since: pkg/measured.py"]
+    (tmp_path / "benchmarks" / "results" / "unstamped.md").write_text("# Old\n")
+    assert render_docs.stale(tmp_path)[-1] == "benchmarks/results/unstamped.md: records no commit it was measured at"

@@ -9,7 +9,7 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.configs import shipped_configs
-from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args, preflight
+from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args, startup_checks
 from shardscope.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,13 +251,13 @@ def test_recipe_start_up_check_refuses_a_mismatch(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     script = str(ROOT / "recipes" / "causal_lm_sft.py")
     ok, _ = parse_trainer_args([script, "--deepspeed", str(SHIPPED["zero3.json"]), "--gradient_accumulation_steps", "8"])
-    preflight(ok, None)
+    startup_checks(ok, None)
     bad, _ = parse_trainer_args([script, "--deepspeed", str(FIX / "ds_mismatch.json"), "--gradient_accumulation_steps", "8"])
     with pytest.raises(UsageError, match="refusing to start.*gradient_accumulation_steps"):
-        preflight(bad, None)
+        startup_checks(bad, None)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with pytest.raises(UsageError, match="mixed_precision"):
-        preflight(ok, None)
+        startup_checks(ok, None)
 
 
 def test_doctor_and_plan_agree_on_fits_near_the_edge(tiny_llama, capsys):

@@ -410,15 +410,15 @@ def test_tiny_assets_print_only_their_paths(tmp_path, capfd):
     assert err.strip() == "", err
 
 
-def test_recipe_preflight_names_the_launcher_not_the_file(monkeypatch):
+def test_recipe_startup_checks_name_the_launcher_not_the_file(monkeypatch):
     """`accelerate launch --mixed_precision no ... --bf16`: the value came from a flag, the yaml may say bf16."""
-    from shardscope.doctor.diagnose import preflight
+    from shardscope.doctor.diagnose import startup_checks
     from shardscope.errors import UsageError
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     with pytest.raises(UsageError, match=r"accelerate launch \(--config_file or its flags\): mixed_precision: no "
                                          r"here but bf16 in the recipe arguments"):
-        preflight({"bf16": True})
+        startup_checks({"bf16": True})
 
 
 def test_plan_says_each_note_once(capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from shardscope import ShardingProfiler, ShardingProfilerCallback
 from shardscope.measure.guard import GUARDED
@@ -73,14 +73,18 @@ def one_rank_group(tmp_path_factory):
     torch.distributed.destroy_process_group()
 
 
-def train(model_path, out, callbacks=()):
-    """4 Trainer steps of the tiny Llama, each training forward issuing one all_reduce (a user's collective);
-    returns (trainer, losses)."""
+def make_trainer(model_path, out, callbacks=()):
+    """A Trainer of 4 steps of the tiny Llama, each training forward issuing one all_reduce (a user's collective)."""
     model = AutoModelForCausalLM.from_pretrained(model_path)
     model.register_forward_hook(lambda *_: torch.distributed.all_reduce(torch.ones(4)))
     args = TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, logging_steps=1,
                              learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(model.config.vocab_size), callbacks=list(callbacks))
+    return Trainer(model=model, args=args, train_dataset=Rows(model.config.vocab_size), callbacks=list(callbacks))
+
+
+def train(model_path, out, callbacks=()):
+    """`make_trainer(...).train()`; returns (trainer, losses)."""
+    trainer = make_trainer(model_path, out, callbacks)
     trainer.train()
     return trainer, [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
@@ -111,6 +115,44 @@ def test_an_instrument_that_fails_is_disabled_and_training_goes_on(tiny_llama, p
         assert all(rank[field] is None for field in FIELDS.get(instrument, ())), rank
         for other, fields in FIELDS.items():
             assert other == instrument or all(rank[field] is not None for field in fields), (other, rank)
+
+
+class FailAtStep(TrainerCallback):
+    """A user's callback that raises at the end of optimizer step `step` (None: never)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("the user's own failure")
+
+
+def test_a_users_own_training_step_wrapper_keeps_running(tiny_llama, one_rank_group, tmp_path, monkeypatch):
+    """A wrapper the user set on `trainer.training_step` before train() runs once per micro-batch beside the
+    callback's batch feed, also in a train() after one that raised (whose feed is removed, not stacked), and is
+    `trainer.training_step` again after the run."""
+    fed = []
+    add_batch = ShardingProfiler.add_batch
+    monkeypatch.setattr(ShardingProfiler, "add_batch", lambda self, *a, **k: fed.append(1) or add_batch(self, *a, **k))
+    failing = FailAtStep(2)
+    # no instrumented step: a train() that raises leaves the dispatch mode of a step it had armed on torch's stack
+    callback = ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)
+    trainer = make_trainer(tiny_llama, tmp_path, [callback, failing])
+    calls, original = [], trainer.training_step
+
+    def counting(model, inputs, *args, **kwargs):  # the user's own wrapper (TRL scripts, other libraries)
+        calls.append(len(inputs["input_ids"]))
+        return original(model, inputs, *args, **kwargs)
+
+    trainer.training_step = counting
+    with pytest.raises(RuntimeError, match="the user's own failure"):
+        trainer.train()
+    assert (calls, len(fed)) == ([2, 2], 2)  # one micro-batch of 2 rows per step, each seen by both
+    failing.step = None
+    trainer.train()  # starts again from step 0: STEPS more micro-batches
+    assert (calls, len(fed)) == ([2] * (2 + STEPS), 2 + STEPS)
+    assert vars(trainer)["training_step"] is counting
 
 
 def _hook_dicts(model, optimizer) -> dict:

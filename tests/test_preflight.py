@@ -46,8 +46,7 @@ def together(specs: dict, timeout: float) -> dict:
 
 
 def node_args(out, nnodes, rank, port, timeout, *extra):
-    folder = out / f"node{rank}"
-    folder.mkdir(parents=True)
+    folder = out / f"node{rank}"  # not there yet: each node's check creates its own
     return ["--nnodes", nnodes, "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", port,
             "--timeout", timeout, "--sizes", SIZE_ARG, "--output-dir", folder, *extra]
 
@@ -73,6 +72,7 @@ def test_node_check_all_joined_times_the_link_and_exits_0(tmp_path):
     assert TABLE not in results[1][1] and "all 2 nodes joined; 0 finding(s)" in results[1][1]
     doc = json.loads((tmp_path / "node0" / "preflight.json").read_text())
     assert not (tmp_path / "node1" / "preflight.json").exists()  # node 0 writes, the others print one line
+    assert (tmp_path / "node1").is_dir()  # each node made its --output-dir (not shared here), as node 0 did
     assert (doc["check"], doc["missing"], doc["findings"], doc["exit_code"]) == ("node", [], [], 0)
     assert [n["node"] for n in doc["nodes"]] == [0, 1]
     assert doc["nodes"][0]["fingerprint"] == doc["nodes"][1]["fingerprint"] | {"host": doc["nodes"][0]["host"]}
@@ -129,8 +129,9 @@ def test_a_node_with_another_nccl_variable_is_named(tmp_path):
 
 
 def test_bad_options_exit_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")  # an --output-dir under a file cannot be created
     for argv in (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a"], ["--nnodes", "2"],
-                 ["--sizes", "1XB"], ["--timeout", "0"], ["--output-dir", str(tmp_path / "none")],
+                 ["--sizes", "1XB"], ["--timeout", "0"], ["--output-dir", str(tmp_path / "a_file" / "sub")],
                  ["--nnodes", "2", "--node-rank", "0", "--master-addr", "a", "--hosts", "x"]):
         assert main(["preflight", *argv]) == 2
         err = capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""The public profiler and callback: measure/'s classes with the planner's preflight wired in. measure/ imports
-nothing from plan/; this module sits above both and hands the profiler `preflight_plan` (the planner's row for
-the live run at its first training batch, checked against the GPU)."""
+"""The public profiler and callback: measure/'s classes with the planner wired in. measure/ imports nothing from
+plan/; this module sits above both and hands the profiler `plan_for_live_run` (the planner's row for the live run
+at its first training batch, checked against the GPU)."""
 from __future__ import annotations
 
 from .measure import callback, profiler
@@ -13,8 +13,8 @@ from .strategy import configured_precision
 from .units import gb
 
 
-def preflight_plan(model, strategy: str | None, mesh: dict | None, world: int, nodes: int, precision: str | None,
-                   gpu_memory_bytes: int, inputs: dict | None = None) -> dict | None:
+def plan_for_live_run(model, strategy: str | None, mesh: dict | None, world: int, nodes: int, precision: str | None,
+                      gpu_memory_bytes: int, inputs: dict | None = None) -> dict | None:
     """The planner's row for a live run as its first training batch goes in: its strategy, world size, precision
     ("bf16", "fp16", "fp32"), TP mesh, LoRA adapters and checkpointing, and the batch's shape (`inputs`: the
     forward's keyword arguments, input_ids or pixel_values). The step is traced at that shape as `plan --model`
@@ -52,7 +52,13 @@ def preflight_plan(model, strategy: str | None, mesh: dict | None, world: int, n
 
 class ShardingProfiler(profiler.ShardingProfiler):
     __doc__ = profiler.ShardingProfiler.__doc__
-    plan_preflight = staticmethod(preflight_plan)
+    plan_for_live_run = staticmethod(plan_for_live_run)
+
+    @property
+    def preflight(self) -> dict:
+        """The former name of `detected` (the strategy, world size and mesh detected on the live run), kept so
+        code that reads it still works."""
+        return self.detected
 
 
 class ShardingProfilerCallback(callback.ShardingProfilerCallback):

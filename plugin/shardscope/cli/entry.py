@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import traceback
 
 from .. import __version__
 from ..errors import UsageError
+from ..notices import quiet_library_notices
 
 # Each command -> the module (below shardscope) that defines `register(subparsers)` for it; each registered
 # parser sets `func(args) -> int`. A run imports only its own command's module (`plan` does not import doctor's).
@@ -57,13 +57,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name in modules:
         importlib.import_module(f"shardscope.{name}").register(subparsers)
     return parser
-
-
-def quiet_library_notices() -> None:
-    """Keep the tool's output its own: DeepSpeed announces on stdout, at import, that it fell back to the
-    CPU accelerator; the commands only read its configs (training runs launched by `compare` keep it)."""
-    logging.getLogger("DeepSpeed").addFilter(
-        lambda record: "Setting accelerator to CPU" not in record.getMessage())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,8 @@ def register(subparsers) -> None:
     parser.add_argument("--hosts", help="node check: comma-separated host names by node rank, to name a missing "
                                         "node by host (SLURM: $(scontrol show hostnames | paste -sd,))")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds from the start for every member to join (default 60)")
-    parser.add_argument("--output-dir", type=Path, default=Path("."), help="where preflight.json goes (default .)")
+    parser.add_argument("--output-dir", type=Path, default=Path("."),
+                        help="where preflight.json goes, created if missing (default .)")
     parser.add_argument("--sizes", default=list(DEFAULT_SIZES),
                         help="message sizes, comma-separated (default 1MiB,4MiB,16MiB,64MiB,256MiB)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
@@ -63,8 +64,10 @@ def check(args) -> str:
     given = [name for name in NODE_OPTIONS if getattr(args, name) is not None]
     if not 0 < args.timeout <= 86400:
         raise UsageError(f"--timeout must be between 0 and 86400 seconds, got {args.timeout:g}")
-    if not args.output_dir.is_dir():
-        raise UsageError(f"--output-dir {args.output_dir}: not an existing folder")
+    try:  # by every process, so each node has the folder where it is not shared (as the Trainer makes its own)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--output-dir {args.output_dir}: cannot create the folder ({error.strerror or error})")
     if not given:
         if args.hosts:
             raise UsageError("--hosts belongs to the node check: give --nnodes, --node-rank and --master-addr too")

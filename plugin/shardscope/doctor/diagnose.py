@@ -34,7 +34,7 @@ from ..plan.mesh import tp_heads_problem, valid_tp_degrees
 from ..recipes.source import recipe_dataclasses
 from ..strategy import configured_precision, fsdp_settings, strategy_of_config, tp_mesh_of_config
 
-__all__ = ["Finding", "Inputs", "check_files", "diagnose", "parse_trainer_args", "preflight"]
+__all__ = ["Finding", "Inputs", "check_files", "diagnose", "parse_trainer_args", "startup_checks"]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -377,7 +377,7 @@ def _dedupe(findings: list[Finding]) -> list[Finding]:
 LAUNCHED = "accelerate launch (--config_file or its flags)"
 
 
-def preflight(namespace: dict, model: str | None = None) -> None:
+def startup_checks(namespace: dict, model: str | None = None) -> None:
     """The doctor's checks inside a launched recipe, before `TrainingArguments` exists: the DeepSpeed and
     fsdp_config files its arguments name (or accelerate's launcher passed on), the layer classes to wrap
     and mixed precision against accelerate's environment. Raises `UsageError` listing every finding."""

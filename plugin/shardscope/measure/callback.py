@@ -11,9 +11,9 @@ import inspect
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers.trainer_callback import DefaultFlowCallback
 
-from .guard import Guard, MethodWrap, WarnOnce, never_raises, validate_arguments
+from .guard import Guard, MethodWrap, WarnOnce, never_raises, unwrap_stale, validate_arguments
 from .profiler import ShardingProfiler
 from .step_counts import describe_flops
 from ..summary import SUMMARY_FILE
@@ -59,7 +59,7 @@ class ShardingProfilerCallback(TrainerCallback):
     Instrumented steps are left out of throughput.
     """
 
-    profiler_class = ShardingProfiler  # shardscope.ShardingProfilerCallback: the one with the planner's preflight
+    profiler_class = ShardingProfiler  # shardscope.ShardingProfilerCallback's: with the planner's plan_for_live_run
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
                  summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3,
@@ -75,17 +75,17 @@ class ShardingProfilerCallback(TrainerCallback):
     # --- Trainer events (each also wrapped by `never_raises`) ---------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
         with self._guard("callback order"):
-            self._run_before_reporters()
+            self._run_before_reporters(self._find_trainer())
         with self._guard("parameter counts"):  # before any wrapping flattens or shards the parameters
             self._flops_model = describe_flops(kwargs["model"])
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        with self._guard("callback order"):
-            self._run_before_reporters()
         frozen, trained = {}, model
         with self._guard("frozen models"):
-            self._trainer = self._find_trainer()
+            self._trainer = self._find_trainer()  # (also for a callback added after the Trainer was made)
             frozen = frozen_models_of(self._trainer, model)
+        with self._guard("callback order"):
+            self._run_before_reporters(self._trainer)
         with self._guard("DDP wrapper"):  # the profiler reads the buckets of DDP's reducer from the wrapper
             wrapped = getattr(self._trainer, "model_wrapped", None)
             trained = wrapped if type(wrapped).__name__ == "DistributedDataParallel" and wrapped.module is model \
@@ -131,8 +131,7 @@ class ShardingProfilerCallback(TrainerCallback):
         """Hand the profiler each micro-batch the Trainer trains on, counted as the Trainer counts samples."""
         if self._trainer is None:
             return  # no Trainer found: the profiler counts the training forwards it sees
-        if "training_step" in vars(self._trainer):  # left by a train() that raised before its train end
-            del self._trainer.training_step
+        unwrap_stale(self._trainer, "training_step", "batch_feed")  # ours, left by a train() that raised
         profiler = self.profiler
 
         def feed(model, inputs, *args, **kwargs):
@@ -141,26 +140,35 @@ class ShardingProfilerCallback(TrainerCallback):
         MethodWrap(profiler.instrument("batch_feed"), self._trainer, "training_step", before=feed)
 
     def _find_trainer(self):
-        """The Trainer calling this event (found on the call stack: the Trainer hands callbacks no reference)."""
-        frame = inspect.currentframe()
-        while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
-            frame = frame.f_back
-        return None if frame is None else frame.f_locals["self"]
+        """The Trainer whose callback handler is calling this event, or None.
 
-    def _run_before_reporters(self):
-        """Move this callback ahead of the reporting callbacks, so the logs they send include our keys.
-
-        The Trainer puts user callbacks after its reporters (TensorBoard, W&B, ...) and offers no public
-        way to reorder; the handler is found on the call stack (it is the object calling this event).
+        Found on the call stack: the Trainer hands callbacks its model, optimizer, scheduler, processing class and
+        data loaders (transformers' `CallbackHandler.call_event`), never itself or its handler. The callback needs
+        the Trainer for what those do not carry: the frozen models it holds (TRL's `ref_model`, ...), DDP's wrapper
+        (`model_wrapped`), the `training_step` that receives each micro-batch and the callback list to reorder.
+        Only a Trainer that holds this very callback is taken (not another Trainer further up the stack).
         """
         frame = inspect.currentframe()
-        while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
+        while frame is not None:
+            caller = frame.f_locals.get("self")
+            handler = getattr(caller, "callback_handler", None) if isinstance(caller, Trainer) else None
+            if self in getattr(handler, "callbacks", ()):
+                return caller
             frame = frame.f_back
-        if frame is None:
+        return None
+
+    def _run_before_reporters(self, trainer):
+        """Move this callback ahead of the reporting callbacks, so the logs they send include our keys.
+
+        The Trainer puts user callbacks after its reporters (TensorBoard, W&B, ...) and offers no way to insert
+        one at a position (`add_callback` appends): the Trainer's public `callback_handler.callbacks` list is
+        reordered in place, once per event that finds it out of order.
+        """
+        if trainer is None:
             self.warn_once("callback order", "could not find the Trainer's callback list; shardscope metrics "
                             "reach trainer_state.json and the summary file but not the report_to backends")
             return
-        callbacks = frame.f_locals["self"].callbacks
+        callbacks = trainer.callback_handler.callbacks
         position = 1 if callbacks and isinstance(callbacks[0], DefaultFlowCallback) else 0
         if callbacks.index(self) > position:
             callbacks.remove(self)

@@ -23,6 +23,7 @@ from ..summary import SUMMARY_FILE
 logger = logging.getLogger("shardscope")
 
 GUARDED = "__shardscope_guarded__"  # set on every callable an instrument installs (tests/test_never_breaks.py)
+UNWRAP = "__shardscope_unwrap__"  # a `MethodWrap`'s `remove`, on the method it installed
 
 
 class WarnOnce:
@@ -161,6 +162,7 @@ class MethodWrap:
                 after()
 
         setattr(wrapped, GUARDED, instrument.name)
+        setattr(wrapped, UNWRAP, self.remove)
         self.owner, self.name, self.wrapped, self.active = owner, name, wrapped, True
         self.previous = vars(owner).get(name)  # a wrap set on the instance before this one
         setattr(owner, name, wrapped)
@@ -173,6 +175,14 @@ class MethodWrap:
                 delattr(self.owner, self.name)  # the class's own method shows through again
             else:
                 setattr(self.owner, self.name, self.previous)
+
+
+def unwrap_stale(owner, name: str, instrument_name: str) -> None:
+    """Remove a `MethodWrap` of `instrument_name` still on `owner.<name>` (left by a run that raised before its
+    end): only what the profiler put there; whatever the user set on the instance stays and is wrapped next."""
+    stale = vars(owner).get(name)
+    if getattr(stale, GUARDED, None) == instrument_name and callable(getattr(stale, UNWRAP, None)):
+        getattr(stale, UNWRAP)()
 
 
 def never_raises(default=lambda: None):

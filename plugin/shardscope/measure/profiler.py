@@ -93,8 +93,8 @@ class ShardingProfiler:
     """
 
     # The planner's check of this run at its first training batch (on a GPU): a function injected from above
-    # (shardscope.profiling sets shardscope.profiling.preflight_plan; measure/ does not import plan/). None: none.
-    plan_preflight = None
+    # (shardscope.profiling sets shardscope.profiling.plan_for_live_run; measure/ does not import plan/). None: none.
+    plan_for_live_run = None
 
     def __init__(self, model, optimizer, accelerator=None, output_dir=".", every_n_steps: int | None = 10,
                  frozen_models: dict | None = None, *, peak_tflops: float | None = None,
@@ -125,12 +125,12 @@ class ShardingProfiler:
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
         self._precision, self._precision_ranks = None, []
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
-        self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
+        self.detected, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
         with self.guard("strategy"):
             self._module = self._visible_module(model)
-            self.preflight.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
-        self._tp = (self.preflight.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
+            self.detected.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
+        self._tp = (self.detected.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
         frozen_fields = tuple(f"frozen:{name}" for name in self.frozen_models)
@@ -149,10 +149,10 @@ class ShardingProfiler:
             self._watch_precision()
         with self.guard("device peak FLOP/s"):
             self._peak = self._peak_flops()
-        self._preflight_due = self._device.type == "cuda" and self.plan_preflight is not None  # at the first batch
+        self._plan_due = self._device.type == "cuda" and self.plan_for_live_run is not None  # at the first batch
         if process_rank() == 0:
-            with self.guard("preflight log"):
-                logger.warning("shardscope preflight: %s", json.dumps({**self.preflight, **self.model_facts}))
+            with self.guard("detected strategy log"):
+                logger.warning("shardscope detected: %s", json.dumps({**self.detected, **self.model_facts}))
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
             self._windows("step_begin")
         self._begin()
@@ -298,11 +298,11 @@ class ShardingProfiler:
                     samples, _, seq_len = batch_counts(args, kwargs)
                     self._sampled.add_batch(samples, seq_len)
             return
-        if self._preflight_due and torch.is_grad_enabled():
-            self._preflight_due = False
-            with self.guard("planner preflight"):
-                self._plan_preflight({"input_ids": args[0], **kwargs} if args else kwargs)
-            self._windows("restart")  # the preflight's seconds are not the step's
+        if self._plan_due and torch.is_grad_enabled():
+            self._plan_due = False
+            with self.guard("plan for the live run"):
+                self._plan_live_run({"input_ids": args[0], **kwargs} if args else kwargs)
+            self._windows("restart")  # the plan's seconds are not the step's
         if self._sampled_due:  # deferred by a pause: starts before the first training forward at the latest
             self._begin_sampled()
         with self.guard("batch counting"):
@@ -487,7 +487,7 @@ class ShardingProfiler:
         if self.precision is None:
             self.precision = effective_precision(classify(self._module, self.optimizer)).split("-")[0]
         flags = SimpleNamespace(bf16=self.precision == "bf16", fp16=self.precision == "fp16")
-        self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.preflight.get("strategy"),
+        self._precision = PrecisionWatch(self._module, self.optimizer, flags, self.detected.get("strategy"),
                                          self._precision_probe)
         if process_rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
@@ -501,16 +501,16 @@ class ShardingProfiler:
             "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
         return peak_flops(torch.cuda.get_device_name(self._device), dtype)
 
-    def _plan_preflight(self, inputs: dict):
+    def _plan_live_run(self, inputs: dict):
         """Warn (rank 0) when the planner's peak for this run at the first training batch's shape does not fit this
-        GPU (`plan_preflight`, traced as `fit` traces). Saved in the summary as `preflight_plan`."""
-        plan = self.plan_preflight(self._module, self.preflight.get("strategy"), self.preflight.get("mesh"),
-                                   self.preflight.get("world_size", 1), num_nodes(), self.precision,
-                                   torch.cuda.get_device_properties(self._device).total_memory, inputs)
+        GPU (`plan_for_live_run`, traced as `fit` traces). Saved in the summary as `preflight_plan`."""
+        plan = self.plan_for_live_run(self._module, self.detected.get("strategy"), self.detected.get("mesh"),
+                                      self.detected.get("world_size", 1), num_nodes(), self.precision,
+                                      torch.cuda.get_device_properties(self._device).total_memory, inputs)
         if plan is not None:
-            self.preflight["plan"] = plan
+            self.detected["plan"] = plan
         if plan and plan["fits"] is False and process_rank() == 0:
-            logger.warning("shardscope preflight: %s", plan["warning"])
+            logger.warning("shardscope plan for this run: %s", plan["warning"])
 
     # --- Helpers -----------------------------------------------------------------------------------------------
     def _begin(self, sampled: bool = True):
@@ -563,13 +563,13 @@ class ShardingProfiler:
         precision = self._precision_ranks or [{}] * len(ranks)
         return {
             "shardscope_version": __version__,
-            "strategy": self.preflight.get("strategy"),
-            "strategy_detail": {k: v for k, v in self.preflight.items()
+            "strategy": self.detected.get("strategy"),
+            "strategy_detail": {k: v for k, v in self.detected.items()
                                 if k not in ("strategy", "world_size", "plan", "mesh")},
-            "mesh": self.preflight.get("mesh"),
-            "preflight_plan": self.preflight.get("plan"),
+            "mesh": self.detected.get("mesh"),
+            "preflight_plan": self.detected.get("plan"),
             **self.summary_extra,
-            "world_size": self.preflight.get("world_size", len(ranks)),
+            "world_size": self.detected.get("world_size", len(ranks)),
             "num_nodes": num_nodes(),
             "model": self.model_facts,
             "frozen_models": {name: {"params_total": fm.total_params} for name, fm in self._frozen_flops.items()},

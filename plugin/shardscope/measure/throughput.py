@@ -76,7 +76,7 @@ class ThroughputWindow:
             self.anchor = self.clock()
 
     def restart(self):
-        """The step's time starts now: what ran since its begin (the planner's preflight) is left out."""
+        """The step's time starts now: what ran since its begin (the planner's plan for the live run) is left out."""
         self.anchor = self.clock()
 
     def add_batch(self, samples: int, tokens=None, flops=None):

@@ -3,7 +3,7 @@
 - `RecipeParser`: `HfArgumentParser` with `--config FILE.yaml` (values become defaults, the command
   line overrides them, unknown YAML keys are an error) and one-line errors instead of a page of usage.
   It builds the script's own dataclasses first and `TrainingArguments` last, because constructing
-  `TrainingArguments` initialises the process group: input checks (and `shardscope.doctor.diagnose.preflight`,
+  `TrainingArguments` initialises the process group: input checks (and `shardscope.doctor.diagnose.startup_checks`,
   which the recipe calls itself) run in between.
 - `RecipeTrainingArguments`: `TrainingArguments` that runs the same command on a CPU-only machine.
 - `FitArguments`: `--auto_fit true` and its budget (applied by `recipe_training.auto_fit`).
@@ -70,7 +70,7 @@ class RecipeParser:
     def training_args(self):
         """Construct the `TrainingArguments` subclass; this initialises `PartialState` (the process group).
 
-        Recipes call `shardscope.doctor.diagnose.preflight(parser.namespace, model)` just before this."""
+        Recipes call `shardscope.doctor.diagnose.startup_checks(parser.namespace, model)` just before this."""
         return self._build(self.training_type)
 
     def _build(self, dtype):

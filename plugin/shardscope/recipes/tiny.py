@@ -139,7 +139,7 @@ def _main(argv=None) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from ..cli.entry import quiet_library_notices
+    from ..notices import quiet_library_notices
 
     quiet_library_notices()  # the output is the two paths below, not the libraries' notices and progress bars
     hf_logging.disable_progress_bar()
