@@ -21,7 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "results" / "library_host_cost.md"
+MEASURES = ("benchmarks/library_host_cost.py",)  # render_docs.stale: torch's and DeepSpeed's code, not ours
 LAYERS, WIDTH, BATCH, STEPS, WARMUP = 64, 32, 4, 30, 5
 
 
@@ -89,7 +93,7 @@ def main(argv=None) -> None:
     lines += [f"| {k} | {v * 1e3:.2f} |" for k, v in t.items()]
     lines += ["", "| library | host work per module and pass (us) |", "|---|---|"]
     lines += [f"| {k} | {v * 1e6:.0f} |" for k, v in per.items()]
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text(stamped("\n".join(lines) + "\n", __file__, MEASURES))
     print("\n".join(lines))
 
 

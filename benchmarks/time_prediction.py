@@ -29,6 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugin"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
+MEASURES = ("plugin/shardscope/plan/time_model.py", "plugin/shardscope/plan/calibration.py",
+            "plugin/shardscope/measure", "tests/workers/train_time.py")  # render_docs.stale
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")  # train_time.py's names
 CONFIGS = ("a1c0", "a2c0", "a1c1", "a2c1")  # accumulation x checkpointing
@@ -274,7 +279,7 @@ def main(argv=None) -> None:
     text += summary([stats for _, stats in sections])
     for lines, _ in sections:
         text += lines
-    args.output.write_text("\n".join(text))
+    args.output.write_text(stamped("\n".join(text), __file__, MEASURES))
     print("\n".join(text))
 
 

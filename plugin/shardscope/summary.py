@@ -17,6 +17,7 @@ from .safe_io import atomic_write_text, load_json
 
 SUMMARY_FILE = "shardscope_summary.json"
 SCHEMA_VERSION = 1
+FIT_ATTRIBUTE = "shardscope_fit"  # what fit_training_args sets on the TrainingArguments: the summary's `fit`
 COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 MAX_BYTES = 64 * 2 ** 20  # a summary is a few KB per rank; anything larger is not one
 

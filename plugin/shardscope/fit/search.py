@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
-from ..plan.planner import TIERS, estimate, usable_bytes
+from ..plan.planner import estimate, host_fits as planner_host_fits, usable_bytes
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, model_error, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb
@@ -171,10 +171,9 @@ def gpu_fits(cand: Candidate, setup: Setup) -> bool:
 
 
 def host_fits(cand: Candidate, setup: Setup) -> bool:
-    """An offload candidate is kept only when `--cpu-memory` is given and holds its CPU bytes per node."""
-    if cand.strategy not in OFFLOAD:
-        return True
-    return setup.cpu_memory_bytes is not None and host_bytes_per_node(cand, setup) <= setup.cpu_memory_bytes
+    """An offload candidate is kept only when `--cpu-memory` is given and holds its CPU bytes per node
+    (`planner.host_fits`, unknown host memory counting as not held)."""
+    return cand.strategy not in OFFLOAD or planner_host_fits(cand.cpu_bytes, setup) is True
 
 
 def keep_least_host(host: dict, cand: Candidate, setup: Setup) -> None:

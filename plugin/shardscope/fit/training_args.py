@@ -22,11 +22,11 @@ from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import hardware
 from ..strategy import STRATEGIES, configured_precision, num_nodes, strategy_of_config, tp_strategy
+from ..summary import FIT_ATTRIBUTE
 from ..units import as_int, gb, parse_size
 from .search import below_model_states, host_lines, nothing_fits, search
 
 logger = logging.getLogger("shardscope")
-FIT_ATTRIBUTE = "shardscope_fit"  # the copy's attribute the profiler reads into the summary's `fit`
 OPTIMIZERS = {"adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "adamw-8bit",
               "sgd": "sgd"}
 

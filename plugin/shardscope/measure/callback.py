@@ -16,7 +16,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .guard import Guard, MethodWrap, WarnOnce, never_raises, unwrap_stale, validate_arguments
 from .profiler import ShardingProfiler
 from .step_counts import describe_flops
-from ..summary import SUMMARY_FILE
+from ..summary import FIT_ATTRIBUTE, SUMMARY_FILE
 
 # Trainer attributes holding a frozen model -> the name it has in the summary (others: the attribute's name).
 FROZEN_NAMES = {"ref_model": "reference", "reward_model": "reward", "value_model": "value",
@@ -97,7 +97,7 @@ class ShardingProfilerCallback(TrainerCallback):
             frozen_models=frozen, peak_tflops=self.peak_tflops, summary_file=self.summary_file,
             memory_step=memory_step, **self.sampled, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             flops_model=self._flops_model, start_step=state.global_step, last_step=state.max_steps,
-            summary_extra={"fit": getattr(args, "shardscope_fit", None),  # shardscope fit: fit_training
+            summary_extra={"fit": getattr(args, FIT_ATTRIBUTE, None),  # shardscope fit: fit_training
                            "gradient_accumulation_steps": args.gradient_accumulation_steps})  # what plan --compare plans
         self._pending = {}
         with self._guard("batch counting"):

@@ -31,13 +31,20 @@ def fit_rule(setup: Setup) -> str:
             "allocator's fragmentation, the CUDA context and NCCL buffers (--headroom; docs/planner.md)")
 
 
+def host_fits(cpu_bytes: int, setup: Setup) -> bool | None:
+    """Whether a row's CPU bytes (offload), for every GPU of a node, fit the host memory given; None when no host
+    memory was given. `plan` shows such a row as fitting (unchecked); `fit` never picks it (fit/search.py)."""
+    if setup.cpu_memory_bytes is None:
+        return None
+    return cpu_bytes * setup.gpus_per_node <= setup.cpu_memory_bytes
+
+
 def fits(row: Row, setup: Setup) -> bool | None:
     """Whether the row fits the usable GPU memory (and, for offload rows, the given CPU memory)."""
     usable = usable_bytes(setup)
     if usable is None:
         return None
-    cpu_ok = setup.cpu_memory_bytes is None or row.cpu_bytes * setup.gpus_per_node <= setup.cpu_memory_bytes
-    return row.peak_bytes <= usable and cpu_ok
+    return row.peak_bytes <= usable and host_fits(row.cpu_bytes, setup) is not False
 
 
 def recommend(rows: list[Row], setup: Setup) -> dict:
