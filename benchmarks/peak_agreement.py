@@ -8,7 +8,7 @@ Each run is `accelerate launch` of tests/workers/train_tiny.py (a Trainer with t
 shipped config, through `shardscope compare`'s own launcher (`launching.launch_command`, log in launch.log), on a
 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, 3 steps; the callback measures step 3.
 FSDP runs need tests/cpu_shim (accelerate never runs FSDP on CPU by itself), put on PYTHONPATH here. The table
-is `report`'s peak section (`peak_report.markdown_lines`: planned from `planner.plan_vs_run`, the same plan
+is `report`'s peak section (`peak_section.markdown_lines`: planned from `planner.plan_vs_run`, the same plan
 as `plan --compare`), written to benchmarks/results/peak_agreement.md (with peak_agreement.png), which
 benchmarks/render_docs.py places into docs/planner.md. A run that fails is listed, not fatal. Run folders given
 on the command line (a folder of them works too) are read as they are; the table's header describes the runs

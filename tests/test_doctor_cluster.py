@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardscope.doctor import cluster as doctor_cluster
+from shardscope.doctor import cluster
 from shardscope.cli import main
 from shardscope.configs import shipped_configs
 from shardscope.doctor.diagnose import Inputs, diagnose
@@ -32,7 +32,7 @@ def clean_environment(tmp_path, monkeypatch):
 def programs(monkeypatch):
     """Which of ssh / pdsh this machine has, as the rule sees it."""
     def have(*names):
-        monkeypatch.setattr(doctor_cluster.shutil, "which", lambda p: f"/usr/bin/{p}" if p in names else None)
+        monkeypatch.setattr(cluster.shutil, "which", lambda p: f"/usr/bin/{p}" if p in names else None)
     return have
 
 

@@ -1,4 +1,4 @@
-"""The shipped config collection: catalogue, look-up and validation (the command is `configs_cli`).
+"""The shipped config collection: catalogue, look-up and validation (the command is cli/configs.py).
 
 Each config is validated by the library that consumes it (accelerate's config classes and launcher,
 DeepSpeed's config parser after the Trainer's "auto" filling, `TrainingArguments`), plus the checks those

@@ -13,7 +13,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-from shardscope.recipes import training as recipe_training
+from shardscope.recipes import training
 from shardscope.state_bytes import base_optimizer
 
 
@@ -45,13 +45,13 @@ def main():
     flag = sys.argv.index("--moments_out")
     path = sys.argv[flag + 1]
     recipe, *rest = sys.argv[flag + 2:]
-    init = recipe_training.RecipeTrainer.__init__
+    init = training.RecipeTrainer.__init__
 
     def init_with_probe(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.add_callback(MomentsProbe(path))
 
-    recipe_training.RecipeTrainer.__init__ = init_with_probe
+    training.RecipeTrainer.__init__ = init_with_probe
     sys.argv = [recipe, *rest]
     runpy.run_path(recipe, run_name="__main__")
 

@@ -325,7 +325,7 @@ def plan_command(args) -> int:
         result = plan_vs_run(args.compare, spec, setup, model=args.model, knobs=knobs_from_args(args))
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
-    if args.model:  # both cached per config (spec_cache): a later run imports neither torch nor transformers
+    if args.model:  # both cached per config (model/cache.py): a later run imports neither torch nor transformers
         spec = model_spec(args.model)
         traces, note = cached_traces_for(args.model, setup, simulate=args.simulate)
     else:

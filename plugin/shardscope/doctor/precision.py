@@ -1,8 +1,8 @@
 """doctor's precision rules that the library-specific modules do not cover: fp16 asked on a path that
 cannot honour it (CPU under DDP/FSDP), and FSDP2's missing autocast (a notice, returned as a note).
 
-The yaml-vs-flags rule is `doctor_launch.check_precision`; the DeepSpeed file against the yaml and the
-flags is `doctor_deepspeed.check_deepspeed_precision` / `check_deepspeed`.
+The yaml-vs-flags rule is `launch.check_precision`; the DeepSpeed file against the yaml and the
+flags is `deepspeed.check_deepspeed_precision` / `check_deepspeed`.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
 def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None,
              knobs: LibraryKnobs | None = None) -> tuple[list[Row], dict]:
     """The planner's rows for `names` at this setup (`estimate`: what `fits` and `peak_bytes` come from);
-    `traces`: step_trace.tracer(config) when the model's config is at hand, else the formula; `knobs`: what the
+    `traces`: trace.tracer(config) when the model's config is at hand, else the formula; `knobs`: what the
     run's libraries decide."""
     result = estimate(spec, setup, traces(setup) if traces else None, knobs)
     return [r for r in result["rows"] if r.strategy in names], result

@@ -2,7 +2,7 @@
 
 Sources: a shipped name (`model_configs/NAME/config.json`, the models' published configs), a local folder,
 a hub id, a `PretrainedConfig`, or a bare parameter count (`spec_from_count`, shapes assumed and listed).
-No weight is ever loaded. A name or folder is counted once per config.json and library versions (`spec_cache`).
+No weight is ever loaded. A name or folder is counted once per config.json and library versions (`model/cache.py`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from . import cache as spec_cache
+from . import cache
 from ..errors import UsageError
 from ..safe_io import load_json, read_bytes
 
@@ -396,16 +396,16 @@ def model_spec(model=None, *, params: float | None = None, layers: int | None = 
 
 
 def _named_spec(model: str) -> ModelSpec:
-    """`spec_from_config` of a name or folder, from `spec_cache` when this config.json was counted before
+    """`spec_from_config` of a name or folder, from `model/cache.py` when this config.json was counted before
     under the same library versions (then neither torch nor transformers is imported)."""
     config = config_bytes(model)
-    key = spec_cache.cache_key(config, "model/spec.py", "spec") if config is not None else None
-    cached = spec_cache.load(key) if key else None
+    key = cache.cache_key(config, "model/spec.py", "spec") if config is not None else None
+    cached = cache.load(key) if key else None
     if isinstance(cached, dict) and tuple(cached) == tuple(f.name for f in fields(ModelSpec)):
         return ModelSpec(**{name: _tuples(value) for name, value in cached.items()} | {"name": model})
     spec = spec_from_config(load_model_config(model), name=model)
     if key:
-        spec_cache.store(key, asdict(spec))
+        cache.store(key, asdict(spec))
     return spec
 
 

@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UsageError
 from .formulas import chunk, strategy_row
 from .mesh import LibraryKnobs, check_tp_heads, setup_for_mesh, tp_degree
-from ..model import cache as spec_cache
+from ..model import cache as model_cache
 from ..model.spec import attention_heads, config_bytes, load_model_config, meta_model, model_spec, resolve_model
 from ..strategy import TP_STRATEGIES
 
@@ -436,21 +436,21 @@ def dry_run_all(model: str, strategies, world_size: int, nodes: int, setup,
     source = config_bytes(model)
     knobs = knobs or LibraryKnobs()
     request = json.dumps([strategies, world_size, nodes, asdict(setup), asdict(knobs)], sort_keys=True, default=str)
-    key = spec_cache.cache_key(source, dry_run_sources(), "dry run", resolve_model(model), request) if source else None
-    cached = spec_cache.load(key) if key else None
+    key = model_cache.cache_key(source, dry_run_sources(), "dry run", resolve_model(model), request) if source else None
+    cached = model_cache.load(key) if key else None
     if isinstance(cached, dict) and tuple(cached) == OUTPUT_KEYS and isinstance(cached["results"], list):
         return cached
     out = _dry_run_all(load_model_config(model), strategies, world_size, nodes, setup, knobs)
     if key:
-        spec_cache.store(key, out)
+        model_cache.store(key, out)
     return out
 
 
 def dry_run_sources() -> tuple[str, ...]:
     """The package's files a dry run's rows are computed by (its layers plan/ and model/, and the foundation
     modules they use), named from the package root: the cache key hashes their source."""
-    return (*sorted(str(path.relative_to(spec_cache.PACKAGE)) for layer in ("plan", "model")
-                    for path in (spec_cache.PACKAGE / layer).glob("*.py")), *FOUNDATION)
+    return (*sorted(str(path.relative_to(model_cache.PACKAGE)) for layer in ("plan", "model")
+                    for path in (model_cache.PACKAGE / layer).glob("*.py")), *FOUNDATION)
 
 
 def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: LibraryKnobs) -> dict:

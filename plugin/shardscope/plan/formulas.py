@@ -234,8 +234,8 @@ class Row:
     activations_bytes: int
     buffers_bytes: int
     frozen_bytes: int = 0                     # a frozen copy of the model (`Setup.reference_model`): its params
-    peak_bytes: int = 0                       # the rank's worst moment in a step (`peak_plan`; what `fits` compares)
-    peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (peak_plan)
+    peak_bytes: int = 0                       # the rank's worst moment in a step (plan/peak.py; what `fits` compares)
+    peak_breakdown: dict = field(default_factory=dict)  # by part at that moment (plan/peak.py)
     peak_phase: str = ""                      # forward, backward or optimizer step
     activations_source: str = FORMULA         # "traced" (1 and 2 layers scaled), "simulated" (full depth), FORMULA
     fits: bool | None = None

@@ -1,6 +1,6 @@
 """A strategy's peak per rank: its model states plus the worst moment of a step.
 
-`step_trace` says what one micro-batch holds besides parameters and optimizer state at each candidate
+`trace.py` says what one micro-batch holds besides parameters and optimizer state at each candidate
 moment (forward, the head's backward, the top and the bottom layer's backward: a fresh gradient before it
 becomes a parameter's .grad is among the trace's temporaries); the strategy decides how much of the rest is
 live then. `formulas.FamilyRow.held` gives the strategy's part. Per moment, per rank:

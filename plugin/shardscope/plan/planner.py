@@ -202,7 +202,7 @@ def _standing_notes(traced: bool) -> list[Note]:
     """The notes every plan carries (the printed table's footnotes say them)."""
     return [Note(text, "footnoted") for text in (
         "model states (params, grads, optimizer) are exact counts; " + (
-            "activations and temporaries traced from the model's code on fake tensors (step_trace)"
+            "activations and temporaries traced from the model's code on fake tensors (plan/trace.py)"
             if traced else "activations from a written-out formula: approximate"),
         "peak_bytes: the worst moment of a step (forward, backward or optimizer step), not the sum of "
         "everything; see docs/planner.md",

@@ -1,4 +1,4 @@
-"""`step_trace.traces_for` of a shipped name or local folder, through `spec_cache`: the traces depend on the
+"""`trace.traces_for` of a shipped name or local folder, through `model/cache.py`: the traces depend on the
 config and on the setup's shape of a step (micro-batch, sequence, precision, checkpointing, attention, image
 size, LoRA), not on the GPUs, so `plan --model` and `fit --model` trace a model once per step shape and
 install."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, fields
 
-from ..model import cache as spec_cache
+from ..model import cache as model_cache
 from .mesh import Setup
 from ..model.spec import config_bytes, load_model_config
 from .trace import Moment, StepTrace, tracer, traces_for
@@ -23,10 +23,10 @@ def cached_traces_for(model: str, setup: Setup, simulate: bool = False) -> tuple
     """`traces_for(load_model_config(model), setup, simulate)`, from the cache when it holds them."""
     config = config_bytes(model)
     shape = {f.name: getattr(setup, f.name) for f in fields(Setup) if f.name not in NOT_TRACED}
-    libraries = (*spec_cache.LIBRARIES, "peft") if setup.lora_rank else spec_cache.LIBRARIES  # peft's adapters
-    key = spec_cache.cache_key(config, ("plan/trace.py", "mem_tracker.py"), "traces", json.dumps(shape, sort_keys=True),
+    libraries = (*model_cache.LIBRARIES, "peft") if setup.lora_rank else model_cache.LIBRARIES  # peft's adapters
+    key = model_cache.cache_key(config, ("plan/trace.py", "mem_tracker.py"), "traces", json.dumps(shape, sort_keys=True),
                                str(simulate), libraries=libraries) if config is not None else None
-    cached = spec_cache.load(key) if key else None
+    cached = model_cache.load(key) if key else None
     if isinstance(cached, dict) and set(cached) == {"traces", "note"}:
         try:
             return {regime: _trace(value) for regime, value in cached["traces"].items()}, cached["note"]
@@ -34,7 +34,7 @@ def cached_traces_for(model: str, setup: Setup, simulate: bool = False) -> tuple
             pass  # not what this code writes: count again
     traces, note = traces_for(load_model_config(model), setup, simulate)
     if key:
-        spec_cache.store(key, {"traces": {regime: asdict(t) for regime, t in traces.items()}, "note": note})
+        model_cache.store(key, {"traces": {regime: asdict(t) for regime, t in traces.items()}, "note": note})
     return traces, note
 
 

@@ -1,6 +1,6 @@
 """What must be equal on every node, read on this process, and the differences across nodes or ranks.
 
-The variables and library versions are doctor's cluster fingerprint (`doctor_cluster.fingerprint_values`);
+The variables and library versions are doctor's cluster fingerprint (`doctor/cluster.py`'s `fingerprint_values`);
 this adds what only a process on the node can see: Python, peft, CUDA, NCCL, the GPUs and the driver, and
 every `*_SOCKET_IFNAME` variable (NCCL's and gloo's are already there; TP_SOCKET_IFNAME and the like too)."""
 from __future__ import annotations

@@ -6,7 +6,7 @@
   `TrainingArguments` initialises the process group: input checks (and `shardscope.doctor.diagnose.startup_checks`,
   which the recipe calls itself) run in between.
 - `RecipeTrainingArguments`: `TrainingArguments` that runs the same command on a CPU-only machine.
-- `FitArguments`: `--auto_fit true` and its budget (applied by `recipe_training.auto_fit`).
+- `FitArguments`: `--auto_fit true` and its budget (applied by `recipes/training.py`'s `auto_fit`).
 - `check_causal_lm`, `check_dinov2`: the model is one the recipe can train (its config is read by `model_spec.load_model_config`).
 - `run(main)`: a `UsageError` anywhere becomes one line on stderr and exit code 2.
 """

@@ -14,8 +14,8 @@ per-rank model-state bytes (params, grads, optimizer incl. fp32 masters; min-max
 throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
 measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
-tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_report.py`; the peak
-of one step planned beside measured, by part: `peak_report.py`.
+tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_section.py`; the peak
+of one step planned beside measured, by part: `peak_section.py`.
 
 Layout: launching (`shardscope.launching`) -> collecting (`load_run`, `collect`) -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
 """
@@ -30,7 +30,7 @@ from ..errors import UsageError
 from ..launching import LOG_FILE, MAX_LOG_BYTES, exit_footer, failure_reason, no_summary_reason
 from ..safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from ..summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
-from . import peak_section as peak_report, time_prediction
+from . import peak_section, time_prediction
 from .time_section import markdown_lines, plot_time, row_facts
 
 # Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
@@ -115,7 +115,7 @@ def _load_run(run_dir: Path, row: dict) -> dict:
         row["planned"] = {c["component"]: c["planned"] for c in planned["ranks"][0]["components"]}
         row["planned"]["total_bytes"] = planned["planned_total_bytes"]
         row["planned"]["strategy"] = planned["strategy"]
-        row.update(peak_report.row_facts(planned))
+        row.update(peak_section.row_facts(planned))
     except UsageError as error:  # e.g. a model folder that only existed on the cluster: report without it
         row.update(planned={"error": str(error)}, peak=None)
     return row
@@ -212,7 +212,7 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
     lines.append("")
     lines += markdown_lines(runs, human_bytes)
     lines += time_prediction.markdown_lines(runs)
-    lines += peak_report.markdown_lines(runs)
+    lines += peak_section.markdown_lines(runs)
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 
@@ -294,7 +294,7 @@ def write_report(run_dirs: list[Path], output: Path, measured: list[tuple[str, d
     output.mkdir(parents=True, exist_ok=True)
     plots = {"memory.png": plot_memory, "throughput.png": plot_throughput,
              "time.png": lambda rows, image: plot_time(rows, image, caption(rows)),
-             "peak.png": lambda rows, image: peak_report.plot_peak(rows, image, caption(rows))}
+             "peak.png": lambda rows, image: peak_section.plot_peak(rows, image, caption(rows))}
     for name, plot in plots.items():
         image = io.BytesIO()
         plot(runs, image)
