@@ -185,9 +185,9 @@ PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "pyth
 # one line naming them and exit 2; each stays in the docs as the example it is.
 USERS_OWN = {"meta-llama/Llama-2-7b-hf": "hub id", "./my_model_folder": "folder",
              "output/shardscope_summary.json": "summary"}
-# Parsed, not run here: they launch training (compare), write files into the checkout (fit --output-dir; its
+# Parsed, not run here: they launch training (compare, calibrate), write files into the checkout (fit --output-dir; its
 # own tests run it), take a minute of CPU (--dry-run on 512 ranks) or wait for other nodes (preflight).
-PARSE_ONLY = ("compare", "fit", "--dry-run", "preflight")
+PARSE_ONLY = ("compare", "calibrate", "fit", "--dry-run", "preflight")
 # Folders named in the text that a run creates (outputs), not files the checkout must have.
 # What a user sets for the shell variables the docs use (multi-node launches).
 SHELL_VARIABLES = {"NODE_RANK": "0", "MAIN_NODE_IP": "10.0.0.1"}

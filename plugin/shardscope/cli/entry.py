@@ -35,6 +35,7 @@ examples:
   shardscope configs                                    # list the shipped accelerate/DeepSpeed/FSDP configs
   shardscope plan --model mistral-7b --gpus 4 --gpu A100-80      # memory per GPU of every strategy
   shardscope fit --model llama-2-7b --gpus 8 --gpu H100 --seq-len 4096 --global-batch 64  # what fits, fastest where the model can tell
+  shardscope calibrate --model ./my_model --gpus 8 --gpu H100 --global-batch 64 --recipe recipes/causal_lm_sft.py  # measure it here
   shardscope doctor --accelerate-config $(shardscope configs path zero3) --model mistral-7b --gpus 4  # mistakes
   shardscope compare --recipe recipes/causal_lm_sft.py --configs ddp zero3 -- --config my.yaml
   shardscope report runs/ddp runs/zero3                 # tables and plots from finished runs
