@@ -73,83 +73,98 @@ def run_setting(a, model_dir, interval, tmp):
     for quiet in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(quiet)
     trainer.train()  # warm-up block, untimed (allocates the optimizer state)
-    # The A/B callback is wrapped to also account the time spent inside its events and hooks
-    # (4 clock-read pairs per step, a few microseconds: well under 0.01% of a step).
-    # --aa: an A/A control whose "with" arm gets a do-nothing TrainerCallback, to show the noise floor.
+    # The callback is wrapped to also account the time spent inside its events and hooks (4 clock-read pairs per
+    # step, a few microseconds: well under 0.01% of a step). A third arm, the A/A control, gets a do-nothing
+    # TrainerCallback in the same run, interleaved with the other two: the noise floor under the same load.
     # The once-per-run instrumented steps (peak memory, collectives, time breakdown) are left out: every block is
     # a new train(), where they would recur every block instead of once per run. This measures the recurring cost.
-    callback = TrainerCallback() if a.aa else ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)
-    times, means, acc = {}, {}, [0.0, 0.0]
+    arms = {"without": None, "control": TrainerCallback(),
+            "with": ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)}
+    times, acc = {}, [0.0, 0.0]
     # the gradient snapshot's work in the optimizer's step hook (its walk and reduction, where the code has them)
     step_hook = {name: getattr(sp, name) for name in ("held_gradients", "state_walk", "gradient_bytes")
                  if hasattr(sp, name)}
     for name in ("on_step_begin", "on_step_end", "on_log"):
-        if hasattr(callback, name):
-            setattr(callback, name, timed(getattr(callback, name), acc))
+        if hasattr(arms["with"], name):
+            setattr(arms["with"], name, timed(getattr(arms["with"], name), acc))
     hooks = {name: getattr(sp.ShardingProfiler, name) for name in ("add_batch", "_on_forward")}
-    if not a.aa:  # the profiler's per-batch work runs outside the events: a training_step wrapper, a forward hook
-        for name, method in hooks.items():
-            setattr(sp.ShardingProfiler, name, timed(method, acc))
+    for name, method in hooks.items():  # the profiler's per-batch work runs outside the events: a training_step
+        setattr(sp.ShardingProfiler, name, timed(method, acc))  # wrapper, a forward hook
     for name, function in step_hook.items():
         setattr(sp, name, timed(function, acc))
     try:
         for pair in range(a.pairs):
-            for with_cb in ((False, True) if pair % 2 == 0 else (True, False)):  # ABBA cancels drift
-                if with_cb != (callback in trainer.callback_handler.callbacks):
-                    (trainer.add_callback if with_cb else trainer.remove_callback)(callback)
+            order = ("without", "control", "with") if pair % 2 == 0 else ("with", "control", "without")  # drift
+            for arm in order:
+                for other in arms.values():
+                    if other is not None and other in trainer.callback_handler.callbacks:
+                        trainer.remove_callback(other)
+                if arms[arm] is not None:
+                    trainer.add_callback(arms[arm])
                 trainer.train()
                 for clock in (0, 1):
-                    times.setdefault((clock, with_cb), []).extend(timer.steps(clock))
-                    means.setdefault((clock, with_cb), []).append(statistics.fmean(timer.steps(clock)))
+                    times.setdefault((clock, arm), []).append(timer.steps(clock))
     finally:
         for name, function in step_hook.items():
             setattr(sp, name, function)
         for name, method in hooks.items():
             setattr(sp.ShardingProfiler, name, method)
     inside = [t / (a.pairs * (steps + 2)) for t in acc]
-    return [summarise({w: times[clock, w] for w in (0, 1)}, {w: means[clock, w] for w in (0, 1)}, inside[clock],
-                      a.seed) | {"interval": interval, "clock": ("wall", "cpu")[clock], "steps": len(times[clock, 1])}
+    return [summarise({arm: times[clock, arm] for arm in arms}, inside[clock], a.seed)
+            | {"interval": interval, "clock": ("wall", "cpu")[clock], "steps": sum(map(len, times[clock, "with"]))}
             for clock in (0, 1)]
 
 
-def summarise(times, means, inside, seed):
-    ratios = [w / wo for w, wo in zip(means[True], means[False])]
-    rng = random.Random(seed)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"med_without": med[False], "med_with": med[True], "median_ratio": med[True] / med[False],
-            "iqr_without": statistics.quantiles(times[False], n=4)[::2],
-            "iqr_with": statistics.quantiles(times[True], n=4)[::2],
-            "block_ratio": statistics.median(ratios), "ci": (boot[49], boot[1949]),
-            "inside_ms": inside * 1e3, "inside_pct": 100 * inside / med[False]}
+def overhead(blocks: dict, arm: str, seed: int) -> tuple[float, tuple[float, float]]:
+    """End-to-end: the ratio of the median step of `arm` to the median step without any callback, less 1, and its
+    95% interval (bootstrap over the blocks, each arm's steps pooled, as measured)."""
+    def ratio(pick):
+        return statistics.median(x for i in pick for x in blocks[arm][i]) / \
+            statistics.median(x for i in pick for x in blocks["without"][i]) - 1
+    rng, n = random.Random(seed), len(blocks["without"])
+    boot = sorted(ratio(rng.choices(range(n), k=n)) for _ in range(1000))
+    return ratio(range(n)), (boot[24], boot[974])
+
+
+def summarise(blocks, inside, seed):
+    steps = {arm: [x for block in b for x in block] for arm, b in blocks.items()}
+    med = {arm: statistics.median(v) for arm, v in steps.items()}
+    return {"med_without": med["without"], "med_with": med["with"],
+            "iqr_without": statistics.quantiles(steps["without"], n=4)[::2],
+            "iqr_with": statistics.quantiles(steps["with"], n=4)[::2],
+            "overhead": overhead(blocks, "with", seed), "control": overhead(blocks, "control", seed),
+            "inside_ms": inside * 1e3, "inside_pct": 100 * inside / med["without"]}
 
 
 def table(rows, targets):
-    head = ("| setting | steps/arm | median step without (ms) [IQR] | median step with (ms) [IQR] | ratio of medians "
-            "| paired block ratio, median [95% CI] | time inside callback (ms/step, % of step) | target | met |")
+    head = ("| setting | steps/arm | median step without (ms) [IQR] | median step with (ms) [IQR] | end-to-end overhead "
+            "[95% CI] | A/A control: no-op callback [95% CI] | time inside callback (ms/step, % of step) | target "
+            "| met |")
     lines = [head, "|---" * 9 + "|"]
     for r in rows:
         target = targets[r["interval"] == 1]
         name = "log every step" if r["interval"] == 1 else f"default interval ({r['interval']} steps)"
         name += f", {r['clock']} time"
         iqr = lambda q: f"[{q[0] * 1e3:.1f}-{q[1] * 1e3:.1f}]"
+        pct = lambda o: f"{o[0]:+.2%} [{o[1][0]:+.2%} to {o[1][1]:+.2%}]"
         lines.append(f"| {name} | {r['steps']} | {r['med_without'] * 1e3:.2f} {iqr(r['iqr_without'])} "
-                     f"| {r['med_with'] * 1e3:.2f} {iqr(r['iqr_with'])} | {r['median_ratio']:.4f} "
-                     f"| {r['block_ratio']:.4f} [{r['ci'][0]:.4f}-{r['ci'][1]:.4f}] "
+                     f"| {r['med_with'] * 1e3:.2f} {iqr(r['iqr_with'])} | {pct(r['overhead'])} | {pct(r['control'])} "
                      f"| {r['inside_ms']:.3f} ({r['inside_pct']:.2f}%) | <= {target:g}% | {met(r, target)} |")
     return "\n".join(lines)
 
 
 def met(r, target) -> str:
-    """The time inside the callback within the target, and the paired block ratio's CI not above it (the block ratio
-    alone cannot resolve a fraction of a percent on a shared machine: its CI is several percent wide)."""
-    inside, ratio = r["inside_pct"] <= target, r["ci"][0] <= 1 + target / 100
-    return "yes" if inside and ratio else "NO (inside)" if ratio else "NO (block ratio CI above)" if inside else "NO"
+    """The verdict on end-to-end step time: the ratio of medians within the target; said "not shown" where the
+    interval reaches above it (on a shared 2-core machine it is about as wide as the targets)."""
+    point, (_, high) = r["overhead"]
+    if point * 100 > target:
+        return "NO"
+    return "yes" if high * 100 <= target else f"yes, not shown (interval up to {high:+.2%})"
 
 
 def ab_table(runs: dict, targets) -> str:
     """Code versions measured alternately: each run's figures, and per version the median over its runs."""
-    lines = ["| setting | code | runs: paired block ratio / time inside (% of step) | median block ratio "
+    lines = ["| setting | code | runs: end-to-end overhead / time inside (% of step) | median overhead "
              "| median time inside (% of step) | target |", "|---" * 6 + "|"]
     for i, first in enumerate(runs["after"][0]):
         target = targets[first["interval"] == 1]
@@ -157,8 +172,8 @@ def ab_table(runs: dict, targets) -> str:
             + f", {first['clock']} time"
         for code, found in runs.items():
             rows = [run[i] for run in found]
-            each = "; ".join(f"{r['block_ratio']:.4f} / {r['inside_pct']:.2f}%" for r in rows)
-            lines.append(f"| {name} | {code} | {each} | {statistics.median(r['block_ratio'] for r in rows):.4f} "
+            each = "; ".join(f"{r['overhead'][0]:+.2%} / {r['inside_pct']:.2f}%" for r in rows)
+            lines.append(f"| {name} | {code} | {each} | {statistics.median(r['overhead'][0] for r in rows):+.2%} "
                          f"| {statistics.median(r['inside_pct'] for r in rows):.2f}% | <= {target:g}% |")
     return "\n".join(lines)
 
@@ -173,7 +188,6 @@ def parse(argv=None):
     p.add_argument("--blocks-default", type=int, default=3, help="logging intervals per block (default setting)")
     p.add_argument("--blocks-every-step", type=int, default=10, help="steps per block when logging every step")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks (2: launched under torchrun; 1: this process)")
-    p.add_argument("--aa", action="store_true", help="A/A control: a no-op callback in place of shardscope's")
     p.add_argument("--baseline", type=Path, help="a plugin/ folder of other code: run it and this tree's alternately "
                    "(ABBA, --runs pairs), each a launch; writes both and the medians")
     p.add_argument("--runs", type=int, default=2, help="with --baseline: pairs of runs")
@@ -255,7 +269,7 @@ def main(argv=None):
              "measurement's all_gather included)" if a.ranks > 1 else "single process (the all_gather is a no-op)")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(stamped(
-        f"# ShardingProfilerCallback overhead{' - A/A CONTROL (no-op callback)' if a.aa else ''}\n\n{text}\n\n"
+        f"# ShardingProfilerCallback overhead\n\n{text}\n\n"
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; command: `{cmd}`; wall: "
         f"{time.perf_counter() - started:.0f} s\n- machine: {platform.platform()}, {platform.processor() or '?'}, "
         f"{os.cpu_count()} CPUs, {a.threads} torch thread(s) per rank, load average (1 min) {load_before:.1f} at the "
@@ -263,16 +277,16 @@ def main(argv=None):
         f"{ranks}\n"
         f"- model: random Llama, {n_params / 1e6:.2f} M params (hidden {a.hidden}, intermediate {a.intermediate}, "
         f"{a.layers} layers, {a.heads} heads, vocab {a.vocab}); batch {a.batch} x seq {a.seq} per rank, fp32, AdamW\n"
-        f"- method: {a.pairs} ABBA pairs of blocks per setting; step = on_step_begin to next on_step_begin, on two "
-        "clocks: wall (perf_counter) and cpu (process_time: this process's CPU time, its threads included, which "
-        "other jobs on the machine disturb far less than wall time); "
-        "ratio of medians = per-step median with / without (hides the 1-in-N measuring step); paired block "
-        "ratio = mean step time of a with-block / its paired without-block, median over pairs with a "
-        "bootstrap 95% CI (includes the measuring steps and whatever the callback costs outside its own code); time "
-        "inside callback = time spent in its events and hooks during the with-blocks (wall; cpu: the training "
-        "thread's, thread_time), per step, and as a % of the median step without; met = time inside <= target and "
-        "the block ratio's CI reaching down to the target (the block ratio alone cannot resolve a fraction of a "
-        "percent here)." + (f" Code compared: before = `{a.baseline}`, after = this tree's plugin/, launched "
+        f"- method: {a.pairs} rounds per setting of three blocks in the same run, without a callback, with a no-op "
+        "callback (the A/A control) and with ShardingProfilerCallback, the order reversed every other round; step = "
+        "on_step_begin to next on_step_begin, on two clocks: wall (perf_counter) and cpu (process_time: this "
+        "process's CPU time, its threads included); end-to-end overhead = median step with / median step without, "
+        "less 1, with a 95% bootstrap interval over the blocks (it includes the 1-in-N measuring step and whatever "
+        "the callback costs outside its own code, gloo's thread included); the control is the same for the no-op "
+        "callback: what the same load does to two arms that differ by nothing; time inside callback = time spent in "
+        "its events and hooks (wall; cpu: the training thread's, thread_time), per step, as a % of the median step "
+        "without, a diagnostic only; met = the end-to-end overhead on that clock within the target ("
+        "\"not shown\" where its interval reaches above the target)." + (f" Code compared: before = `{a.baseline}`, after = this tree's plugin/, launched "
                             "alternately (before, after, after, before, ...)." if a.baseline else "") + "\n",
         __file__, MEASURES))
     return rows
