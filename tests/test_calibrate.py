@@ -103,3 +103,21 @@ def test_a_calibration_from_elsewhere_is_refused_or_flagged(calibrated, tmp_path
     moved.write_text(json.dumps({**doc, "fingerprint": {**doc["fingerprint"], "host": "another-host"}}))
     code, _, err = fit(capsys, *search, "--calibrate", moved)
     assert code == 0 and "measured on another machine (host 'another-host' there" in err
+
+
+def test_a_failing_script_is_reported_with_its_log(tmp_path):
+    """Your own script (`--script`) that dies at start: the run is a failed row with the last lines of its log, the
+    file is still written, exit 1."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('loading my model')\nraise SystemExit('my_training: CUDA out of memory')\n")
+    done = shardscope("calibrate", "--params", "1e6", "--gpus", 2, "--gpu-memory", "4GB", "--seq-len", 64,
+                      "--global-batch", 8, "--precision", "fp32", "--strategy", "ddp", "--script", script,
+                      "--steps", 6, "--output-dir", tmp_path / "out",
+                      "--launcher-args", "--num_processes 2 --mixed_precision no")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "failed after" in done.stdout and "my_training: CUDA out of memory" in done.stdout
+    doc = json.loads((tmp_path / "out" / "calibration.json").read_text())
+    (run,) = doc["runs"]
+    assert run["status"] == "failed" and run["reason"] == "my_training: CUDA out of memory"
+    log = (tmp_path / "out" / "ddp" / "launch.log").read_text().splitlines()
+    assert run["log_tail"] == log[-len(run["log_tail"]):] and "loading my model" in "\n".join(log)

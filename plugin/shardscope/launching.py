@@ -18,7 +18,8 @@ from .summary import SUMMARY_FILE
 
 LOG_FILE = "launch.log"
 MAX_LOG_BYTES = 16 * 2 ** 20  # the end of a launch log (its exit-code footer and last errors) is what is read
-_FOOTER = re.compile(r"^\[shardscope compare\] exit code (-?\d+) after ([\d.]+) s$", re.MULTILINE)
+# the footer `launch` writes ("[shardscope compare]" in logs written before calibrate shared it)
+_FOOTER = re.compile(r"^\[shardscope(?: compare)?\] exit code (-?\d+) after ([\d.]+) s$", re.MULTILINE)
 
 
 def exit_footer(log_text: str):
@@ -113,7 +114,7 @@ def launch(cmd: list[str], run_dir: Path) -> tuple[int, float]:
         log.flush()
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
         seconds = time.perf_counter() - start
-        log.write(f"\n[shardscope compare] exit code {code} after {seconds:.1f} s\n")
+        log.write(f"\n[shardscope] exit code {code} after {seconds:.1f} s\n")
     return code, seconds
 
 

@@ -15,10 +15,12 @@ import json
 from pathlib import Path
 
 from ..errors import UsageError
-from ..launching import LOG_FILE, launch, launch_command, launcher_config, failure_reason, no_summary_reason
+from ..launching import (LOG_FILE, MAX_LOG_BYTES, failure_reason, launch, launch_command, launcher_config,
+                         no_summary_reason)
 from ..plan.calibration import CALIBRATION_FILE, run_sources
 from ..plan.calibration_file import VERSION
-from ..safe_io import atomic_write_text, read_bytes
+from ..safe_io import atomic_write_text, load_json, read_bytes
+from ..strategy import strategy_from_summary
 from ..summary import SUMMARY_FILE
 
 # Library family -> its strategies, the one to run first where it fits.
@@ -64,14 +66,17 @@ def run_one(script: Path, cand, family: str, args, output: Path, number: int, to
     code, seconds = launch(cmd, run_dir)
     row = {"family": family, "strategy": cand.strategy, "config": str(config), "run_dir": str(run_dir),
            "log": str(run_dir / LOG_FILE), "exit_code": code, "seconds": round(seconds, 1)}
-    log_text = "\n".join(log_tail(run_dir))
+    log_text = read_bytes(run_dir / LOG_FILE, "launch log", MAX_LOG_BYTES, tail=True).decode(errors="replace")
     if code != 0 or not (run_dir / SUMMARY_FILE).is_file():
         reason = failure_reason(log_text) if code else no_summary_reason(code, log_text)
         say(f"      failed after {seconds:.0f} s: {reason}")
         return {**row, "status": "failed", "reason": reason, "log_tail": log_tail(run_dir), "figures": []}
     try:
+        ran = strategy_from_summary(load_json(run_dir / SUMMARY_FILE, "run summary"))
+        if ran != cand.strategy:  # e.g. accelerate runs an FSDP config as DDP on CPU: not this family's figures
+            raise UsageError(f"the run's profiler saw {ran}, not {cand.strategy}: its figures are not this family's")
         figures = [{"source": source, "figures": values} for source, values in run_sources(run_dir)]
-    except UsageError as error:  # a summary with no timed step: the run is reported, the others go on
+    except UsageError as error:  # no timed step, or another strategy ran: reported, the others go on
         say(f"      finished in {seconds:.0f} s but measured nothing usable: {error}")
         return {**row, "status": "failed", "reason": str(error), "log_tail": log_tail(run_dir), "figures": []}
     say(f"      done in {seconds:.0f} s")
