@@ -6,7 +6,12 @@ recipes, and the formulas of what a split changes on a rank (`SequenceSplit`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import replace
+
+from .formulas import Row, strategy_row
+from .mesh import LibraryKnobs, Setup
+from ..model.spec import ModelSpec
 
 KINDS = ("cp", "sp")
 NAMES = {"cp": "context parallelism (cp_size, torch)", "sp": "sequence parallelism (sp_size, DeepSpeed Ulysses)"}
@@ -55,9 +60,159 @@ def split_problems(kind: str, degree: int, *, seq_len: int | None = None, heads:
     return problems
 
 
-@dataclass(frozen=True)
-class SequenceSplit:
-    """A `degree`-way split of each sequence over `kind` ("cp"/"sp") ranks; degree 1 is no split."""
+# The rows a split adds: the strategies its backend runs under, as `plan` names them.
+SPLIT_STRATEGIES = {"cp": ("fsdp_full_shard",), "sp": ("zero2", "zero3")}
+# Whether the library hides the term behind compute (the step-time model reads it): torch's ring attention passes
+# the next K/V chunk while the current one is computed; Ulysses' all-to-alls sit between the projections and the
+# attention kernel and wait (DeepSpeed 0.19's UlyssesSPAttentionHF calls them synchronously).
+OVERLAPPED = {"cp_ring": True, "sp_all_to_all": False}
 
-    kind: str = "sp"
-    degree: int = 1
+
+def row_name(strategy: str, kind: str, degree: int) -> str:
+    return f"{strategy}/{kind}{degree}"
+
+
+def unit(kind: str, degree: int) -> int:
+    """The sequence length must be a multiple of this (torch's load-balanced CP cuts 2 x cp chunks)."""
+    return degree * (2 if kind == "cp" else 1)
+
+
+def _head_dim(spec: ModelSpec) -> int:
+    return spec.hidden_size // (spec.num_heads or 1)
+
+
+def comm_terms(spec: ModelSpec, setup: Setup, kind: str, degree: int) -> dict:
+    """Bytes each rank sends per optimizer step for the split, e = compute bytes, b = micro-batch, s = sequence,
+    L = layers, A = micro-batches, d = head dim, a / k = attention / KV heads, n = degree, passes = 2 (forward and
+    backward; 3 with checkpointing, which recomputes the forward):
+
+    sp_all_to_all = A * passes * L * b * (s/n) * d * (2a + 2*max(k, n)) * e * (n-1)/n
+        four all-to-alls per layer forward (q, k, v in; the attention output back), each of a rank's
+        b x s/n x heads x d slice; KV heads below n are replicated to n first; backward is the same four.
+    cp_ring = A * (passes + 1) * L * 2 * b * s * k * d * e * (n-1)/n
+        K and V of the whole sequence reach every rank once per forward (all-gathered, or passed around the
+        ring: the same bytes), backward passes them again plus their gradients.
+    """
+    if degree <= 1:
+        return {}
+    b, s, L, e = setup.micro_batch, setup.seq_len, spec.num_layers, 2 if setup.precision != "fp32" else 4
+    heads, kv = spec.heads
+    share, passes = (degree - 1) / degree, 3 if setup.activation_checkpointing else 2
+    if kind == "sp":
+        per_pass = L * b * (s // degree) * _head_dim(spec) * (2 * heads + 2 * max(kv, degree)) * e
+        return {"sp_all_to_all": int(setup.grad_accum_steps * passes * per_pass * share)}
+    per_pass = L * 2 * b * s * kv * _head_dim(spec) * e
+    return {"cp_ring": int(setup.grad_accum_steps * (passes + 1) * per_pass * share)}
+
+
+def split_facts(spec: ModelSpec, setup: Setup, kind: str, degree: int) -> dict:
+    """What a rank holds of one sequence under the split, and what the tiled options bound (formulas, bytes):
+    logits = 3 fp32 copies of b x s/n x V at the loss; DeepSpeed's TiledFusedLogitsLoss computes them in
+    tiles of at most `hidden` tokens (as TiledMLP picks its tiles), so 3 x b x min(s/n, h) x V x 4 remain.
+    The MLP keeps 4 intermediate-size tensors per token per layer (gate, up, activation, product); TiledMLP
+    recomputes them in backward from tiles of h tokens: b x min(s/n, h) x 4 x I x e live at a time."""
+    b, s, h, e = setup.micro_batch, setup.seq_len, spec.hidden_size, 2 if setup.precision != "fp32" else 4
+    local = s // degree
+    heads, kv = spec.heads
+    tile = min(local, h)
+    return {
+        "kind": kind, "degree": degree, "seq_len": s, "tokens_per_rank": local,
+        # inside attention: Ulysses gives each rank the whole sequence for heads / n; ring attention keeps
+        # s / n queries against every key
+        "attention_tokens_per_rank": s if kind == "sp" else local,
+        "attention_heads_per_rank": heads // degree if kind == "sp" else heads,
+        "logits_bytes": 3 * b * local * spec.vocab_size * 4,
+        "logits_tiled_bytes": 3 * b * tile * spec.vocab_size * 4,
+        "mlp_bytes": spec.num_layers * b * local * 4 * spec.intermediate_size * e,
+        "mlp_tiled_bytes": b * tile * 4 * spec.intermediate_size * e,
+        "cp_kv_gathered_bytes": 2 * b * s * kv * _head_dim(spec) * e if kind == "cp" else 0,
+        "comm": comm_terms(spec, setup, kind, degree),
+        "overlapped": {k: OVERLAPPED[k] for k in comm_terms(spec, setup, kind, degree)},
+    }
+
+
+def split_row(strategy: str, spec: ModelSpec, setup: Setup, kind: str, degree: int, trace=None,
+              knobs: LibraryKnobs | None = None) -> Row:
+    """One strategy's row with each sequence split `degree` ways: model states as the strategy shards them over
+    every rank (ZeRO's and FSDP2's shard groups include the split's ranks), activations of s / n tokens (`trace`:
+    the step traced at that length), and the split's communication terms. Under cp the all-gathered K/V of one
+    layer (`cp_kv_gathered`) is a temporary at the peak."""
+    local = replace(setup, seq_len=setup.seq_len // degree)
+    row = strategy_row(strategy, spec, local, trace=trace, knobs=knobs)
+    terms = comm_terms(spec, setup, kind, degree)
+    extra = split_facts(spec, setup, kind, degree)["cp_kv_gathered_bytes"]
+    breakdown = {**row.peak_breakdown, "temporaries": row.peak_breakdown.get("temporaries", 0) + extra}
+    return replace(row, strategy=row_name(strategy, kind, degree), mesh={**row.mesh, kind: degree},
+                   comm={**row.comm, **terms}, comm_bytes_per_step=row.comm_bytes_per_step + sum(terms.values()),
+                   peak_bytes=row.peak_bytes + extra, peak_breakdown=breakdown,
+                   buffers_detail={**row.buffers_detail, **({"cp_kv_gathered": extra} if extra else {})})
+
+
+def split_rows(spec: ModelSpec, setup: Setup, kind: str, degree: int, traces: dict, knobs=None) -> list[Row]:
+    """`split_row` for each strategy of the backend; `traces`: {regime: StepTrace} at s / degree tokens."""
+    from .trace import regime_for
+
+    return [split_row(s, spec, setup, kind, degree, traces.get(regime_for(s, setup.precision)), knobs)
+            for s in SPLIT_STRATEGIES[kind]]
+
+
+def spec_problems(spec: ModelSpec, setup: Setup, kind: str, degree: int, max_positions=None) -> list[str]:
+    """`split_problems` for a planned model and run."""
+    heads, kv = spec.heads
+    return split_problems(kind, degree, seq_len=setup.seq_len, heads=heads, kv_heads=kv, world=setup.world_size,
+                          tp=1, attention=setup.attention, max_positions=max_positions)
+
+
+def degrees(spec: ModelSpec, setup: Setup, kind: str) -> list[int]:
+    """The degrees a search tries: powers of two up to the world that pass `split_problems` (sequence aside)."""
+    heads, kv = spec.heads
+    out, n = [1], 2
+    while n <= setup.world_size:
+        if not split_problems(kind, n, heads=heads, kv_heads=kv, world=setup.world_size):
+            out.append(n)
+        n *= 2
+    return out
+
+
+def max_seq_len(spec: ModelSpec, setup: Setup, traces_at, fits, limit: int, step: int = 1024,
+                knobs: LibraryKnobs | None = None) -> list[dict]:
+    """Per strategy and degree, the longest sequence (a multiple of `step` x unit, up to `limit`) whose row
+    `fits` (the planner's fit rule). `traces_at(local_setup)`: {regime: StepTrace} at that many tokens per rank.
+    Rows of degree 1 are the plain strategies of both backends."""
+    out = []
+    for kind in KINDS:
+        for degree in degrees(spec, setup, kind):
+            for strategy in SPLIT_STRATEGIES[kind]:
+                if degree == 1 and kind == "cp" and strategy in SPLIT_STRATEGIES["sp"]:
+                    continue
+                grain = step * unit(kind, degree)
+
+                def ok(k: int) -> bool:
+                    run = replace(setup, seq_len=k * grain)
+                    traces = traces_at(replace(run, seq_len=run.seq_len // degree))
+                    row = split_row(strategy, spec, run, kind, degree,
+                                    traces.get(_regime(strategy, setup)), knobs)
+                    return bool(fits(row, setup))
+
+                best = _largest(ok, limit // grain)
+                out.append({"strategy": strategy if degree == 1 else row_name(strategy, kind, degree),
+                            "kind": kind, "degree": degree, "max_seq_len": best * grain if best else 0,
+                            "capped": best == limit // grain and best > 0})
+    return out
+
+
+def _regime(strategy: str, setup: Setup) -> str:
+    from .trace import regime_for
+
+    return regime_for(strategy, setup.precision)
+
+
+def _largest(ok, high: int) -> int:
+    """The largest k in 1..high with ok(k) (ok monotone: true up to some k), 0 when none."""
+    if high < 1 or not ok(1):
+        return 0
+    low = 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid - 1)
+    return low
