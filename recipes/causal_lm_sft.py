@@ -13,6 +13,10 @@ only the response and EOS train. `--packing` concatenates examples into `max_seq
 Full fine-tuning by default; `--use_lora` trains PEFT LoRA adapters and saves only those.
 Tensor parallelism (TP) and 2D FSDP2 x TP: launch with accelerate_configs/tp.yaml, fsdp_tp.yaml or
 hsdp_tp.yaml (or pass `--tp_size N` under torchrun); transformers shards the model while loading it.
+Long sequences: launch with accelerate_configs/zero3_sp.yaml (DeepSpeed Ulysses, sp_size) or fsdp_cp.yaml (torch
+context parallelism, cp_size, GPU only); each batch is padded to a multiple of the degree and carries position_ids,
+and the split is checked against the model, strategy and world before any process group starts
+(recipes/llama/llama31_8b_long.yaml).
 Any `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`...).
 `--auto_fit true` lets shardscope choose the micro-batch, accumulation and checkpointing for the global batch
 the arguments give (docs/fit.md; `--fit_memory_budget 2GB` on CPU).
@@ -114,7 +118,7 @@ def main():
 
     # --- Model (after TrainingArguments, so ZeRO-3 partitions it while loading) ---
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
-    attention = model_args.attn_implementation or ("sdpa" if split else None)  # both backends split sdpa
+    attention = split["attention"] if split else model_args.attn_implementation  # the kernel the split can cut
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype,
                                                  attn_implementation=attention,
                                                  trust_remote_code=model_args.trust_remote_code,

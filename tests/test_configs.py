@@ -136,7 +136,7 @@ BAD_CASES = {
     "malformed.json": "malformed JSON",
     "cp_under_deepspeed.yaml": "parallelism_config.parallelism_config_cp_size: 4 needs distributed_type FSDP",
     "sp_under_fsdp.yaml": "parallelism_config.parallelism_config_sp_size: 4 needs distributed_type DEEPSPEED",
-    "sp_not_dividing.yaml": "parallelism_config: sp_size 3 x tp_size 1 does not divide num_processes 8",
+    "sp_not_dividing.yaml": "parallelism_config.parallelism_config_sp_size: 3 x tp_size 1 does not divide",
 }
 
 

@@ -470,8 +470,8 @@ def _check_launch(path: Path, loaded, problems: list[str]):
                 problems += _sequence_split_problems(mesh, args)
                 if mesh.sp_enabled:  # DeepSpeed builds its own groups: sp x tp divides the processes, the rest is dp
                     if args.num_processes % (mesh.sp_size * mesh.tp_size):
-                        problems.append(f"parallelism_config: sp_size {mesh.sp_size} x tp_size {mesh.tp_size} does "
-                                        f"not divide num_processes {args.num_processes}")
+                        problems.append(f"parallelism_config.parallelism_config_sp_size: {mesh.sp_size} x tp_size "
+                                        f"{mesh.tp_size} does not divide num_processes {args.num_processes}")
                 elif mesh.total_size != args.num_processes:
                     problems.append(f"parallelism_config: dp_replicate_size x dp_shard_size x tp_size x ... = "
                                     f"{mesh.total_size}, but num_processes is {args.num_processes}")

@@ -26,6 +26,7 @@ from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_dee
 from .fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .launch import check_default_config, check_multinode, check_precision, check_processes
 from .precision import precision_findings
+from .sequence import check_sequence_split
 from .rules import Finding, failing, read_checked, read_raw
 from ..units import as_int
 from ..errors import UsageError
@@ -272,6 +273,7 @@ def _config_findings(inputs: Inputs, files: _Files, validate: bool, environment:
             findings += check_deepspeed_precision(file, acc, read_raw(deepspeed) if deepspeed else {}, trainer)
         if trainer is not None:
             findings += check_precision(file, acc, trainer, source)
+        findings += check_sequence_split(file, acc, trainer, source, None, world)  # the model's part: below
     if deepspeed is not None:
         if validate:
             _validated(deepspeed, "deepspeed", findings, world or 8)
@@ -301,6 +303,9 @@ def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, 
         ran.append(f"model ({inputs.model}: layer classes to wrap, tensor-parallel degree)")
         if acc_mesh:
             findings += check_tp_degree(str(inputs.accelerate_config), acc_mesh["tp"], model[1].config, trainer)
+        if inputs.accelerate_config:  # heads, KV heads and positions against the cp/sp split
+            findings += check_sequence_split(str(inputs.accelerate_config), read_raw(inputs.accelerate_config),
+                                             trainer, inputs.trainer_source, model[1].config, files.world)
         for path, kind in ((inputs.accelerate_config, "accelerate"), (fsdp, "fsdp")):
             raw = read_raw(path) if path else {}
             if not raw or (kind == "accelerate" and raw.get("distributed_type") != "FSDP"):

@@ -22,41 +22,53 @@ BACKEND_STRATEGIES = {"cp": ("fsdp2",), "sp": ("zero1", "zero2", "zero3")}
 ATTENTION = {"cp": ("sdpa",), "sp": ("sdpa", "flash_attention_2", "flash_attention_3")}
 
 
+class Problem(str):
+    """One reason a split cannot run: its text (problem; fix) with `setting` (what to change), `problem`, `fix`."""
+
+    def __new__(cls, setting: str, problem: str, fix: str):
+        text = super().__new__(cls, f"{problem}; {fix}")
+        text.setting, text.problem, text.fix = setting, problem, fix
+        return text
+
+
 def split_problems(kind: str, degree: int, *, seq_len: int | None = None, heads: int | None = None,
                    kv_heads: int | None = None, world: int | None = None, tp: int = 1,
                    strategy: str | None = None, attention: str | None = None,
-                   max_positions: int | None = None) -> list[str]:
-    """Each reason `degree`-way `kind` ("cp"/"sp") cannot run with what is known (None: not checked), one line
-    naming the setting and the fix. `strategy`: a family of BACKEND_STRATEGIES' keys' values or "ddp", "fsdp1"."""
+                   max_positions: int | None = None) -> list[Problem]:
+    """Each reason `degree`-way `kind` ("cp"/"sp") cannot run with what is known (None: not checked), naming the
+    setting and the fix. `strategy`: fsdp1, fsdp2, zero1-3 or ddp."""
+    size = f"{kind}_size"
     if degree < 1:
-        return [f"{kind}_size must be at least 1, got {degree}"]
+        return [Problem(size, f"{size} must be at least 1, got {degree}", "use 1 for no split")]
     if degree == 1:
         return []
-    name, problems = f"{kind}_size {degree}", []
+    name, problems, step = f"{size} {degree}", [], unit(kind, degree)
     if strategy is not None and strategy not in BACKEND_STRATEGIES[kind]:
-        need = "FSDP2 (fsdp_version: 2; accelerate_configs/fsdp_cp.yaml)" if kind == "cp" else \
-            "DeepSpeed ZeRO (accelerate_configs/zero3_sp.yaml)"
-        problems.append(f"{name}: {NAMES[kind]} runs only under {need}, not {strategy}")
+        need, config = ("FSDP2", "fsdp_cp.yaml") if kind == "cp" else ("DeepSpeed ZeRO", "zero3_sp.yaml")
+        other = "sp_size under DeepSpeed" if kind == "cp" else "cp_size under FSDP2"
+        problems.append(Problem(size, f"{name}: {NAMES[kind]} runs only under {need}, not {strategy}",
+                                f"launch with accelerate_configs/{config}, or use {other}"))
     if attention is not None and attention not in ATTENTION[kind]:
-        problems.append(f"{name}: attn_implementation '{attention}' cannot be split by {NAMES[kind]}; "
-                        f"use {' or '.join(ATTENTION[kind])}")
-    if seq_len is not None and seq_len % (degree * (2 if kind == "cp" else 1)):
-        unit = degree * (2 if kind == "cp" else 1)  # torch's load-balanced CP cuts each sequence into 2 x cp chunks
-        problems.append(f"{name}: the sequence length {seq_len} is not a multiple of {unit}; pad to a multiple "
-                        f"of {unit} (max_seq_length / pad_to_multiple_of)")
+        problems.append(Problem("attn_implementation", f"{name}: attn_implementation '{attention}' cannot be split "
+                                f"by {NAMES[kind]}", f"use {' or '.join(ATTENTION[kind])}"))
+    if seq_len is not None and seq_len % step:  # torch's load-balanced CP cuts each sequence into 2 x cp chunks
+        problems.append(Problem("max_seq_length", f"{name}: the sequence length {seq_len} is not a multiple of "
+                                f"{step}", f"use a multiple of {step} (the recipe pads each batch to one)"))
     if max_positions is not None and seq_len is not None and seq_len > max_positions:
-        problems.append(f"max_seq_length {seq_len} is longer than the model's max_position_embeddings "
-                        f"{max_positions}; shorten it or use a model (or RoPE scaling) for that length")
-    if kind == "sp" and heads is not None:
-        if heads % degree:
-            problems.append(f"{name} must divide num_attention_heads {heads} (Ulysses gives each rank "
-                            f"heads / sp_size); pick a divisor of {heads}")
-        elif kv_heads is not None and kv_heads % degree and degree % kv_heads:
-            problems.append(f"{name} and num_key_value_heads {kv_heads} must divide one another "
-                            f"(Ulysses splits or replicates the KV heads)")
+        problems.append(Problem("max_seq_length", f"max_seq_length {seq_len} is longer than the model's "
+                                f"max_position_embeddings {max_positions}",
+                                "shorten it, or use a model (or RoPE scaling) made for that length"))
+    if kind == "sp" and heads is not None and heads % degree:
+        problems.append(Problem(size, f"{name} does not divide num_attention_heads {heads} (Ulysses gives each "
+                                "rank heads / sp_size)", f"use a divisor of {heads}"))
+    elif kind == "sp" and kv_heads is not None and kv_heads % degree and degree % kv_heads:
+        problems.append(Problem(size, f"{name} and num_key_value_heads {kv_heads} do not divide one another "
+                                "(Ulysses splits the KV heads, or copies them when fewer)",
+                                f"use a divisor or a multiple of {kv_heads}"))
     if world is not None and world % (degree * tp):
-        problems.append(f"{name} x tp_size {tp} = {degree * tp} does not divide the {world} processes; "
-                        f"the data-parallel size is processes / ({kind}_size x tp_size)")
+        problems.append(Problem(size, f"{name} x tp_size {tp} = {degree * tp} does not divide the {world} "
+                                "processes", f"use a {size} that divides {world // tp if world % tp == 0 else world}"
+                                " (the data-parallel size is processes / (size x tp_size))"))
     return problems
 
 

@@ -27,8 +27,8 @@ def launched_strategy(env=os.environ) -> str:
 
 
 def sequence_split(config, name_or_path: str, seq_len: int, attention: str | None, env=os.environ) -> dict | None:
-    """`{"kind": "cp"|"sp", "degree": N}` of the launched run, or None without a split; raises `UsageError`
-    naming every setting that cannot work (see `plan.sequence.split_problems`)."""
+    """`{"kind": "cp"|"sp", "degree": N, "attention": the kernel to load the model with}` of the launched run, or None
+    without a split; raises `UsageError` naming every setting that cannot work (`plan.sequence.split_problems`)."""
     degrees = {kind: int(env.get(f"PARALLELISM_CONFIG_{kind.upper()}_SIZE") or 1) for kind in ("cp", "sp")}
     split = [(kind, degree) for kind, degree in degrees.items() if degree != 1]
     if not split:
@@ -38,7 +38,11 @@ def sequence_split(config, name_or_path: str, seq_len: int, attention: str | Non
     kind, degree = split[0]
     heads, kv_heads = attention_heads(config)
     if kind == "sp":
-        attention = attention or env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION") or "sdpa"
+        launched = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION") or "sdpa"
+        if attention and attention != launched:  # DeepSpeed refuses a model loaded with another kernel
+            raise UsageError(f"--attn_implementation {attention} disagrees with the launcher config's "
+                             f"parallelism_config_sp_attn_implementation {launched}; give the same one")
+        attention = launched
         backend = env.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
         if backend != "deepspeed":
             raise UsageError(f"parallelism_config_sp_backend is '{backend}'; sp_size needs sp_backend: deepspeed")
@@ -48,7 +52,7 @@ def sequence_split(config, name_or_path: str, seq_len: int, attention: str | Non
                               max_positions=getattr(config, "max_position_embeddings", None))
     if problems:
         raise UsageError(f"'{name_or_path}' at max_seq_length {seq_len}: " + "; ".join(problems))
-    return {"kind": kind, "degree": degree}
+    return {"kind": kind, "degree": degree, "attention": attention or "sdpa"}
 
 
 class SequenceSplitCollator(DataCollatorForSeq2Seq):
