@@ -11,6 +11,7 @@ from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import Figures, describe as describe_figures, hardware
 from ..plan.trace_cache import cached_tracer
+from ..plan.sequence import SPLIT_CONFIGS, data_parallel_size, parse_row_name
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
 from .plan import add_hardware_arguments, memory_from_args
@@ -132,7 +133,7 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
     out["alternatives"] = alternatives(found["fitting"], args.top)
     fitting = {c.strategy for c in found["fitting"]}
     out.update({
-        "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
+        "mesh": winner.mesh, "data_parallel_size": data_parallel_size(winner.mesh),
         "global_batch": args.global_batch, "step": winner.step,
         "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
@@ -176,6 +177,8 @@ def accelerate_config(result: dict) -> tuple[dict, str]:
     from ..configs import find_config
 
     strategy, setup, mesh = result["strategy"], result["setup"], result["mesh"]
+    split = parse_row_name(strategy)  # "zero3/sp4": the shipped split config, its degree below
+    strategy = SPLIT_CONFIGS[split[1]] if split else strategy
     name = MULTINODE_CONFIGS.get(strategy, strategy) if setup["nodes"] > 1 else strategy
     shipped = find_config(name)
     config = yaml.safe_load(shipped.path.read_text())
@@ -189,7 +192,12 @@ def accelerate_config(result: dict) -> tuple[dict, str]:
     else:
         for key in ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend"):
             config.pop(key, None)
-    if "parallelism_config" in config or strategy in TP_STRATEGIES:
+    if split:
+        kind, degree = split[1:]
+        config["parallelism_config"][f"parallelism_config_{kind}_size"] = degree
+        if kind == "cp":  # FSDP2 shards over dp_shard x cp
+            config["parallelism_config"]["parallelism_config_dp_shard_size"] = setup["world_size"] // degree
+    elif "parallelism_config" in config or strategy in TP_STRATEGIES:
         config["parallelism_config"] = {f"parallelism_config_{k}_size": mesh[k] for k in ("dp_replicate", "dp_shard",
                                                                                          "tp")}
     if config.get("distributed_type") != "DEEPSPEED":  # DeepSpeed takes its precision from the Trainer
@@ -216,7 +224,7 @@ def training_config(result: dict, args, spec) -> dict:
     if setup["lora_rank"]:
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         out.update(use_lora=True, lora_r=setup["lora_rank"], lora_target_modules=targets)
-    out["output_dir"] = f"runs/fit-{result['strategy']}"
+    out["output_dir"] = f"runs/fit-{result['strategy'].replace('/', '-')}"
     return out
 
 
@@ -289,7 +297,7 @@ def format_fit(r: dict) -> str:
 
 def describe(c: dict) -> str:
     tp = f", tp {c['tp']}" if c["tp"] > 1 else ""
-    dp = c["mesh"]["dp_replicate"] * c["mesh"]["dp_shard"]
+    dp = data_parallel_size(c["mesh"])
     return (f"{c['strategy']}{tp}: micro-batch {c['per_device_train_batch_size']} x accumulation "
             f"{c['gradient_accumulation_steps']} x data-parallel {dp}, checkpointing "
             f"{'on' if c['gradient_checkpointing'] else 'off'}; peak {gb(c['peak_bytes'])} GB per GPU, "

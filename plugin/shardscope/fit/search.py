@@ -17,7 +17,9 @@ from ..errors import UsageError
 from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
-from ..plan.planner import TIERS, estimate, usable_bytes
+from ..plan.planner import TIERS, estimate, fits, usable_bytes
+from ..plan.sequence import (KINDS, SPLIT_STRATEGIES, data_parallel_size, named_rows, parse_row_name, row_name,
+                             search_groups)
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb
@@ -26,6 +28,8 @@ from ..units import gb
 TIE_ORDER = [s for tier in TIERS for s in sorted(tier, key=lambda s: family(s) != "fsdp")]
 TIE_ORDER.insert(TIE_ORDER.index("zero2") + 1, "zero1")
 TIE_ORDER += [s for s in STRATEGIES if s not in TIE_ORDER]
+# Sequence-split rows (plan/sequence.py, "zero3/sp4"): after every plain strategy, lower degrees first.
+TIE_ORDER += [row_name(s, kind, 2 ** i) for i in range(1, 11) for kind in KINDS for s in SPLIT_STRATEGIES[kind]]
 
 
 # ----------------------------------------------------------------------------- search
@@ -52,7 +56,7 @@ class Candidate:
 
     def public(self) -> dict:
         out = asdict(self)
-        out["data_parallel_size"] = self.mesh["dp_replicate"] * self.mesh["dp_shard"]
+        out["data_parallel_size"] = data_parallel_size(self.mesh)
         return out
 
 
@@ -76,14 +80,21 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
                 (s == "tp" and t == world) or (s == "fsdp_tp" and t < world) or (s == "hsdp_tp" and setup.nodes > 1)))
             if names:
                 groups.append((t, names, world // t))
-    return groups
+    return groups + search_groups(spec, setup, allowed)  # each sequence split cp/sp ways: dp = world / degree
 
 
 def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None,
              knobs: LibraryKnobs | None = None) -> tuple[list[Row], dict]:
     """The planner's rows for `names` at this setup (`estimate`: what `fits` and `peak_bytes` come from);
     `traces`: step_trace.tracer(config) when the model's config is at hand, else the formula; `knobs`: what the
-    run's libraries decide."""
+    run's libraries decide. Split rows ("zero3/sp4") come from plan/sequence.py, `result` then at the rank's
+    share of each sequence."""
+    if "/" in names[0]:
+        rows, local = named_rows(spec, setup, names, traces, knobs)
+        for row in rows:
+            row.fits = fits(row, setup)
+        result = estimate(spec, local, traces(local) if traces else None, knobs)
+        return rows, {**result, "activations": {**result["activations"], "tokens_per_sample": setup.seq_len}}
     result = estimate(spec, setup, traces(setup) if traces else None, knobs)
     return [r for r in result["rows"] if r.strategy in names], result
 
@@ -174,7 +185,9 @@ def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
 
 
 def candidate(row: Row, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
-    step = step_time(row, spec, model, setup, tokens, fig)
+    split = parse_row_name(row.strategy)  # a rank computes 1/degree of each sequence, attention at its full length:
+    timed = replace(row, mesh={**row.mesh, "tp": row.mesh["tp"] * split[2]}) if split else row  # timed as a TP share
+    step = step_time(timed, spec, model, setup, setup.seq_len if split else tokens, fig)
     return Candidate(row.strategy, setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
                      row.mesh["tp"], row.mesh, row.peak_bytes, bool(row.fits), step["step_time_s"],
                      step, row.cpu_bytes, row.model_states_bytes)
@@ -284,7 +297,7 @@ def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_
                        traces=None) -> dict | None:
     """When the kept global batch forces a smaller micro-batch than fits (no divisor in between), the
     largest micro-batch that fits and the nearest global batches that allow it."""
-    dp = winner.mesh["dp_replicate"] * winner.mesh["dp_shard"]
+    dp = data_parallel_size(winner.mesh)
     per_rank, micro, best = global_batch // dp, winner.per_device_train_batch_size, None
     for m in range(micro + 1, min(per_rank, micro + limit)):
         trial = replace(setup, micro_batch=m, grad_accum_steps=1, activation_checkpointing=winner.gradient_checkpointing,

@@ -73,7 +73,8 @@ def split_problems(kind: str, degree: int, *, seq_len: int | None = None, heads:
 
 
 # The rows a split adds: the strategies its backend runs under, as `plan` names them.
-SPLIT_STRATEGIES = {"cp": ("fsdp_full_shard",), "sp": ("zero2", "zero3")}
+SPLIT_STRATEGIES = {"cp": ("fsdp_full_shard",), "sp": ("zero3",)}
+SPLIT_CONFIGS = {"cp": "fsdp_cp", "sp": "zero3_sp"}  # the shipped accelerate yaml of each
 # Whether the library hides the term behind compute (the step-time model reads it): torch's ring attention passes
 # the next K/V chunk while the current one is computed; Ulysses' all-to-alls sit between the projections and the
 # attention kernel and wait (DeepSpeed 0.19's UlyssesSPAttentionHF calls them synchronously).
@@ -82,6 +83,42 @@ OVERLAPPED = {"cp_ring": True, "sp_all_to_all": False}
 
 def row_name(strategy: str, kind: str, degree: int) -> str:
     return f"{strategy}/{kind}{degree}"
+
+
+def parse_row_name(name: str) -> tuple[str, str, int] | None:
+    """(strategy, kind, degree) of a split row's name ("zero3/sp4"), None for a plain strategy."""
+    strategy, _, split = name.partition("/")
+    if split[:2] in KINDS and split[2:].isdigit():
+        return strategy, split[:2], int(split[2:])
+    return None
+
+
+def data_parallel_size(mesh: dict) -> int:
+    """Data-parallel replicas of a row's mesh: replicas x shards, over the ranks that share each sequence."""
+    return mesh["dp_replicate"] * mesh["dp_shard"] // (mesh.get("cp", 1) * mesh.get("sp", 1))
+
+
+def search_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[None, tuple, int]]:
+    """`fit`'s split groups, (None, row names, data-parallel size): for each degree above 1 that `degrees`
+    allows (the sequence checked too), the split rows of the allowed strategies; dp = world / degree."""
+    groups = []
+    for kind in KINDS:
+        names = [s for s in SPLIT_STRATEGIES[kind] if s in allowed]
+        for degree in degrees(spec, setup, kind)[1:] if names else []:
+            if not split_problems(kind, degree, seq_len=setup.seq_len):
+                groups.append((None, tuple(row_name(s, kind, degree) for s in names), setup.world_size // degree))
+    return groups
+
+
+def named_rows(spec: ModelSpec, setup: Setup, names: tuple, traces=None, knobs=None) -> tuple[list[Row], Setup]:
+    """The split rows `names` (all of one kind and degree) and the per-rank setup they were traced at; `traces`:
+    `setup -> {regime: StepTrace}` or None (the formula)."""
+    strategy, kind, degree = parse_row_name(names[0])
+    local = replace(setup, seq_len=setup.seq_len // degree)
+    wanted = {parse_row_name(n)[0] for n in names}
+    rows = [split_row(s, spec, setup, kind, degree, (traces(local) if traces else {}).get(_regime(s, setup)), knobs)
+            for s in SPLIT_STRATEGIES[kind] if s in wanted]
+    return rows, local
 
 
 def unit(kind: str, degree: int) -> int:
