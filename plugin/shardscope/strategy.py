@@ -137,15 +137,17 @@ def detect_strategy(model=None) -> dict:
                 "sharded_by": "transformers DistributedConfig" if loaded is not None else "accelerate"}
     split = sequence_split(pc)
     if kind == DistributedType.DEEPSPEED:
-        return {"world_size": world_size, "mesh": {**_mesh(1, world_size, 1), **split.get("mesh", {})},
+        return {"world_size": world_size, "mesh": {**_mesh(1, world_size // split.get("degree", 1), 1),
+                                                   **split.get("mesh", {})},
                 **_deepspeed_details(state.deepspeed_plugin), **split.get("details", {})}
     if kind == DistributedType.FSDP:
         details = _fsdp_details(state.fsdp_plugin, pc)
         replicate = 1
         if details["sharding_strategy"] == "HYBRID_SHARD":  # FSDP2: the mesh; FSDP1: shards within each node
             replicate = pc.dp_replicate_size if pc is not None and pc.dp_replicate_size > 1 else num_nodes()
-        return {"world_size": world_size, "mesh": {**_mesh(replicate, world_size // replicate, 1),
-                                                   **split.get("mesh", {})}, **details, **split.get("details", {})}
+        return {"world_size": world_size, "mesh": {**_mesh(replicate, world_size // replicate // split.get("degree", 1),
+                                                         1), **split.get("mesh", {})},
+                **details, **split.get("details", {})}
     if world_size > 1:
         return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
                 "distributed_type": str(kind.value)}
@@ -231,8 +233,10 @@ def num_nodes() -> int:
 
 def sequence_split(pc) -> dict:
     """A run's context (cp) or sequence (sp) split from accelerate's ParallelismConfig: {"mesh": {kind: degree},
-    "details": {"sequence_parallel": {kind, degree, backend, group}}}, {} without one. The group is the ranks that
-    share this rank's sequences: DeepSpeed's sequence-parallel group (sp), accelerate's mesh order (cp)."""
+    "degree", "details": {"sequence_parallel": {kind, degree, backend, group}}}, {} without one (the mesh's
+    dp_shard is then the data-parallel shards: dp_replicate x dp_shard x tp x degree = world, as accelerate's).
+    The group is the ranks that share this rank's sequences: DeepSpeed's sequence-parallel group (sp),
+    accelerate's mesh order (cp)."""
     import torch
 
     kind = "sp" if pc is not None and pc.sp_size > 1 else "cp" if pc is not None and pc.cp_size > 1 else None
@@ -253,8 +257,8 @@ def sequence_split(pc) -> dict:
         start = rank - rank % (degree * stride) + rank % stride
         group = [start + i * stride for i in range(degree)]
     backend = pc.sp_backend if kind == "sp" else pc.cp_backend
-    return {"mesh": {kind: degree}, "details": {"sequence_parallel": {"kind": kind, "degree": degree,
-                                                                      "backend": backend, "group": group}}}
+    return {"mesh": {kind: degree}, "degree": degree,
+            "details": {"sequence_parallel": {"kind": kind, "degree": degree, "backend": backend, "group": group}}}
 
 
 def _mesh(dp_replicate: int, dp_shard: int, tp: int) -> dict:

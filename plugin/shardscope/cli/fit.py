@@ -11,7 +11,7 @@ from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import Figures, describe as describe_figures, hardware
 from ..plan.trace_cache import cached_tracer
-from ..plan.sequence import SPLIT_CONFIGS, data_parallel_size, parse_row_name
+from ..plan.sequence import SEARCHED, SPLIT_CONFIGS, parse_row_name
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
 from .plan import add_hardware_arguments, memory_from_args
@@ -42,7 +42,8 @@ def register(subparsers) -> None:
     tr.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
-    tr.add_argument("--strategy", action="append", choices=STRATEGIES, help="repeatable; default: all")
+    tr.add_argument("--strategy", action="append", choices=STRATEGIES + SEARCHED,
+                    help="repeatable; default: all (fsdp_cp, zero3_sp: each sequence split cp/sp ways, every degree)")
     sm = p.add_argument_group("step-time model (defaults from --gpu; docs/fit.md)")
     sm.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per GPU (needed for GPUs not in the table)")
     sm.add_argument("--mfu", type=float, default=0.40, help="fraction of the peak the matmuls reach (default 0.40)")
@@ -105,7 +106,7 @@ def fit_command(args) -> int:
         spec, traces = spec_from_config(config, name=args.model), cached_tracer(args.model, args.global_batch)
     else:
         spec, traces = model_spec(None, params=params), None
-    allowed = tuple(args.strategy or STRATEGIES)
+    allowed = tuple(args.strategy or STRATEGIES + SEARCHED)
     fig, record = figures(hw, args.calibrate)
     found = search(spec, setup, args.global_batch, fig, allowed, traces)
     below = below_model_states(found, setup)
@@ -133,7 +134,7 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
     out["alternatives"] = alternatives(found["fitting"], args.top)
     fitting = {c.strategy for c in found["fitting"]}
     out.update({
-        "mesh": winner.mesh, "data_parallel_size": data_parallel_size(winner.mesh),
+        "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
         "global_batch": args.global_batch, "step": winner.step,
         "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
@@ -297,7 +298,7 @@ def format_fit(r: dict) -> str:
 
 def describe(c: dict) -> str:
     tp = f", tp {c['tp']}" if c["tp"] > 1 else ""
-    dp = data_parallel_size(c["mesh"])
+    dp = c["mesh"]["dp_replicate"] * c["mesh"]["dp_shard"]
     return (f"{c['strategy']}{tp}: micro-batch {c['per_device_train_batch_size']} x accumulation "
             f"{c['gradient_accumulation_steps']} x data-parallel {dp}, checkpointing "
             f"{'on' if c['gradient_checkpointing'] else 'off'}; peak {gb(c['peak_bytes'])} GB per GPU, "

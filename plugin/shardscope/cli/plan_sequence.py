@@ -88,8 +88,8 @@ def max_seq_len_lines(spec, setup, traces_of, model: str | None) -> tuple[list[d
         raise UsageError("--max-seq-len needs GPU memory: --gpu NAME or --gpu-memory SIZE")
     limit = max_positions(model) or 131072
     rows = max_seq_len(spec, setup, traces_of, fits, limit, SEARCH_STEP)
-    lines = [f"longest sequence that fits, per GPU of {gb(setup.gpu_memory_bytes)} GB, micro-batch {setup.micro_batch}, "
-             f"checkpointing {'on' if setup.activation_checkpointing else 'off'} (searched in multiples of "
+    lines = [f"longest sequence that fits, per GPU of {gb(setup.gpu_memory_bytes)} GB, micro-batch "
+             f"{setup.micro_batch}, checkpointing {'on' if setup.activation_checkpointing else 'off'} (searched in multiples of "
              f"{SEARCH_STEP} tokens per GPU up to {limit:,}, the model's positions):",
              f"{'strategy':<24}{'degree':>7}{'max tokens':>12}"]
     for r in rows:

@@ -18,7 +18,7 @@ from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
 from ..plan.planner import TIERS, estimate, fits, usable_bytes
-from ..plan.sequence import (KINDS, SPLIT_STRATEGIES, data_parallel_size, named_rows, parse_row_name, row_name,
+from ..plan.sequence import (KINDS, SEARCHED, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name,
                              search_groups)
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
@@ -56,7 +56,7 @@ class Candidate:
 
     def public(self) -> dict:
         out = asdict(self)
-        out["data_parallel_size"] = data_parallel_size(self.mesh)
+        out["data_parallel_size"] = self.mesh["dp_replicate"] * self.mesh["dp_shard"]
         return out
 
 
@@ -69,7 +69,8 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
     all GPUs; per TP degree t > 1 (`setup.tp_size`, else each that divides the GPUs per node and both head
     counts) the TP rows, dp = world / t."""
     world, groups = setup.world_size, []
-    plain = tuple(s for s in allowed if s not in TP_STRATEGIES and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
+    plain = tuple(s for s in allowed if s in STRATEGIES and s not in TP_STRATEGIES
+                  and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
     if plain:
         groups.append((None, plain, world))
     if spec.tp_plan and any(s in TP_STRATEGIES for s in allowed):
@@ -99,7 +100,7 @@ def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None,
     return [r for r in result["rows"] if r.strategy in names], result
 
 
-def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES,
+def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES + SEARCHED,
            traces=None, knobs: LibraryKnobs | None = None) -> dict:
     """Every (strategy, micro-batch, checkpointing, accumulation) that keeps `global_batch` exactly;
     fitting ones sorted by predicted step time. Larger micro-batches of a (mesh, checkpointing) are not
@@ -297,7 +298,7 @@ def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_
                        traces=None) -> dict | None:
     """When the kept global batch forces a smaller micro-batch than fits (no divisor in between), the
     largest micro-batch that fits and the nearest global batches that allow it."""
-    dp = data_parallel_size(winner.mesh)
+    dp = winner.mesh["dp_replicate"] * winner.mesh["dp_shard"]
     per_rank, micro, best = global_batch // dp, winner.per_device_train_batch_size, None
     for m in range(micro + 1, min(per_rank, micro + limit)):
         trial = replace(setup, micro_batch=m, grad_accum_steps=1, activation_checkpointing=winner.gradient_checkpointing,

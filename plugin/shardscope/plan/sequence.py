@@ -74,7 +74,8 @@ def split_problems(kind: str, degree: int, *, seq_len: int | None = None, heads:
 
 # The rows a split adds: the strategies its backend runs under, as `plan` names them.
 SPLIT_STRATEGIES = {"cp": ("fsdp_full_shard",), "sp": ("zero3",)}
-SPLIT_CONFIGS = {"cp": "fsdp_cp", "sp": "zero3_sp"}  # the shipped accelerate yaml of each
+SPLIT_CONFIGS = {"cp": "fsdp_cp", "sp": "zero3_sp"}  # the shipped accelerate yaml of each (fit --strategy names)
+SEARCHED = tuple(SPLIT_CONFIGS.values())
 # Whether the library hides the term behind compute (the step-time model reads it): torch's ring attention passes
 # the next K/V chunk while the current one is computed; Ulysses' all-to-alls sit between the projections and the
 # attention kernel and wait (DeepSpeed 0.19's UlyssesSPAttentionHF calls them synchronously).
@@ -93,17 +94,13 @@ def parse_row_name(name: str) -> tuple[str, str, int] | None:
     return None
 
 
-def data_parallel_size(mesh: dict) -> int:
-    """Data-parallel replicas of a row's mesh: replicas x shards, over the ranks that share each sequence."""
-    return mesh["dp_replicate"] * mesh["dp_shard"] // (mesh.get("cp", 1) * mesh.get("sp", 1))
-
-
 def search_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[None, tuple, int]]:
-    """`fit`'s split groups, (None, row names, data-parallel size): for each degree above 1 that `degrees`
-    allows (the sequence checked too), the split rows of the allowed strategies; dp = world / degree."""
+    """`fit`'s split groups, (None, row names, data-parallel size): for each split whose shipped config
+    (SPLIT_CONFIGS: fsdp_cp, zero3_sp) is `allowed` and each degree above 1 that `degrees` allows (the sequence
+    checked too), its rows; dp = world / degree."""
     groups = []
     for kind in KINDS:
-        names = [s for s in SPLIT_STRATEGIES[kind] if s in allowed]
+        names = list(SPLIT_STRATEGIES[kind]) if SPLIT_CONFIGS[kind] in allowed else []
         for degree in degrees(spec, setup, kind)[1:] if names else []:
             if not split_problems(kind, degree, seq_len=setup.seq_len):
                 groups.append((None, tuple(row_name(s, kind, degree) for s in names), setup.world_size // degree))
@@ -191,7 +188,10 @@ def split_row(strategy: str, spec: ModelSpec, setup: Setup, kind: str, degree: i
     terms = comm_terms(spec, setup, kind, degree)
     extra = split_facts(spec, setup, kind, degree)["cp_kv_gathered_bytes"]
     breakdown = {**row.peak_breakdown, "temporaries": row.peak_breakdown.get("temporaries", 0) + extra}
-    return replace(row, strategy=row_name(strategy, kind, degree), mesh={**row.mesh, kind: degree},
+    # accelerate's mesh: dp_replicate x dp_shard x tp x degree = world (the shards themselves span the world:
+    # `shard_degree`), so dp_replicate x dp_shard stays the data-parallel size
+    mesh = {**row.mesh, "dp_shard": max(1, row.mesh["dp_shard"] // degree), kind: degree}
+    return replace(row, strategy=row_name(strategy, kind, degree), mesh=mesh,
                    comm={**row.comm, **terms}, comm_bytes_per_step=row.comm_bytes_per_step + sum(terms.values()),
                    peak_bytes=row.peak_bytes + extra, peak_breakdown=breakdown,
                    buffers_detail={**row.buffers_detail, **({"cp_kv_gathered": extra} if extra else {})})
