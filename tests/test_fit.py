@@ -15,7 +15,6 @@ from shardscope.plan.time_model import flops_per_token, hardware
 from shardscope.plan.mesh import Setup
 from shardscope.model.spec import spec_from_count
 from shardscope.plan.planner import estimate
-from shardscope.plan.sequence import split_rows
 from shardscope.strategy import STRATEGIES, TP_STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,23 +45,18 @@ def test_fitting_candidates_are_a_brute_force_over_the_planners_rows():
     """Every candidate that keeps the global batch, planned one at a time (no pruning) and kept when its peak is
     under 90% of the GPU (10% headroom): exactly what fit calls fitting. The meshes, by hand for 8 GPUs and 32
     heads on one node: the plain strategies over 8 ranks (hybrid shard needs nodes; offload needs the host memory
-    given, and none is), FSDP x TP at t = 2 and 4, TP alone at t = 8; each sequence split 2, 4 and 8 ways (cp under
-    fsdp_full_shard, sp under zero3: plan/sequence.py's rows), dp = 8 / degree."""
+    given, and none is), FSDP x TP at t = 2 and 4, TP alone at t = 8."""
     base, usable, global_batch = setup(), 0.9 * 80 * 2 ** 30, 64
     plain = [s for s in STRATEGIES if s not in TP_STRATEGIES and s != "fsdp_hybrid_shard" and "offload" not in s]
-    splits = [(kind, n) for kind in ("cp", "sp") for n in (2, 4, 8)]
     expected = set()
-    for tp, names, dp in [(None, plain, 8), (2, ["fsdp_tp"], 4), (4, ["fsdp_tp"], 2), (8, ["tp"], 1),
-                          *((split, None, 8 // split[1]) for split in splits)]:
+    for tp, names, dp in [(None, plain, 8), (2, ["fsdp_tp"], 4), (4, ["fsdp_tp"], 2), (8, ["tp"], 1)]:
         per_rank = global_batch // dp
         for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
             for checkpointing in (False, True):
                 trial = replace(base, micro_batch=micro, grad_accum_steps=per_rank // micro,
-                                activation_checkpointing=checkpointing, tp_size=None if names is None else tp)
-                rows = split_rows(SPEC, trial, *tp, {}) if names is None else \
-                    [r for r in estimate(SPEC, trial)["rows"] if r.strategy in names]
+                                activation_checkpointing=checkpointing, tp_size=tp)
                 expected |= {(r.strategy, r.mesh["tp"], micro, per_rank // micro, checkpointing, r.peak_bytes)
-                             for r in rows if r.peak_bytes <= usable}
+                             for r in estimate(SPEC, trial)["rows"] if r.strategy in names and r.peak_bytes <= usable}
     assert len(expected) > 20 and fitting_set(search(SPEC, base, global_batch, H100)) == expected
 
 

@@ -22,6 +22,7 @@ from shardscope.plan.sequence import (comm_terms, max_seq_len, split_facts, spli
                                       unit)
 from shardscope.plan.time_model import hardware
 from shardscope.recipes.sequence import sequence_split
+from shardscope.strategy import STRATEGIES
 from shardscope.strategy import sequence_split as run_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,15 +236,14 @@ def test_plan_cli_rows_and_bad_input(capsys, tiny_llama):
 # ----------------------------------------------------------------------------- fit
 def test_fit_searches_the_degree_and_keeps_the_global_batch():
     setup = Setup(gpus_per_node=8, gpu_memory_bytes=H100, seq_len=65536, activation_checkpointing=True)
-    found = search(SPEC, setup, 16, hardware("H100", "bf16-mixed"))
+    found = search(SPEC, setup, 16, hardware("H100", "bf16-mixed"), STRATEGIES + ("fsdp_cp", "zero3_sp"))
     split = [c for c in found["fitting"] if "/" in c.strategy]
     assert {c.strategy for c in split} >= {"zero3/sp4", "zero3/sp8", "fsdp_full_shard/cp4", "fsdp_full_shard/cp8"}
     for c in split:
         degree = c.mesh.get("sp", c.mesh.get("cp"))
         dp = c.mesh["dp_replicate"] * c.mesh["dp_shard"]
         assert dp * degree == 8 and c.per_device_train_batch_size * c.gradient_accumulation_steps * dp == 16
-    plain = search(SPEC, setup, 16, hardware("H100", "bf16-mixed"), allowed=("zero3", "fsdp_full_shard"))
-    # the split configs are searched only when allowed (fit --strategy zero3_sp, fsdp_cp; all by default)
+    plain = search(SPEC, setup, 16, hardware("H100", "bf16-mixed"))  # the split configs only when named
     assert plain["fitting"] and not any("/" in c.strategy for c in plain["fitting"])
 
 

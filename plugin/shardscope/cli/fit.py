@@ -43,7 +43,8 @@ def register(subparsers) -> None:
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
     tr.add_argument("--strategy", action="append", choices=STRATEGIES + SEARCHED,
-                    help="repeatable; default: all (fsdp_cp, zero3_sp: each sequence split cp/sp ways, every degree)")
+                    help="repeatable; default: all, and fsdp_cp, zero3_sp (each sequence split cp/sp ways, every "
+                         "degree) when nothing fits with whole sequences")
     sm = p.add_argument_group("step-time model (defaults from --gpu; docs/fit.md)")
     sm.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per GPU (needed for GPUs not in the table)")
     sm.add_argument("--mfu", type=float, default=0.40, help="fraction of the peak the matmuls reach (default 0.40)")
@@ -106,9 +107,12 @@ def fit_command(args) -> int:
         spec, traces = spec_from_config(config, name=args.model), cached_tracer(args.model, args.global_batch)
     else:
         spec, traces = model_spec(None, params=params), None
-    allowed = tuple(args.strategy or STRATEGIES + SEARCHED)
+    allowed = tuple(args.strategy or STRATEGIES)
     fig, record = figures(hw, args.calibrate)
     found = search(spec, setup, args.global_batch, fig, allowed, traces)
+    if not args.strategy and not found["fitting"]:  # no sequence fits whole: split it (cp/sp, every degree)
+        allowed += SEARCHED
+        found = search(spec, setup, args.global_batch, fig, allowed, traces)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(below)

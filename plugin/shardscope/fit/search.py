@@ -18,8 +18,7 @@ from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
 from ..plan.planner import TIERS, estimate, fits, usable_bytes
-from ..plan.sequence import (KINDS, SEARCHED, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name,
-                             search_groups)
+from ..plan.sequence import KINDS, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name, search_groups
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb
@@ -100,7 +99,7 @@ def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None,
     return [r for r in result["rows"] if r.strategy in names], result
 
 
-def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES + SEARCHED,
+def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figures, allowed=STRATEGIES,
            traces=None, knobs: LibraryKnobs | None = None) -> dict:
     """Every (strategy, micro-batch, checkpointing, accumulation) that keeps `global_batch` exactly;
     fitting ones sorted by predicted step time. Larger micro-batches of a (mesh, checkpointing) are not
