@@ -137,7 +137,10 @@ def test_doctor_rules_one_line_each_with_the_fix():
                                                  "(cp_size, torch) runs only under FSDP2, not zero3",
                                                  "launch with accelerate_configs/fsdp_cp.yaml, or use sp_size under "
                                                  "DeepSpeed")]
-    assert [f[0] for f in found("sp_under_fsdp.yaml")] == ["sp-backend", "sequence-split"]
+    assert [f[0] for f in found("sp_under_fsdp.yaml")] == ["sequence-split"]
+    no_backend = yaml.safe_load((BAD / "sp_not_dividing.yaml").read_text())
+    del no_backend["parallelism_config"]["parallelism_config_sp_backend"]
+    assert [f[0] for f in found(no_backend)] == ["sp-backend", "sequence-split"]
     assert "does not divide the 8 processes" in found("sp_not_dividing.yaml")[-1][3]
     shipped = yaml.safe_load((ROOT / "accelerate_configs/zero3_sp.yaml").read_text())
     assert found(shipped, {"max_seq_length": 32768}, llama_config()) == []  # the shipped config is clean
