@@ -64,8 +64,11 @@ def test_summary_records_the_split_and_counts_each_token_once(sp_runs):
     assert split["mesh"]["sp"] == SP and "sp" not in whole["mesh"]
     assert split["strategy_detail"]["sequence_parallel"] == {"kind": "sp", "degree": SP, "backend": "deepspeed",
                                                              "group": [0, 1]}
-    assert "[shardscope] rank=0" in (sp_runs["sp"] / "launch.log").read_text() and \
-        f"sp_size={SP}" in (sp_runs["sp"] / "launch.log").read_text()
+    log = (sp_runs["sp"] / "launch.log").read_text()
+    for rank in range(SP):  # the logs name the split and each rank's group; the recipe's closing line its degree
+        assert f'shardscope sequence split (rank {rank}): {{"kind": "sp", "degree": {SP}, "backend": "deepspeed", ' \
+               f'"group": [0, 1]}}' in log
+        assert f"[shardscope] rank={rank} world_size={SP}" in log and f"sp_size={SP}" in log
     # each rank holds half of each sequence: over the group, every token and sample once, attention FLOPs at the
     # full length; the reference trained the same sequences whole in the same (uninstrumented) steps
     ranks = [r["throughput"] for r in split["ranks"]]
