@@ -264,3 +264,16 @@ def test_callback_split_degrees_and_groups():
 
 def replace_ns(ns, **kw):
     return SimpleNamespace(**{**vars(ns), **kw})
+
+
+def test_doctor_fit_check_plans_the_split_row(tiny_llama):
+    """doctor's no-fit check under a split yaml plans that split's row (what `plan --sp` plans), not the whole
+    sequence on each GPU."""
+    from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args
+
+    trainer, source = parse_trainer_args([str(ROOT / "recipes/causal_lm_sft.py"), "--max_seq_length", "512"])
+    inputs = Inputs(accelerate_config=ROOT / "accelerate_configs/zero3_sp.yaml", model=str(tiny_llama),
+                    trainer=trainer, trainer_source=source, gpus=8, gpu_memory_bytes=10 ** 6)
+    findings, _ = diagnose(inputs, validate=False, environment=False)
+    assert [f.problem.split(" needs")[0] for f in findings if f.code == "no-fit"] == ["zero3/sp4"]
+    assert "seq 512" in next(f.problem for f in findings if f.code == "no-fit")

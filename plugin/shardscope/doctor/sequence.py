@@ -4,9 +4,11 @@ its strategy, the model, the sequence length, the attention kernel and the world
 fixed sp_seq_length the data does not have)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .rules import Finding
 from ..model.spec import attention_heads
-from ..plan.sequence import split_problems
+from ..plan.sequence import split_problems, split_rows
 from ..units import as_int
 
 SECTION = "parallelism_config"
@@ -16,6 +18,27 @@ def split_settings(acc: dict) -> dict:
     """The yaml's parallelism_config without the `parallelism_config_` prefix (accelerate accepts both)."""
     raw = acc.get(SECTION) or {}
     return {str(k).removeprefix("parallelism_config_"): v for k, v in raw.items()} if isinstance(raw, dict) else {}
+
+
+def split_of(acc: dict) -> tuple[str, int] | None:
+    """("cp"|"sp", degree) of an accelerate yaml's split, None without one."""
+    pc = split_settings(acc)
+    sizes = {kind: as_int(pc.get(f"{kind}_size", 1)) or 1 for kind in ("sp", "cp")}
+    return next(((kind, n) for kind, n in sizes.items() if n > 1), None)
+
+
+def with_split_rows(result: dict, spec, setup, split: tuple | None, model: str, knobs) -> dict:
+    """`estimate`'s `result` with the split's rows (`plan --sp/--cp`'s, fitted) added; as it is without a split."""
+    if not split:
+        return result
+    from ..plan.planner import fits
+    from ..plan.trace_cache import cached_traces_for
+
+    traces, _ = cached_traces_for(model, replace(setup, seq_len=setup.seq_len // split[1]))
+    rows = split_rows(spec, setup, *split, traces, knobs)
+    for row in rows:
+        row.fits = fits(row, setup)
+    return {**result, "rows": result["rows"] + rows}
 
 
 def launched_strategy(acc: dict) -> str:
@@ -33,12 +56,10 @@ def check_sequence_split(file: str, acc: dict, trainer: dict | None, source: str
     """Findings for the yaml's cp/sp split (none without one); `config`: the model's transformers config (heads,
     positions) when known; `trainer`: parsed Trainer/recipe arguments (max_seq_length, attn_implementation) read
     from `source`."""
-    pc = split_settings(acc)
-    sizes = {kind: as_int(pc.get(f"{kind}_size", 1)) or 1 for kind in ("cp", "sp")}
-    kind = "sp" if sizes["sp"] > 1 else "cp" if sizes["cp"] > 1 else None
-    if kind is None:
+    pc, split = split_settings(acc), split_of(acc)
+    if split is None:
         return []
-    findings, trainer = [], trainer or {}
+    (kind, degree), findings, trainer = split, [], trainer or {}
     if kind == "sp" and "sp_backend" not in pc:
         findings.append(Finding("sp-backend", file, f"{SECTION}.parallelism_config_sp_backend", "sp_size is set but "
                                 "sp_backend is not: accelerate 1.15 falls back to deepspeed, the only backend it has",
@@ -53,7 +74,7 @@ def check_sequence_split(file: str, acc: dict, trainer: dict | None, source: str
     heads, kv = attention_heads(config) if config is not None else (None, None)
     attention = trainer.get("attn_implementation") or (pc.get("sp_attn_implementation") if kind == "sp" else None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for problem in split_problems(kind, sizes[kind], seq_len=seq, heads=heads, kv_heads=kv, world=world,
+    for problem in split_problems(kind, degree, seq_len=seq, heads=heads, kv_heads=kv, world=world,
                                   tp=as_int(pc.get("tp_size", 1)) or 1, strategy=launched_strategy(acc),
                                   attention=attention,
                                   max_positions=getattr(text, "max_position_embeddings", None)):
