@@ -18,8 +18,7 @@ from shardscope.model.spec import spec_from_count
 from shardscope.plan.formulas import strategy_row
 from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import fits
-from shardscope.plan.sequence import (comm_terms, max_seq_len, split_facts, split_problems, split_row, split_rows,
-                                      unit)
+from shardscope.plan.sequence import comm_terms, max_seq_len, split_facts, split_problems, split_row, unit
 from shardscope.plan.time_model import hardware
 from shardscope.recipes.sequence import sequence_split
 from shardscope.strategy import STRATEGIES
@@ -161,7 +160,8 @@ def test_doctor_rules_one_line_each_with_the_fix():
 def test_doctor_cli_exit_1_one_finding_per_mistake(capsys):
     code = main(["doctor", "--accelerate-config", str(BAD / "cp_under_deepspeed.yaml")])
     out = capsys.readouterr().out
-    assert code == 1 and out.count("[sequence-split]") == 1 and "fix: launch with accelerate_configs/fsdp_cp.yaml" in out
+    assert code == 1 and out.count("[sequence-split]") == 1
+    assert "fix: launch with accelerate_configs/fsdp_cp.yaml" in out
 
 
 # ----------------------------------------------------------------------------- planner rows and terms

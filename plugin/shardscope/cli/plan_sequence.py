@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import UsageError
-from ..plan.planner import fits
+from ..plan.planner import fits, usable_bytes
 from ..plan.sequence import KINDS, NAMES, max_seq_len, spec_problems, split_facts, split_rows
 from ..units import gb
 
 SEARCH_STEP = 1024  # --max-seq-len answers in multiples of this many tokens per rank
+NO_POSITIONS = 131072  # --max-seq-len's bound where no config gives max_position_embeddings (--params)
 
 
 def add_sequence_arguments(group) -> None:
@@ -86,15 +87,20 @@ def max_seq_len_lines(spec, setup, traces_of, model: str | None) -> tuple[list[d
     """(rows, printed lines) of --max-seq-len."""
     if setup.gpu_memory_bytes is None:
         raise UsageError("--max-seq-len needs GPU memory: --gpu NAME or --gpu-memory SIZE")
-    limit = max_positions(model) or 131072
+    positions = max_positions(model)
+    limit = positions or NO_POSITIONS
     rows = max_seq_len(spec, setup, traces_of, fits, limit, SEARCH_STEP)
-    lines = [f"longest sequence that fits, per GPU of {gb(setup.gpu_memory_bytes)} GB, micro-batch "
-             f"{setup.micro_batch}, checkpointing {'on' if setup.activation_checkpointing else 'off'} (searched in multiples of "
-             f"{SEARCH_STEP} tokens per GPU up to {limit:,}, the model's positions):",
+    bound = "the model's max_position_embeddings" if positions else "no model config: a bound of the search"
+    lines = [f"longest sequence that fits in {gb(usable_bytes(setup))} GB usable per GPU ({setup.headroom:.0%} "
+             f"headroom kept), micro-batch {setup.micro_batch}, checkpointing "
+             f"{'on' if setup.activation_checkpointing else 'off'}; searched in multiples of {SEARCH_STEP} tokens "
+             f"per GPU up to {limit:,} ({bound}):",
              f"{'strategy':<24}{'degree':>7}{'max tokens':>12}"]
     for r in rows:
         value = "none" if not r["max_seq_len"] else f"{r['max_seq_len']:,}" + ("+" if r["capped"] else "")
         lines.append(f"{r['strategy']:<24}{r['degree']:>7}{value:>12}")
-    lines.append("+ fits at the model's max_position_embeddings; activations traced at "
-                 f"{SEARCH_STEP} tokens and extended along the line of 1 and 2 micro-batches (tokens per GPU)")
+    how = (f"traced at {SEARCH_STEP} tokens and extended along the line of 1 and 2 micro-batches (tokens per GPU)"
+           if model else "from the written-out formula (approximate: --params has no model code to trace)")
+    lines.append(f"+ fits at {limit:,} ({bound}); activations {how}; degrees the heads or GPUs do not allow are left "
+                 "out")
     return rows, lines

@@ -2,15 +2,17 @@
 sequence parallelism (`sp`, ZeRO only).
 
 Owns the one validity rule of a sequence split (`split_problems`), used by the planner, fit, doctor and the
-recipes, and the formulas of what a split changes on a rank (`SequenceSplit`).
+recipes, and the formulas of what a split changes on a rank: its row (`split_row`: the strategy's row at s / n
+tokens, plus the split's communication terms `comm_terms`), what tiling would bound (`split_facts`), the longest
+sequence that fits (`max_seq_len`) and fit's search groups (docs/planner.md, "Long sequences").
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from .formulas import Row, strategy_row
 from .mesh import LibraryKnobs, Setup
+from .trace import regime_for
 from ..model.spec import ModelSpec
 
 KINDS = ("cp", "sp")
@@ -112,8 +114,8 @@ def named_rows(spec: ModelSpec, setup: Setup, names: tuple, traces=None, knobs=N
     `setup -> {regime: StepTrace}` or None (the formula)."""
     strategy, kind, degree = parse_row_name(names[0])
     local = replace(setup, seq_len=setup.seq_len // degree)
-    wanted = {parse_row_name(n)[0] for n in names}
-    rows = [split_row(s, spec, setup, kind, degree, (traces(local) if traces else {}).get(_regime(s, setup)), knobs)
+    wanted, traced = {parse_row_name(n)[0] for n in names}, traces(local) if traces else {}
+    rows = [split_row(s, spec, setup, kind, degree, traced.get(regime_for(s, setup.precision)), knobs)
             for s in SPLIT_STRATEGIES[kind] if s in wanted]
     return rows, local
 
@@ -199,8 +201,6 @@ def split_row(strategy: str, spec: ModelSpec, setup: Setup, kind: str, degree: i
 
 def split_rows(spec: ModelSpec, setup: Setup, kind: str, degree: int, traces: dict, knobs=None) -> list[Row]:
     """`split_row` for each strategy of the backend; `traces`: {regime: StepTrace} at s / degree tokens."""
-    from .trace import regime_for
-
     return [split_row(s, spec, setup, kind, degree, traces.get(regime_for(s, setup.precision)), knobs)
             for s in SPLIT_STRATEGIES[kind]]
 
@@ -227,20 +227,18 @@ def max_seq_len(spec: ModelSpec, setup: Setup, traces_at, fits, limit: int, step
                 knobs: LibraryKnobs | None = None) -> list[dict]:
     """Per strategy and degree, the longest sequence (a multiple of `step` x unit, up to `limit`) whose row
     `fits` (the planner's fit rule). `traces_at(local_setup)`: {regime: StepTrace} at that many tokens per rank.
-    Rows of degree 1 are the plain strategies of both backends."""
+    Degree 1 is the backends' strategies with whole sequences."""
     out = []
     for kind in KINDS:
         for degree in degrees(spec, setup, kind):
             for strategy in SPLIT_STRATEGIES[kind]:
-                if degree == 1 and kind == "cp" and strategy in SPLIT_STRATEGIES["sp"]:
-                    continue
                 grain = step * unit(kind, degree)
 
                 def ok(k: int) -> bool:
                     run = replace(setup, seq_len=k * grain)
                     traces = traces_at(replace(run, seq_len=run.seq_len // degree))
                     row = split_row(strategy, spec, run, kind, degree,
-                                    traces.get(_regime(strategy, setup)), knobs)
+                                    traces.get(regime_for(strategy, setup.precision)), knobs)
                     return bool(fits(row, setup))
 
                 best = _largest(ok, limit // grain)
@@ -248,12 +246,6 @@ def max_seq_len(spec: ModelSpec, setup: Setup, traces_at, fits, limit: int, step
                             "kind": kind, "degree": degree, "max_seq_len": best * grain if best else 0,
                             "capped": best == limit // grain and best > 0})
     return out
-
-
-def _regime(strategy: str, setup: Setup) -> str:
-    from .trace import regime_for
-
-    return regime_for(strategy, setup.precision)
 
 
 def _largest(ok, high: int) -> int:

@@ -46,8 +46,9 @@ def sequence_split(config, name_or_path: str, seq_len: int, attention: str | Non
         backend = env.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
         if backend != "deepspeed":
             raise UsageError(f"parallelism_config_sp_backend is '{backend}'; sp_size needs sp_backend: deepspeed")
+    tp = int(env.get("PARALLELISM_CONFIG_TP_SIZE") or 1)
     problems = split_problems(kind, degree, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
-                              world=int(env.get("WORLD_SIZE", degree)), tp=int(env.get("PARALLELISM_CONFIG_TP_SIZE") or 1),
+                              world=int(env.get("WORLD_SIZE", degree)), tp=tp,
                               strategy=launched_strategy(env), attention=attention or "sdpa",
                               max_positions=getattr(config, "max_position_embeddings", None))
     if problems:
