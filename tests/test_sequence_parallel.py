@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, accelerate_launch
+from shardscope import plan_vs_run
 from shardscope.model.spec import model_spec
 from shardscope.plan.mesh import LibraryKnobs, Setup
 from shardscope.plan.sequence import comm_terms, split_row
@@ -87,6 +88,8 @@ def test_counted_all_to_all_bytes_equal_the_planned_term(sp_runs):
         assert counted["sent_bytes"] == planned
         assert counted["calls"] == 8 * spec.num_layers  # q, k, v, output; forward and backward
     assert "all_to_all" not in summary(sp_runs["ref"])["ranks"][0]["comm"]
+    # plan --compare / report plan the run's split from its summary (the step's slice x sp): the same term
+    assert plan_vs_run(sp_runs["sp"] / "shardscope_summary.json")["planned_comm"]["sp_all_to_all"] == planned
 
 
 def test_planned_row_model_states_exact_and_peak_within_5_percent(sp_runs):
