@@ -277,3 +277,23 @@ def test_doctor_fit_check_plans_the_split_row(tiny_llama):
     findings, _ = diagnose(inputs, validate=False, environment=False)
     assert [f.problem.split(" needs")[0] for f in findings if f.code == "no-fit"] == ["zero3/sp4"]
     assert "seq 512" in next(f.problem for f in findings if f.code == "no-fit")
+
+
+@pytest.mark.parametrize("config", ["zero3_sp", "fsdp_cp"])
+def test_fit_writes_the_split_config_the_library_loads(config, tmp_path, capsys, tiny_llama):
+    """`fit --strategy zero3_sp|fsdp_cp --output-dir`: the shipped split config with the winner's degree (and, for cp,
+    dp_shard x cp = processes), loaded by accelerate like every shipped config."""
+    from shardscope.configs import validate_config
+
+    code = main(["fit", "--model", str(tiny_llama), "--gpus", "4", "--gpu", "H100", "--seq-len", "512",
+                 "--global-batch", "4", "--strategy", config, "--output-dir", str(tmp_path), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    kind = "sp" if config == "zero3_sp" else "cp"
+    degree = result["mesh"][kind]
+    assert code == 0 and result["strategy"].endswith(f"/{kind}{degree}") and degree > 1
+    loaded = validate_config(tmp_path / "accelerate_config.yaml")
+    pc = loaded.parallelism_config
+    assert pc[f"parallelism_config_{kind}_size"] == degree and loaded.num_processes == 4
+    assert result["data_parallel_size"] * degree == 4
+    if kind == "cp":
+        assert pc["parallelism_config_dp_shard_size"] * degree == 4
