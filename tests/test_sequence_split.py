@@ -13,7 +13,7 @@ from shardscope.cli import main
 from shardscope.doctor.sequence import check_sequence_split
 from shardscope.errors import UsageError
 from shardscope.fit.search import search
-from shardscope.measure.throughput import split_degrees
+from shardscope.measure.throughput import sequence_share, split_degrees
 from shardscope.model.spec import spec_from_count
 from shardscope.plan.formulas import strategy_row
 from shardscope.plan.mesh import Setup
@@ -255,6 +255,7 @@ def test_callback_split_degrees_and_groups():
     assert split_degrees({"dp_replicate": 1, "dp_shard": 2, "tp": 1, "sp": 4}) == (1, 4)  # tokens split: count all
     assert split_degrees({"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 2}) == (4, 1)  # whole batch on cp ranks
     assert split_degrees(None) == (1, 1)
+    assert sequence_share(3, 1) == 3 and isinstance(sequence_share(3, 1), int) and sequence_share(3, 2) == 1.5
     pc = SimpleNamespace(sp_size=1, cp_size=4, tp_size=1, cp_backend="torch", sp_backend="deepspeed")
     assert run_split(pc) == {"mesh": {"cp": 4}, "degree": 4, "details": {"sequence_parallel": {
         "kind": "cp", "degree": 4, "backend": "torch", "group": [0, 1, 2, 3]}}}

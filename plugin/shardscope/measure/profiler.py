@@ -33,7 +33,7 @@ from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from ..units import peak_flops
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
-                         rates, split_degrees, step_time_summary)
+                         rates, sequence_share, split_degrees, step_time_summary)
 
 logger = logging.getLogger("shardscope")
 
@@ -184,7 +184,7 @@ class ShardingProfiler:
             if tokens is None:
                 self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from "
                                "its first dimension, tokens and FLOP/s are left out", note=True)
-            self._counts.add_batch((counted if samples is None else samples) / self._sp, tokens, flops)
+            self._counts.add_batch(sequence_share(counted if samples is None else samples, self._sp), tokens, flops)
 
     @never_raises(default=dict)
     def step(self, batch=None, tokens=None, samples=None, *, pause: bool = False, defer: bool = False) -> dict:
@@ -317,7 +317,7 @@ class ShardingProfiler:
             if training:
                 flops = tokens * (self._flops_model.per_token(seq_len * self._sp) / self._tp) \
                     if tokens is not None and self._flops_model else None
-                self._counts.saw_training(samples / self._sp, tokens, flops)
+                self._counts.saw_training(sequence_share(samples, self._sp), tokens, flops)
             elif tokens is not None and self._flops_model:  # a reference / generation pass of the trained model
                 self._counts.inference_flops += tokens * (self._flops_model.forward_per_token(seq_len) / self._tp)
 

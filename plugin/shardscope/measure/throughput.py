@@ -131,6 +131,11 @@ def split_degrees(mesh: dict | None) -> tuple[int, int]:
     return mesh.get("tp", 1) * mesh.get("cp", 1), mesh.get("sp", 1)
 
 
+def sequence_share(samples, sp: int):
+    """A rank's share of `samples` it holds 1/sp of each of (unchanged, an int stays an int, without a split)."""
+    return samples / sp if sp > 1 else samples
+
+
 def rates(totals: WindowTotals, peak: float | None) -> dict:
     """samples/s, tokens/s, TFLOP/s and MFU for one device's window (None where not countable)."""
     if totals.seconds <= 0:
