@@ -14,7 +14,7 @@ from transformers import DataCollatorForSeq2Seq
 
 from ..errors import UsageError
 from ..model.spec import attention_heads
-from ..plan.sequence import split_problems
+from ..plan.sequence import split_problems, unit
 
 
 def launched_strategy(env=os.environ) -> str:
@@ -73,6 +73,5 @@ def collator(tokenizer, split: dict | None):
     """The recipe's collator: padding to the longest row, prompts masked, padded to the split's unit."""
     if split is None:
         return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
-    unit = split["degree"] * (2 if split["kind"] == "cp" else 1)
     return SequenceSplitCollator(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt",
-                                 pad_to_multiple_of=unit)
+                                 pad_to_multiple_of=unit(split["kind"], split["degree"]))
