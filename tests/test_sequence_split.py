@@ -236,6 +236,22 @@ def test_plan_cli_rows_and_bad_input(capsys, tiny_llama):
     assert code == 0 and "zero3/sp2" in out and "fsdp_full_shard/cp2" in out
 
 
+def test_plan_recommendation_names_the_split_when_nothing_fits_whole():
+    """128k tokens of an 8B model on 8 x 80 GB: no strategy fits with whole sequences (the formula's activations:
+    --params has no code), so the recommendation is none, and with --sp 8 it names the split row that fits."""
+    from shardscope.cli.plan_sequence import add_split_rows
+    from shardscope.plan.planner import estimate
+
+    setup = Setup(gpus_per_node=8, gpu_memory_bytes=H100, seq_len=131072, activation_checkpointing=True)
+    result = estimate(SPEC, setup)
+    assert result["recommendation"]["strategy"] is None and not any(r.fits for r in result["rows"])
+    add_split_rows(result, SimpleNamespace(sp=8, cp=1, model=None), SPEC, setup, lambda shape: {})
+    row = result["rows"][-1]
+    assert row.strategy == "zero3/sp8" and row.fits and result["recommendation"]["strategy"] is None
+    assert result["recommendation"]["reason"].endswith(f"; with each sequence split: zero3/sp8 fits "
+                                                       f"({row.peak_bytes / 1e9:.3g} GB)")
+
+
 # ----------------------------------------------------------------------------- fit
 def test_fit_searches_the_degree_and_keeps_the_global_batch():
     setup = Setup(gpus_per_node=8, gpu_memory_bytes=H100, seq_len=65536, activation_checkpointing=True)

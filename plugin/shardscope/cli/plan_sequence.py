@@ -61,6 +61,10 @@ def add_split_rows(result: dict, args, spec, setup, traces_of) -> None:
         row.fits = fits(row, setup)
     result["rows"] += rows
     result["sequence"] = split_facts(spec, setup, kind, degree)
+    fitting = [row for row in rows if row.fits]
+    if result["recommendation"]["strategy"] is None and fitting:  # the whole sequences do not fit, a split does
+        result["recommendation"] = {**result["recommendation"], "reason": result["recommendation"]["reason"] + (
+            "; with each sequence split: " + ", ".join(f"{r.strategy} fits ({gb(r.peak_bytes)} GB)" for r in fitting))}
 
 
 def format_sequence(facts: dict | None) -> list[str]:
