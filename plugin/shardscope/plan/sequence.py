@@ -137,9 +137,12 @@ def comm_terms(spec: ModelSpec, setup: Setup, kind: str, degree: int) -> dict:
     sp_all_to_all = A * passes * L * b * (s/n) * d * (2a + 2*max(k, n)) * e * (n-1)/n
         four all-to-alls per layer forward (q, k, v in; the attention output back), each of a rank's
         b x s/n x heads x d slice; KV heads below n are replicated to n first; backward is the same four.
-    cp_ring = A * (passes + 1) * L * 2 * b * s * k * d * e * (n-1)/n
-        K and V of the whole sequence reach every rank once per forward (all-gathered, or passed around the
-        ring: the same bytes), backward passes them again plus their gradients.
+    cp_ring = A * L * 2 * b * s * k * d * (passes * e * (n-1)/n + 4)
+        torch's ring attention (torch/distributed/tensor/experimental/_context_parallel/_attention.py): K and V of
+        the whole sequence reach every rank once per forward and again in backward (all-gathered, the default
+        rotate method, or passed around the ring: the same bytes); backward also passes each chunk's K/V gradients
+        around the whole ring, n hops of the rank's 2 b s/n k d accumulated in fp32 (`convert_to_f32`).
+        k: the KV heads as they reach SDPA (transformers may repeat them to the attention heads first).
     """
     if degree <= 1:
         return {}
@@ -149,8 +152,8 @@ def comm_terms(spec: ModelSpec, setup: Setup, kind: str, degree: int) -> dict:
     if kind == "sp":
         per_pass = L * b * (s // degree) * _head_dim(spec) * (2 * heads + 2 * max(kv, degree)) * e
         return {"sp_all_to_all": int(setup.grad_accum_steps * passes * per_pass * share)}
-    per_pass = L * 2 * b * s * kv * _head_dim(spec) * e
-    return {"cp_ring": int(setup.grad_accum_steps * (passes + 1) * per_pass * share)}
+    kv_bytes = L * 2 * b * s * kv * _head_dim(spec)  # elements of one sequence's K and V over the layers
+    return {"cp_ring": int(setup.grad_accum_steps * kv_bytes * (passes * e * share + 4))}
 
 
 def split_facts(spec: ModelSpec, setup: Setup, kind: str, degree: int) -> dict:
