@@ -13,6 +13,10 @@ only the response and EOS train. `--packing` concatenates examples into `max_seq
 Full fine-tuning by default; `--use_lora` trains PEFT LoRA adapters and saves only those.
 Tensor parallelism (TP) and 2D FSDP2 x TP: launch with accelerate_configs/tp.yaml, fsdp_tp.yaml or
 hsdp_tp.yaml (or pass `--tp_size N` under torchrun); transformers shards the model while loading it.
+Long sequences: launch with accelerate_configs/zero3_sp.yaml (DeepSpeed Ulysses, sp_size) or fsdp_cp.yaml (torch
+context parallelism, cp_size, GPU only); each batch is padded to a multiple of the degree and carries position_ids,
+and the split is checked against the model, strategy and world before any process group starts
+(recipes/llama/llama31_8b_long.yaml).
 Any `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`...).
 `--auto_fit true` lets shardscope choose the micro-batch, accumulation and checkpointing for the global batch
 the arguments give (docs/fit.md; `--fit_memory_budget 2GB` on CPU).
@@ -20,7 +24,7 @@ the arguments give (docs/fit.md; `--fit_memory_budget 2GB` on CPU).
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from shardscope.checkpoint.resume import prepare_resume
 from shardscope.doctor.diagnose import startup_checks
@@ -28,6 +32,7 @@ from shardscope.errors import UsageError
 from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
 from shardscope.model.spec import load_model_config
 from shardscope.recipes.data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
+from shardscope.recipes.sequence import collator as sft_collator, sequence_split
 from shardscope.recipes.tp import (
     compact_tp_shards, distributed_config, tensor_parallel_mesh, tensor_parallel_training_args,
 )
@@ -84,6 +89,10 @@ def main():
     if mesh and model_args.use_lora:
         raise UsageError("--use_lora with tensor parallelism is not supported by this recipe (PEFT adapters on "
                          "DTensor-sharded layers); use FSDP or DeepSpeed for LoRA")
+    # context (cp_size) or sequence (sp_size) parallelism from the launcher config: each rank holds 1/degree of
+    # every sequence; checked against the model, strategy and world here, before any process group exists
+    split = sequence_split(config, model_args.model_name_or_path, script_args.max_seq_length,
+                           model_args.attn_implementation)
     raw = load_dataset_checked(script_args.dataset, script_args.dataset_split, ALPACA_REQUIRED,
                                script_args.dataset_config)
     if script_args.max_train_samples:
@@ -105,12 +114,13 @@ def main():
         tokenizer.pad_token = tokenizer.eos_token
     with training_args.main_process_first(desc="tokenising"):
         train_dataset = prepare_sft_dataset(raw, tokenizer, script_args.max_seq_length, script_args.packing)
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+    collator = sft_collator(tokenizer, split)  # with a split: padded to its unit, position_ids added
 
     # --- Model (after TrainingArguments, so ZeRO-3 partitions it while loading) ---
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
+    attention = split["attention"] if split else model_args.attn_implementation  # the kernel the split can cut
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype,
-                                                 attn_implementation=model_args.attn_implementation,
+                                                 attn_implementation=attention,
                                                  trust_remote_code=model_args.trust_remote_code,
                                                  distributed_config=distributed_config(mesh) if mesh else None)
     if mesh:

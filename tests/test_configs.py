@@ -95,6 +95,13 @@ def test_shipped_config_is_loaded_by_its_library(path, kind):
             stage = int(path.stem[len("zero")])
             assert loaded.deepspeed_config["zero_stage"] == stage
             assert loaded.deepspeed_config.get("zero3_save_16bit_model", False) == (stage == 3)
+        split = {k.removeprefix("parallelism_config_"): v for k, v in (loaded.parallelism_config or {}).items()}
+        if split.get("sp_size", 1) > 1:  # Ulysses: DeepSpeed ZeRO, sp dividing the processes and the heads
+            assert loaded.distributed_type.value == "DEEPSPEED" and split["sp_backend"] == "deepspeed"
+            assert loaded.num_processes % split["sp_size"] == 0 and split["sp_attn_implementation"] == "sdpa"
+        if split.get("cp_size", 1) > 1:  # torch CP: FSDP2, dp_shard x cp = processes
+            assert loaded.fsdp_config["fsdp_version"] == 2 and split["cp_backend"] == "torch"
+            assert split["dp_shard_size"] * split["cp_size"] == loaded.num_processes
         if loaded.distributed_type.value == "FSDP":
             assert loaded.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
             expected_version = 1 if path.stem.startswith("fsdp1") else 2
@@ -127,6 +134,9 @@ BAD_CASES = {
     "ds_bad_stage.json": "zero_optimization.stage:",
     "fsdp_unknown_key.json": "transformer_layer_cls_to_warp: not read by TrainingArguments",
     "malformed.json": "malformed JSON",
+    "cp_under_deepspeed.yaml": "parallelism_config.parallelism_config_cp_size: 4 needs distributed_type FSDP",
+    "sp_under_fsdp.yaml": "parallelism_config.parallelism_config_sp_size: 4 needs distributed_type DEEPSPEED",
+    "sp_not_dividing.yaml": "parallelism_config.parallelism_config_sp_size: 3 x tp_size 1 does not divide",
 }
 
 

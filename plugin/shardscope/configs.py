@@ -467,7 +467,12 @@ def _check_launch(path: Path, loaded, problems: list[str]):
                 from accelerate.parallelism_config import ParallelismConfig
 
                 mesh = ParallelismConfig()
-                if mesh.total_size != args.num_processes:
+                problems += _sequence_split_problems(mesh, args)
+                if mesh.sp_enabled:  # DeepSpeed builds its own groups: sp x tp divides the processes, the rest is dp
+                    if args.num_processes % (mesh.sp_size * mesh.tp_size):
+                        problems.append(f"parallelism_config.parallelism_config_sp_size: {mesh.sp_size} x tp_size "
+                                        f"{mesh.tp_size} does not divide num_processes {args.num_processes}")
+                elif mesh.total_size != args.num_processes:
                     problems.append(f"parallelism_config: dp_replicate_size x dp_shard_size x tp_size x ... = "
                                     f"{mesh.total_size}, but num_processes is {args.num_processes}")
             if args.use_fsdp:
@@ -477,6 +482,18 @@ def _check_launch(path: Path, loaded, problems: list[str]):
                 _check_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
     except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as error:
         problems.append(f"accelerate rejects it at launch: {error}")
+
+
+def _sequence_split_problems(mesh, args) -> list[str]:
+    """A context-parallel split needs FSDP2 and a sequence-parallel one DeepSpeed ZeRO (accelerate 1.15)."""
+    if mesh.cp_enabled and not (args.use_fsdp and str(args.fsdp_version) == "2"):
+        return [f"parallelism_config.parallelism_config_cp_size: {mesh.cp_size} needs distributed_type FSDP with "
+                "fsdp_version 2 (torch context parallelism runs over FSDP2); for DeepSpeed use "
+                "parallelism_config_sp_size"]
+    if mesh.sp_enabled and not args.use_deepspeed:
+        return [f"parallelism_config.parallelism_config_sp_size: {mesh.sp_size} needs distributed_type DEEPSPEED "
+                "(Ulysses sequence parallelism runs inside DeepSpeed ZeRO); for FSDP2 use parallelism_config_cp_size"]
+    return []
 
 
 def _fsdp_plugin(**kwargs):

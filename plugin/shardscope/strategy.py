@@ -135,14 +135,19 @@ def detect_strategy(model=None) -> dict:
     if mesh is not None:
         return {"strategy": tp_strategy(mesh), "world_size": world_size, "mesh": mesh,
                 "sharded_by": "transformers DistributedConfig" if loaded is not None else "accelerate"}
+    split = sequence_split(pc)
     if kind == DistributedType.DEEPSPEED:
-        return {"world_size": world_size, "mesh": _mesh(1, world_size, 1), **_deepspeed_details(state.deepspeed_plugin)}
+        return {"world_size": world_size, "mesh": {**_mesh(1, world_size // split.get("degree", 1), 1),
+                                                   **split.get("mesh", {})},
+                **_deepspeed_details(state.deepspeed_plugin), **split.get("details", {})}
     if kind == DistributedType.FSDP:
         details = _fsdp_details(state.fsdp_plugin, pc)
         replicate = 1
         if details["sharding_strategy"] == "HYBRID_SHARD":  # FSDP2: the mesh; FSDP1: shards within each node
             replicate = pc.dp_replicate_size if pc is not None and pc.dp_replicate_size > 1 else num_nodes()
-        return {"world_size": world_size, "mesh": _mesh(replicate, world_size // replicate, 1), **details}
+        return {"world_size": world_size, "mesh": {**_mesh(replicate, world_size // replicate // split.get("degree", 1),
+                                                         1), **split.get("mesh", {})},
+                **details, **split.get("details", {})}
     if world_size > 1:
         return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
                 "distributed_type": str(kind.value)}
@@ -224,6 +229,36 @@ def num_nodes() -> int:
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 0)
     return max(1, int(os.environ.get("WORLD_SIZE", 1)) // local) if local else 1
+
+
+def sequence_split(pc) -> dict:
+    """A run's context (cp) or sequence (sp) split from accelerate's ParallelismConfig: {"mesh": {kind: degree},
+    "degree", "details": {"sequence_parallel": {kind, degree, backend, group}}}, {} without one (the mesh's
+    dp_shard is then the data-parallel shards: dp_replicate x dp_shard x tp x degree = world, as accelerate's).
+    The group is the ranks that share this rank's sequences: DeepSpeed's sequence-parallel group (sp),
+    accelerate's mesh order (cp)."""
+    import torch
+
+    kind = "sp" if pc is not None and pc.sp_size > 1 else "cp" if pc is not None and pc.cp_size > 1 else None
+    if kind is None:
+        return {}
+    degree = pc.sp_size if kind == "sp" else pc.cp_size
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    group = None
+    if kind == "sp":
+        from deepspeed.utils import groups
+
+        try:  # (what accelerate's deepspeed_ulysses_dl_adapter reads; KeyError before DeepSpeed set it up)
+            group = torch.distributed.get_process_group_ranks(groups._get_sequence_parallel_group())
+        except (KeyError, ValueError, RuntimeError):
+            group = None
+    if group is None:  # accelerate's mesh: (dp_replicate, dp_shard, cp/sp, tp), cp inside the data-parallel dims
+        stride = pc.tp_size
+        start = rank - rank % (degree * stride) + rank % stride
+        group = [start + i * stride for i in range(degree)]
+    backend = pc.sp_backend if kind == "sp" else pc.cp_backend
+    return {"mesh": {kind: degree}, "degree": degree,
+            "details": {"sequence_parallel": {"kind": kind, "degree": degree, "backend": backend, "group": group}}}
 
 
 def _mesh(dp_replicate: int, dp_shard: int, tp: int) -> dict:

@@ -29,8 +29,11 @@ FIELDS = {
     "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...); under ZeRO "
                        "`reduce_bucket_size` (elements), ZeRO-1/2 `overlap_comm` and `allgather_bucket_size`, ZeRO-3 "
                        "`prefetch_bucket_size` and `stage3_param_persistence_threshold`, as the run's ZeRO optimizer "
-                       "was built with them (plan_vs_run plans with those its Setup takes)",
-    "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split",
+                       "was built with them (plan_vs_run plans with those its Setup takes); with a long-sequence "
+                       "split `sequence_parallel` {kind: cp or sp, degree, backend, group: the ranks sharing this "
+                       "rank's sequences}",
+    "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split, plus cp or sp (the sequence split's degree) "
+            "when one is used",
     "preflight_plan": "on a GPU: the planner's peak for this run at its first training batch's shape",
     "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "
            "gradient_accumulation_steps, gradient_checkpointing, predicted_peak_bytes, ...}; else null",

@@ -11,6 +11,7 @@ from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import ASSUMED_GPU, Figures, describe as describe_figures, hardware
 from ..plan.trace_cache import cached_tracer
+from ..plan.sequence import SEARCHED, SPLIT_CONFIGS, parse_row_name
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES, TP_STRATEGIES, family
 from ..units import gb, gpu_size, parse_count
 from .plan import add_hardware_arguments, memory_from_args
@@ -54,7 +55,9 @@ def add_search_arguments(p) -> None:
     tr.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
-    tr.add_argument("--strategy", action="append", choices=STRATEGIES, help="repeatable; default: all")
+    tr.add_argument("--strategy", action="append", choices=STRATEGIES + SEARCHED,
+                    help="repeatable; default: all, and fsdp_cp, zero3_sp (each sequence split cp/sp ways, every "
+                         "degree) when nothing fits with whole sequences")
     sm = p.add_argument_group("step-time model (defaults from --gpu; docs/fit.md)")
     sm.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per GPU (needed for GPUs not in the table)")
     sm.add_argument("--mfu", type=float, default=0.40, help="fraction of the peak the matmuls reach (default 0.40)")
@@ -119,6 +122,9 @@ def searched(args, assume_gpu: bool = False) -> tuple:
     allowed = tuple(args.strategy or STRATEGIES)
     fig, record = figures(hw, args.calibrate, read_preflight, expectation(spec, setup))
     found = search(spec, setup, args.global_batch, fig, allowed, traces)
+    if not args.strategy and not found["fitting"]:  # no sequence fits whole: split it (cp/sp, every degree)
+        allowed += SEARCHED
+        found = search(spec, setup, args.global_batch, fig, allowed, traces)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(below)
@@ -198,6 +204,8 @@ def accelerate_config(result: dict) -> tuple[dict, str]:
     from ..configs import find_config
 
     strategy, setup, mesh = result["strategy"], result["setup"], result["mesh"]
+    split = parse_row_name(strategy)  # "zero3/sp4": the shipped split config, its degree below
+    strategy = SPLIT_CONFIGS[split[1]] if split else strategy
     name = MULTINODE_CONFIGS.get(strategy, strategy) if setup["nodes"] > 1 else strategy
     shipped = find_config(name)
     config = yaml.safe_load(shipped.path.read_text())
@@ -211,7 +219,12 @@ def accelerate_config(result: dict) -> tuple[dict, str]:
     else:
         for key in ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend"):
             config.pop(key, None)
-    if "parallelism_config" in config or strategy in TP_STRATEGIES:
+    if split:
+        kind, degree = split[1:]
+        config["parallelism_config"][f"parallelism_config_{kind}_size"] = degree
+        if kind == "cp":  # FSDP2 shards over dp_shard x cp
+            config["parallelism_config"]["parallelism_config_dp_shard_size"] = setup["world_size"] // degree
+    elif "parallelism_config" in config or strategy in TP_STRATEGIES:
         config["parallelism_config"] = {f"parallelism_config_{k}_size": mesh[k] for k in ("dp_replicate", "dp_shard",
                                                                                          "tp")}
     if config.get("distributed_type") != "DEEPSPEED":  # DeepSpeed takes its precision from the Trainer
@@ -238,7 +251,7 @@ def training_config(result: dict, args, spec) -> dict:
     if setup["lora_rank"]:
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         out.update(use_lora=True, lora_r=setup["lora_rank"], lora_target_modules=targets)
-    out["output_dir"] = f"runs/fit-{result['strategy']}"
+    out["output_dir"] = f"runs/fit-{result['strategy'].replace('/', '-')}"
     return out
 
 

@@ -18,6 +18,7 @@ from ..report.peak_section import percent, step_size
 from ..report.plan_vs_run import plan_vs_run
 from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from ..units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
+from .plan_sequence import SEARCH_STEP, add_sequence_arguments, add_split_rows, format_sequence, max_seq_len_lines
 from .step_time import add_calibrate_argument, expectation, format_step_times, read_preflight
 
 CONVENTIONS = ("rule-of-thumb-12",)
@@ -260,6 +261,7 @@ def build_parser(subparsers):
                          "or zero2, fsdp_full_shard or zero3); default fsdp")
     tr.add_argument("--tp", type=int, help="tensor-parallel degree of the tp/fsdp_tp/hsdp_tp rows (default: the "
                                            "largest that divides --gpus, num_attention_heads and num_key_value_heads)")
+    add_sequence_arguments(p.add_argument_group("long sequences (docs/planner.md, \"Long sequences\")"))
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable, bytes per GPU")
     out.add_argument("--convention", type=convention_name, choices=CONVENTIONS,
@@ -333,6 +335,11 @@ def plan_command(args) -> int:
             raise UsageError("--simulate needs --model (a config to run; --params has no layer code)")
         spec, traces, note = model_spec(None, params=params, layers=args.layers, hidden=args.hidden,
                                         vocab=args.vocab, heads=args.heads), {}, None
+    traces_of = (lambda shape: cached_traces_for(args.model, shape)[0]) if args.model else (lambda shape: {})
+    if args.max_seq_len:
+        rows, lines = max_seq_len_lines(spec, setup, _token_line(args.model) if args.model else traces_of, args.model)
+        print(json.dumps({"max_seq_len": rows}, indent=1) if args.json else "\n".join(lines))
+        return 0
     result = estimate(spec, setup, traces, knobs_from_args(args))
     if note:
         result["notes"].append(note)
@@ -341,10 +348,22 @@ def plan_command(args) -> int:
     annotate_rows(result, spec, setup, fig)
     if record:
         result["calibration"] = record
+    add_split_rows(result, args, spec, setup, traces_of)  # --sp / --cp: rows of that sequence split
     out = plan_dict(result)
-    print(json.dumps(out, indent=1) if args.json else "\n".join([format_table(out), *format_step_times(out)]))
+    print(json.dumps(out, indent=1) if args.json else "\n".join([format_table(out), *format_sequence(
+        out.get("sequence")), *format_step_times(out)]))
     nothing_fits = setup.gpu_memory_bytes is not None and not result["recommendation"]["strategy"]
     return 1 if nothing_fits else 0  # 1: nothing fits the GPUs given (the table says by how much)
+
+
+def _token_line(model: str):
+    """{regime: StepTrace} for any tokens per GPU: traced at SEARCH_STEP tokens x micro-batches 1 and 2 and extended
+    along that line (`trace.tracer`), so --max-seq-len traces twice whatever it searches."""
+    from ..plan.trace_cache import cached_tracer
+
+    line = cached_tracer(model, 2)
+    return lambda shape: line(replace(shape, seq_len=SEARCH_STEP,
+                                      micro_batch=max(1, shape.micro_batch * shape.seq_len // SEARCH_STEP)))
 
 
 def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:

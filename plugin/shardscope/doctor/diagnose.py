@@ -26,11 +26,13 @@ from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_dee
 from .fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .launch import check_default_config, check_multinode, check_precision, check_processes
 from .precision import precision_findings
+from .sequence import check_sequence_split, split_of, with_split_rows
 from .rules import Finding, failing, read_checked, read_raw
 from ..units import as_int
 from ..errors import UsageError
 from ..model.spec import attention_heads
 from ..plan.mesh import tp_heads_problem, valid_tp_degrees
+from ..plan.sequence import row_name
 from ..recipes.source import recipe_dataclasses
 from ..strategy import configured_precision, fsdp_settings, strategy_of_config, tp_mesh_of_config
 
@@ -123,12 +125,11 @@ def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Fi
 
 
 def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None = None,
-              zero: dict | None = None) -> list[Finding]:
-    """`mesh`: a TP yaml's degrees, which then decide the planner's setup instead of --gpus/--nodes;
-    `zero`: a DeepSpeed file's zero_optimization (what it offloads, its sub-group size).
-    The peak is `plan --model`'s: the step traced from the model's code (`trace_cache`), the formula where
-    tracing fails (then the finding says approximate). The fix is the cheapest change that makes this
-    strategy fit (--bf16, then --gradient_checkpointing), else the planner's recommendation."""
+              zero: dict | None = None, split: tuple | None = None) -> list[Finding]:
+    """`mesh`: a TP yaml's degrees (then the planner's setup instead of --gpus/--nodes); `zero`: a DeepSpeed file's
+    zero_optimization (offload, sub-group size); `split`: the yaml's (cp/sp, degree), planned as `plan --sp/--cp`.
+    The peak is `plan --model`'s, traced (`trace_cache`; the formula where tracing fails: said approximate). The fix
+    is the cheapest change that makes this strategy fit (--bf16, then --gradient_checkpointing), else the planner's."""
     from ..plan.mesh import LibraryKnobs, Setup, setup_for_mesh
     from ..plan.planner import estimate, usable_bytes
     from ..plan.trace_cache import cached_traces_for
@@ -136,7 +137,8 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
 
     def plan(setup):
         traces, note = cached_traces_for(inputs.model, setup)
-        return estimate(spec, setup, traces, LibraryKnobs(**planner_settings(zero or {}))), note
+        knobs = LibraryKnobs(**planner_settings(zero or {}))
+        return with_split_rows(estimate(spec, setup, traces, knobs), spec, setup, split, inputs.model, knobs), note
 
     trainer = inputs.trainer or {}
     precision = configured_precision(trainer.get("bf16"), trainer.get("fp16")) if inputs.trainer is not None \
@@ -150,6 +152,7 @@ def check_fit(file: str, strategy: str, spec, inputs: Inputs, mesh: dict | None 
                   grad_accum_steps=int(trainer.get("gradient_accumulation_steps") or 1))
     if mesh:
         strategy, setup = setup_for_mesh(setup, mesh)
+    strategy = row_name(strategy, *split) if split else strategy
     result, note = plan(setup)
     rows = {r.strategy: r for r in result["rows"]}
     if strategy not in rows:  # a TP yaml with a model that has no TP plan: the tp-degree finding says so
@@ -272,6 +275,7 @@ def _config_findings(inputs: Inputs, files: _Files, validate: bool, environment:
             findings += check_deepspeed_precision(file, acc, read_raw(deepspeed) if deepspeed else {}, trainer)
         if trainer is not None:
             findings += check_precision(file, acc, trainer, source)
+        findings += check_sequence_split(file, acc, trainer, source, None, world)  # the model's part: below
     if deepspeed is not None:
         if validate:
             _validated(deepspeed, "deepspeed", findings, world or 8)
@@ -301,6 +305,9 @@ def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, 
         ran.append(f"model ({inputs.model}: layer classes to wrap, tensor-parallel degree)")
         if acc_mesh:
             findings += check_tp_degree(str(inputs.accelerate_config), acc_mesh["tp"], model[1].config, trainer)
+        if inputs.accelerate_config:  # heads, KV heads and positions against the cp/sp split
+            findings += check_sequence_split(str(inputs.accelerate_config), read_raw(inputs.accelerate_config),
+                                             trainer, inputs.trainer_source, model[1].config, files.world)
         for path, kind in ((inputs.accelerate_config, "accelerate"), (fsdp, "fsdp")):
             raw = read_raw(path) if path else {}
             if not raw or (kind == "accelerate" and raw.get("distributed_type") != "FSDP"):
@@ -316,7 +323,8 @@ def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, 
             file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
             mesh = acc_mesh if file == str(inputs.accelerate_config) else None
             zero = read_raw(deepspeed).get("zero_optimization") if deepspeed else None
-            findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh, zero)
+            split = split_of(read_raw(inputs.accelerate_config)) if file == str(inputs.accelerate_config) else None
+            findings += check_fit(file, strategy or "ddp", model[0], inputs, mesh, zero, split)
         else:
             notes.append("fit check skipped: needs --gpus and --gpu or --gpu-memory")
     else:

@@ -39,6 +39,9 @@ RULES = {  # code -> level
     "master-env": "warning",     # MASTER_ADDR/MASTER_PORT exported here, ignored for the yaml's values
     "net-interface": "notice",   # NCCL_/GLOO_SOCKET_IFNAME names no interface of this machine
     "resume-world-size": "error",  # a ZeRO checkpoint resumed at another world size (checkpoint.resume)
+    "sequence-split": "error",   # a cp/sp split its strategy, model, sequence, attention or world cannot run
+    "sp-backend": "warning",     # sp_size without sp_backend: deepspeed
+    "sequence-data": "warning",  # the batches are not what the sequence split is told they are
 }
 LEVELS = ("error", "warning", "notice")
 

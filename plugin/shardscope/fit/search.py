@@ -17,16 +17,19 @@ from ..errors import UsageError
 from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
-from ..plan.planner import estimate, host_fits as planner_host_fits, usable_bytes
+from ..plan.planner import estimate, fits, host_fits as planner_host_fits, usable_bytes
+from ..plan.sequence import KINDS, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name, search_groups
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, model_error, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
 from ..units import gb
 
 # Candidates tied within the model's error: the most memory headroom first, then the simplest (DDP, ZeRO-1/2, the
-# gathering strategies, tensor parallelism, offload last).
+# gathering strategies, tensor parallelism, offload; then the sequence-split rows of plan/sequence.py, "zero3/sp4",
+# lower degrees first).
 SIMPLICITY = ["ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_full_shard", "zero3", "tp",
               "fsdp_tp", "hsdp_tp", "zero2_offload", "fsdp_offload", "zero3_offload"]
 SIMPLICITY += [s for s in STRATEGIES if s not in SIMPLICITY]
+SIMPLICITY += [row_name(s, kind, 2 ** i) for i in range(1, 11) for kind in KINDS for s in SPLIT_STRATEGIES[kind]]
 
 
 # ----------------------------------------------------------------------------- search
@@ -66,7 +69,8 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
     all GPUs; per TP degree t > 1 (`setup.tp_size`, else each that divides the GPUs per node and both head
     counts) the TP rows, dp = world / t."""
     world, groups = setup.world_size, []
-    plain = tuple(s for s in allowed if s not in TP_STRATEGIES and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
+    plain = tuple(s for s in allowed if s in STRATEGIES and s not in TP_STRATEGIES
+                  and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
     if plain:
         groups.append((None, plain, world))
     if spec.tp_plan and any(s in TP_STRATEGIES for s in allowed):
@@ -77,14 +81,21 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
                 (s == "tp" and t == world) or (s == "fsdp_tp" and t < world) or (s == "hsdp_tp" and setup.nodes > 1)))
             if names:
                 groups.append((t, names, world // t))
-    return groups
+    return groups + search_groups(spec, setup, allowed)  # each sequence split cp/sp ways: dp = world / degree
 
 
 def rows_for(spec: ModelSpec, setup: Setup, names: tuple, traces=None,
              knobs: LibraryKnobs | None = None) -> tuple[list[Row], dict]:
     """The planner's rows for `names` at this setup (`estimate`: what `fits` and `peak_bytes` come from);
     `traces`: trace.tracer(config) when the model's config is at hand, else the formula; `knobs`: what the
-    run's libraries decide."""
+    run's libraries decide. Split rows ("zero3/sp4") come from plan/sequence.py, `result` then at the rank's
+    share of each sequence."""
+    if "/" in names[0]:
+        rows, local = named_rows(spec, setup, names, traces, knobs)
+        for row in rows:
+            row.fits = fits(row, setup)
+        result = estimate(spec, local, traces(local) if traces else None, knobs)
+        return rows, {**result, "activations": {**result["activations"], "tokens_per_sample": setup.seq_len}}
     result = estimate(spec, setup, traces(setup) if traces else None, knobs)
     return [r for r in result["rows"] if r.strategy in names], result
 
@@ -197,7 +208,9 @@ def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
 
 
 def candidate(row: Row, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
-    step = step_time(row, spec, model, setup, tokens, fig)
+    split = parse_row_name(row.strategy)  # a rank computes 1/degree of each sequence, attention at its full length:
+    timed = replace(row, mesh={**row.mesh, "tp": row.mesh["tp"] * split[2]}) if split else row  # timed as a TP share
+    step = step_time(timed, spec, model, setup, setup.seq_len if split else tokens, fig)
     return Candidate(row.strategy, setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
                      row.mesh["tp"], row.mesh, row.peak_bytes, bool(row.fits), step["step_time_s"],
                      step, row.cpu_bytes, row.model_states_bytes)

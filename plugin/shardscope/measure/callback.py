@@ -8,6 +8,8 @@ sample count, and puts the metrics into the Trainer's logs (so every `report_to`
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -100,6 +102,11 @@ class ShardingProfilerCallback(TrainerCallback):
             summary_extra={"fit": getattr(args, FIT_ATTRIBUTE, None),  # shardscope fit: fit_training
                            "gradient_accumulation_steps": args.gradient_accumulation_steps})  # what plan --compare plans
         self._pending = {}
+        with self._guard("sequence split"):  # each rank's log names the ranks it shares its sequences with
+            split = self.profiler.detected.get("sequence_parallel")
+            if split:
+                logging.getLogger("shardscope").warning("shardscope sequence split (rank %d): %s", args.process_index,
+                                                        json.dumps(split))
         with self._guard("batch counting"):
             self._feed_batches(args.per_device_train_batch_size)
         self.profiler.begin_step()  # the first step's time includes its data loading, as every later step's does

@@ -33,7 +33,9 @@ from .guard import Instrument, WarnOnce
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter",
          "send", "recv", "barrier", "other")
-NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
+# "deepspeed": Ulysses sequence parallelism's all-to-all is the custom operator deepspeed::dim_zero_all_to_all
+# (DeepSpeed 0.19, deepspeed/sequence/layer.py); running it under the mode hides the c10d call inside.
+NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor", "deepspeed")
 KIND_OF = {
     **dict.fromkeys(("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced",
                      "all_reduce_coalesced_"), "all_reduce"),
@@ -44,7 +46,8 @@ KIND_OF = {
                      "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"), "reduce_scatter"),
     **dict.fromkeys(("broadcast_", "broadcast"), "broadcast"),
     "reduce_": "reduce",
-    **dict.fromkeys(("alltoall_", "alltoall_base_", "all_to_all_single", "shard_dim_alltoall"), "all_to_all"),
+    **dict.fromkeys(("alltoall_", "alltoall_base_", "all_to_all_single", "shard_dim_alltoall", "dim_zero_all_to_all"),
+                    "all_to_all"),
     "gather_": "gather", "scatter_": "scatter", "send": "send",
     **dict.fromkeys(("recv_", "recv_any_source_"), "recv"),
     **dict.fromkeys(("barrier", "monitored_barrier_"), "barrier"),
@@ -132,7 +135,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def _record(self, func, args, kwargs):
         name = func._schema.name.split("::")[-1]
-        if name in NOT_COLLECTIVES or (func.namespace == "_dtensor" and name not in KIND_OF):
+        if name in NOT_COLLECTIVES or (func.namespace in ("_dtensor", "deepspeed") and name not in KIND_OF):
             return
         kind = KIND_OF.get(name, "other")
         if kind == "other" and name not in self.unknown:

@@ -33,7 +33,7 @@ from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from ..units import peak_flops
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
-                         rates, step_time_summary)
+                         rates, sequence_share, split_degrees, step_time_summary)
 
 logger = logging.getLogger("shardscope")
 
@@ -130,7 +130,7 @@ class ShardingProfiler:
         with self.guard("strategy"):
             self._module = self._visible_module(model)
             self.detected.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
-        self._tp = (self.detected.get("mesh") or {}).get("tp", 1)  # tensor-parallel degree (1 without TP)
+        self._tp, self._sp = split_degrees(self.detected.get("mesh"))  # ranks sharing a batch / a sequence's tokens
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
         frozen_fields = tuple(f"frozen:{name}" for name in self.frozen_models)
@@ -175,7 +175,7 @@ class ShardingProfiler:
         with self.guard("batch counting"):
             try:
                 counted, tokens, seq_len = count_batch(batch, self._patch_size)
-                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
+                flops = tokens * (self._flops_model.per_token(seq_len * self._sp) / self._tp) \
                     if tokens is not None and self._flops_model else None
             except TypeError as error:  # rows not yet collated (GRPO hands its prompts over): count the forwards
                 self.warn_once("uncountable batch", f"{error}: samples, tokens and FLOPs are counted from the "
@@ -184,7 +184,7 @@ class ShardingProfiler:
             if tokens is None:
                 self.warn_once("no tokens", "the batch has no input_ids (images, audio?): samples are counted from "
                                "its first dimension, tokens and FLOP/s are left out", note=True)
-            self._counts.add_batch(counted if samples is None else samples, tokens, flops)
+            self._counts.add_batch(sequence_share(counted if samples is None else samples, self._sp), tokens, flops)
 
     @never_raises(default=dict)
     def step(self, batch=None, tokens=None, samples=None, *, pause: bool = False, defer: bool = False) -> dict:
@@ -315,9 +315,9 @@ class ShardingProfiler:
                     return
             samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
             if training:
-                flops = tokens * (self._flops_model.per_token(seq_len) / self._tp) \
+                flops = tokens * (self._flops_model.per_token(seq_len * self._sp) / self._tp) \
                     if tokens is not None and self._flops_model else None
-                self._counts.saw_training(samples, tokens, flops)
+                self._counts.saw_training(sequence_share(samples, self._sp), tokens, flops)
             elif tokens is not None and self._flops_model:  # a reference / generation pass of the trained model
                 self._counts.inference_flops += tokens * (self._flops_model.forward_per_token(seq_len) / self._tp)
 

@@ -11,6 +11,12 @@ Forwards that do not train (a DPO reference model, an adapter-disabled pass, gen
 forwards) add their forward work, 2 * N_model + 4 * n_layers * d_attn * seq_len per token they
 process, to the FLOPs but no tokens. For vision transformers a "token" is a patch (plus the CLS token). References: Kaplan et al. 2020; Korthikanti et al. 2022;
 torchtitan `get_num_flop_per_token`.
+
+Long sequences split across ranks (`split_degrees`): under DeepSpeed's Ulysses (sp) each rank is fed 1/sp of
+every sequence, so its tokens are counted as they are (each token once over the group), its samples as 1/sp
+each, and the attention term at the full length (seq_len = the rank's slice x sp). torch's context parallelism
+(cp) shards inside the training step, after the batch was counted: like a tensor-parallel group, the cp ranks
+share one batch (its tokens count once over the group, its FLOPs 1/cp on each rank).
 """
 from __future__ import annotations
 
@@ -117,6 +123,17 @@ def step_time_summary(durations: list[float]) -> dict:
         return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
     return {"median": quantile(0.5), "p10": quantile(0.1), "p90": quantile(0.9), "steps": len(ordered)}
+
+
+def split_degrees(mesh: dict | None) -> tuple[int, int]:
+    """(ranks that share each batch: tp x cp, ranks that share each sequence's tokens: sp) of a summary's mesh."""
+    mesh = mesh or {}
+    return mesh.get("tp", 1) * mesh.get("cp", 1), mesh.get("sp", 1)
+
+
+def sequence_share(samples, sp: int):
+    """A rank's share of `samples` it holds 1/sp of each of (unchanged, an int stays an int, without a split)."""
+    return samples / sp if sp > 1 else samples
 
 
 def rates(totals: WindowTotals, peak: float | None) -> dict:

@@ -37,7 +37,7 @@ def make_causal_lm(out_dir: str | Path, family: str = "llama", vocab_size: int =
     config_cls = {"llama": LlamaConfig, "mistral": MistralConfig}[family]
     if family == "mistral":  # MistralConfig defaults to 8 KV heads, more than our 4 query heads (cannot run)
         sizes.setdefault("num_key_value_heads", 2)
-    config = config_cls(vocab_size=vocab_size, max_position_embeddings=512, **{**TINY_SIZES, **sizes})
+    config = config_cls(vocab_size=vocab_size, **{"max_position_embeddings": 512, **TINY_SIZES, **sizes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out_dir)

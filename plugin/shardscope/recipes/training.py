@@ -143,6 +143,9 @@ def describe_run(trainer) -> str:
             local, full = local + param.to_local().numel(), full + param.numel()
         else:
             local, full = local + param.numel(), full + param.numel()
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    split = "".join(f" {kind}_size={getattr(pc, kind + '_size')}" for kind in ("cp", "sp")
+                    if pc is not None and getattr(pc, kind + "_size") > 1)
     return (f"[shardscope] rank={state.process_index} world_size={state.num_processes} "
             f"distributed_type={state.distributed_type.value} wrapped={type(trainer.model_wrapped).__name__} "
-            f"local_param_fraction={local / max(full, 1):.3f}")
+            f"local_param_fraction={local / max(full, 1):.3f}{split}")

@@ -11,6 +11,7 @@ from ..errors import UsageError
 from ..model.spec import ModelSpec, model_spec, resolve_model, spec_from_count
 from ..plan.formulas import strategy_row
 from ..plan.mesh import LibraryKnobs, Setup, setup_for_mesh
+from ..plan.sequence import comm_terms
 from ..plan.trace import regime_for
 from ..strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, strategy_from_summary
 from ..summary import COMPONENTS, read_summary
@@ -38,7 +39,7 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
     spec, model = _spec_of_run(summary_path, info, spec, model)
     setup = _setup_of_run(summary_path, summary, strategy, setup, world, nodes, precision)
     knobs = _knobs_of_run(summary, strategy, knobs or LibraryKnobs())
-    row = strategy_row(strategy, spec, setup, knobs=knobs)
+    row = _with_split_comm(summary, spec, setup, strategy_row(strategy, spec, setup, knobs=knobs))
     planned = {k: getattr(row, k) for k in COMPONENTS}
     planned["model_states_bytes"] = row.model_states_bytes
     if setup.reference_model:
@@ -54,6 +55,20 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
             "planned_comm_bytes_per_step": row.comm_bytes_per_step,
             "params_total_planned": spec.params_total, "params_total_measured": info.get("params_total"),
             "trainable_params_measured": trainable, "ranks": ranks}
+
+
+def _with_split_comm(summary: dict, spec: ModelSpec, setup: Setup, row):
+    """`row` with a sequence-parallel run's `sp_all_to_all` term, at the whole sequence (the measured step's slice x
+    sp) and its micro-batch and checkpointing. (A cp run's summary has not been seen on CPU: torch's context
+    parallelism does not run there, so what its step shape records is not assumed here.)"""
+    degree = (summary.get("mesh") or {}).get("sp", 1)
+    step = next((r["peak_step"] for r in summary["ranks"] if isinstance(r.get("peak_step"), dict)), None)
+    if not isinstance(degree, int) or degree < 2 or not step or not isinstance(step.get("seq_len"), int):
+        return row
+    at = replace(setup, seq_len=step["seq_len"] * degree, micro_batch=int(step.get("micro_batch") or 1),
+                 activation_checkpointing=bool(step.get("gradient_checkpointing")))
+    terms = comm_terms(spec, at, "sp", degree)
+    return replace(row, comm={**row.comm, **terms}, comm_bytes_per_step=row.comm_bytes_per_step + sum(terms.values()))
 
 
 def _spec_of_run(summary_path, info: dict, spec: ModelSpec | None, model: str | None) -> tuple[ModelSpec, str | None]:
