@@ -11,6 +11,7 @@
                    ZeRO-3 / FSDP: per micro-batch and pass, the first unit's gather, then whatever of each unit's
                    gather (backward: gather + reduce-scatter on the same link) the previous unit's compute cannot
                    hide (prefetch one unit ahead; DeepSpeed fetches per sub-module); ZeRO-1/2, TP: all of it;
+                   a sequence split's all-to-all (Ulysses) exposed, its ring (torch CP) beside compute;
                    of the hideable part only `hidden_share[kind]` hides (datasheet 100%); a run's measured share
                    replaces the structure: that share of each overlapped term hides while compute lasts
     library      = ZeRO-3 / FSDP's own work: library_bytes x s/byte (datasheet: one copy, read + write, at HBM
@@ -39,8 +40,11 @@ PARTS = ("compute", "exposed_comm", "library", "optimizer", "offload", "overhead
 OFFLOAD = ("zero2_offload", "zero3_offload", "fsdp_offload")
 KIND_OF_TERM = {"grad_all_reduce": "all_reduce", "param_all_gather": "all_gather",
                 "grad_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
-                "tp_logits_all_gather": "all_gather"}
+                "tp_logits_all_gather": "all_gather", "sp_all_to_all": "all_to_all", "cp_ring": "send_recv"}
 TP_TERMS = ("tp_all_reduce", "tp_logits_all_gather")
+# A sequence split's own terms (plan/sequence.py): Ulysses' all-to-alls feed attention and wait for it (exposed);
+# torch's ring attention passes K/V while the current chunk computes (beside compute, like a prefetched gather).
+SPLIT_TERMS = {"sp_all_to_all": False, "cp_ring": True}
 # A gathering library's own collectives: the planner's terms, and the counted kinds (ZeRO's reduce to each
 # partition's owner is its reduce-scatter)
 LIBRARY_COMM = ("param_all_gather", "grad_reduce_scatter", "all_gather", "reduce_scatter", "reduce")
@@ -215,6 +219,8 @@ def overlapped(strategy: str, term: str) -> bool:
     not tensor parallelism (each all-reduce feeds the next layer)."""
     if term in TP_TERMS:
         return False
+    if term in SPLIT_TERMS:
+        return SPLIT_TERMS[term]
     if strategy.startswith(("zero1", "zero2")):
         return False
     return family(strategy) in ("torch", "fsdp", "deepspeed", "tp")
@@ -244,7 +250,8 @@ def modules(spec, strategy: str) -> int:
 
 def term_seconds(row, setup, fig: Figures, term: str, nbytes: float, calls: float) -> float:
     """One term's seconds: bytes at its link's bandwidth + calls x the ring's steps x the hop latency."""
-    across = setup.nodes > 1 and term not in TP_TERMS and (row.strategy not in NODE_LOCAL or term == "grad_all_reduce")
+    across = setup.nodes > 1 and term not in TP_TERMS and term not in SPLIT_TERMS and (
+        row.strategy not in NODE_LOCAL or term == "grad_all_reduce")
     kind = KIND_OF_TERM.get(term, "all_reduce")
     group = row.shard_degree if kind != "all_reduce" and row.shard_degree > 1 else setup.world_size // row.mesh["tp"]
     hops = max(group - 1, 0) * (2 if kind == "all_reduce" else 1)
@@ -281,6 +288,11 @@ def exposure(row, spec, setup, fig: Figures, micro_compute: float) -> tuple[floa
                 out = pipelined(comm_s, compute_s, units)
                 exposed, hidden = exposed + out, hidden + comm_s - out
     for term, nbytes in comm.items():
+        if term in SPLIT_TERMS:  # the split's own, per layer and pass: exposed, or beside that micro-batch's compute
+            seconds = term_seconds(row, setup, fig, term, nbytes, A * 2 * spec.num_layers)
+            beside = min(seconds, A * micro_compute) if SPLIT_TERMS[term] else 0.0
+            exposed, hidden = exposed + seconds - beside, hidden + beside
+            continue
         bucketed = term == "grad_all_reduce" and overlapped(row.strategy, term)
         whole = nbytes / max(2 * (1 - 1 / max(setup.world_size, 2)), 1e-9)
         calls = math.ceil(whole / DDP_BUCKET_BYTES) if bucketed else A
