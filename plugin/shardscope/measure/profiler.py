@@ -31,9 +31,9 @@ from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, 
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
-from ..units import peak_flops
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
-                         rates, step_time_summary)
+                         device_peak_flops, rates, step_time_summary)
+from .watchdog import Watchdog, validate_hang_after
 
 logger = logging.getLogger("shardscope")
 
@@ -101,9 +101,10 @@ class ShardingProfiler:
                  summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3, comm_step: int | None = 3,
                  time_step: int | None = 4, time_every_n_steps: int | None = None, precision: str | None = None,
                  instruments=(), flops_model: FlopsModel | None = None, start_step: int = 0,
-                 last_step: int | None = None, summary_extra: dict | None = None):
+                 last_step: int | None = None, summary_extra: dict | None = None, hang_after="auto"):
         validate_arguments(every_n_steps, peak_tflops, summary_file, memory_step=memory_step, comm_step=comm_step,
                            time_step=time_step, time_every_n_steps=time_every_n_steps)
+        validate_hang_after(hang_after)
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.output_dir, self.summary_file = Path(output_dir), summary_file
         self.every_n_steps, self.peak_tflops, self.memory_step = every_n_steps, peak_tflops, memory_step
@@ -148,7 +149,7 @@ class ShardingProfiler:
         with self._precision_probe:
             self._watch_precision()
         with self.guard("device peak FLOP/s"):
-            self._peak = self._peak_flops()
+            self._peak = device_peak_flops(self.peak_tflops, self._device, self.precision)
         self._preflight_due = self._device.type == "cuda" and self.plan_preflight is not None  # at the first batch
         if process_rank() == 0:
             with self.guard("preflight log"):
@@ -156,6 +157,8 @@ class ShardingProfiler:
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
             self._windows("step_begin")
         self._begin()
+        self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog"), process_rank(),
+                                  self.preflight.get("world_size", 1)).start()  # hang records (watchdog.py)
 
     # --- The loop's calls --------------------------------------------------------------------------------------
     @never_raises()
@@ -212,6 +215,7 @@ class ShardingProfiler:
                 self._windows("add_batch", *counted)
             self._windows("step_end", pause_after=pause, count=not instrumented)
         self.global_step += 1
+        self._watchdog.step_done(self.global_step, pause)
         if self._is_measure_step(self.global_step):
             self._measure_and_log()
             metrics.update({} if defer else self.logged())
@@ -262,7 +266,9 @@ class ShardingProfiler:
     def __enter__(self) -> "ShardingProfiler":
         return self
 
-    def __exit__(self, *exc) -> None:  # also on an exception in the loop: what was measured is written
+    def __exit__(self, kind, error, _tb) -> None:  # also on an exception in the loop: what was measured is written
+        if error is not None:
+            self._watchdog.failed(error)
         self.close()
 
     # --- Counting ----------------------------------------------------------------------------------------------
@@ -333,6 +339,7 @@ class ShardingProfiler:
     def _release(self):
         """Leave nothing behind that a run without the profiler would not have: every hook, wrapped method and
         dispatch mode out, no reference to the model, the optimizer, their tensors or the process group."""
+        self._watchdog.stop()
         for instrument in self._all_instruments():
             instrument.remove()
         self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
@@ -491,15 +498,6 @@ class ShardingProfiler:
                                          self._precision_probe)
         if process_rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
-
-    def _peak_flops(self):
-        if self.peak_tflops:
-            return self.peak_tflops * 1e12
-        if self._device.type != "cuda":
-            return None
-        dtype = self.precision if self.precision in ("bf16", "fp16") else \
-            "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-        return peak_flops(torch.cuda.get_device_name(self._device), dtype)
 
     def _plan_preflight(self, inputs: dict):
         """Warn (rank 0) when the planner's peak for this run at the first training batch's shape does not fit this

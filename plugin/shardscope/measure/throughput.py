@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..units import peak_flops
+
 FLOPS_CONVENTION = ("6*N_trainable + 4*N_frozen + 12*layers*d_attn*seq per non-padding training token, plus "
                     "2*N + 4*layers*d_attn*seq per token of each forward that does not train (reference models, "
                     "adapter-disabled passes); recompute not counted")
@@ -152,3 +154,13 @@ def batch_counts(args: tuple, kwargs: dict, patch_size: int | None = None):
         return pixels.shape[0], pixels.shape[0] * seq_len, seq_len
     first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     return (first.shape[0] if first is not None else 0), None, 0
+
+
+def device_peak_flops(peak_tflops: float | None, device, precision: str | None) -> float | None:
+    """FLOP/s of one device at `precision`: the user's `peak_tflops`, else the table's for a CUDA device, else None."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    dtype = precision if precision in ("bf16", "fp16") else "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return peak_flops(torch.cuda.get_device_name(device), dtype)

@@ -1,0 +1,235 @@
+"""The hang records a run leaves in `OUTPUT_DIR/shardscope_hang/` and the verdict read from them.
+
+Written by the profiler's watchdog (`measure/watchdog.py`): one JSON record per rank (`rank<N>.json`) when that
+rank's step runs past `hang_after` ("overdue") or when an exception ends it ("error"). Read by rank 0's watchdog
+(its one-line verdict) and by `shardscope hang DIR`. Torch's own flight-recorder dumps found in the folder (the
+file name ends in the rank) are read too: as JSON, or as a pickle through `torch.load(weights_only=True)` only.
+
+A record: `kind`, `version`, `event`, `run_id`, `rank`, `world_size`, `pid`, `host`, `time` (UTC), `step` (the
+last optimizer step this rank completed), `running_s` (how long the step after it has run), `hang_after_s`,
+`stack` (the training thread's Python stack, outermost first), `collectives` (`collective_summary`: `source`,
+`last_completed`, `pending`), `peers` ({rank: {step, pid, host, alive}} as this rank saw them) and `error`.
+Pure: nothing here talks to other ranks.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+from .errors import UsageError
+from .safe_io import load_json, read_bytes
+
+FOLDER = "shardscope_hang"
+KIND, VERSION = "shardscope_hang_record", 1
+FR_SOURCE, LOG_SOURCE = "torch flight recorder", "shardscope collective log"
+DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+               "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+MAX_DUMP_BYTES = 64 << 20  # a flight-recorder dump of 2,000 entries is a few MB
+
+
+def record_path(folder, rank: int) -> Path:
+    return Path(folder) / f"rank{rank}.json"
+
+
+# --- torch's flight recorder, as records carry it ---------------------------------------------------------------
+def fr_entry(entry: dict) -> dict:
+    """One flight-recorder entry as {kind, seq, bytes, group, done}: `bytes` = the input tensors this rank gave."""
+    sizes, dtypes = entry.get("input_sizes") or [], entry.get("input_dtypes") or []
+    nbytes = sum(math.prod(size) * DTYPE_BYTES.get(dtype, 0) for size, dtype in zip(sizes, dtypes))
+    group = entry.get("process_group") or ["?", "?"]
+    seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+    return {"kind": str(entry.get("profiling_name", "?")).split(":")[-1], "seq": seq, "bytes": nbytes,
+            "group": f"{group[1] or group[0]}" if isinstance(group, (list, tuple)) and len(group) == 2 else str(group),
+            "done": bool(entry.get("retired")) or entry.get("state") == "completed"}
+
+
+def collective_summary(entries: list[dict], source: str | None) -> dict:
+    """{source, last_completed, pending} from normalised entries (oldest first): the last collective this rank
+    saw complete, and those it entered that had not completed (oldest first)."""
+    done = [e for e in entries if e["done"]]
+    strip = lambda e: {k: e[k] for k in ("kind", "seq", "bytes", "group")}  # noqa: E731
+    return {"source": source if entries else None, "last_completed": strip(done[-1]) if done else None,
+            "pending": [strip(e) for e in entries if not e["done"]]}
+
+
+# --- reading a folder -------------------------------------------------------------------------------------------
+def read_folder(folder) -> tuple[list[dict], dict[str, str]]:
+    """(records, {file: why it could not be read}) of a hang folder (or of an output dir holding one)."""
+    folder = Path(folder)
+    if (folder / FOLDER).is_dir():
+        folder = folder / FOLDER
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: no such folder (give OUTPUT_DIR or OUTPUT_DIR/{FOLDER})")
+    records, unreadable = [], {}
+    for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
+        try:
+            records.append(_read_one(path))
+        except (UsageError, ValueError, TypeError, KeyError) as error:
+            unreadable[path.name] = str(error)
+    return records, unreadable
+
+
+def _read_one(path: Path) -> dict:
+    if path.suffix == ".json":
+        data = load_json(path, "hang record", MAX_DUMP_BYTES)
+        if isinstance(data, dict) and data.get("kind") == KIND:
+            for key in ("rank", "world_size"):
+                if not isinstance(data.get(key), int) or isinstance(data.get(key), bool):
+                    raise ValueError(f"{path}: key '{key}' is not an integer")
+            return data
+    else:
+        data = _load_pickle(path)
+    if isinstance(data, dict) and isinstance(data.get("entries"), list):  # torch's flight-recorder dump
+        return _from_torch_dump(path, data)
+    raise ValueError(f"{path}: neither a shardscope hang record nor a torch flight-recorder dump")
+
+
+def _load_pickle(path: Path):
+    """A torch flight-recorder pickle, loaded with torch's weights-only unpickler (plain containers only)."""
+    import io
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(read_bytes(path, "flight-recorder dump", MAX_DUMP_BYTES)), weights_only=True)
+    except Exception as error:  # the unpickler refused it: a type outside the allowlist, or not a pickle
+        raise ValueError(f"{path}: not loadable as a weights-only pickle ({type(error).__name__})") from None
+
+
+def _from_torch_dump(path: Path, dump: dict) -> dict:
+    rank = re.search(r"(\d+)(\.json)?$", path.name)
+    if rank is None:
+        raise ValueError(f"{path}: a flight-recorder dump whose file name does not end in its rank")
+    entries = [fr_entry(e) for e in dump["entries"] if isinstance(e, dict)]
+    return {"kind": KIND, "event": "torch_dump", "rank": int(rank.group(1)), "world_size": None, "run_id": None, "file": path.name, "collectives": collective_summary(entries, FR_SOURCE)}
+
+
+# --- the verdict ------------------------------------------------------------------------------------------------
+def verdict(records: list[dict], unreadable: dict | None = None) -> dict:
+    """What the records of one run say: `hang` (some rank overdue or dead), `culprits` [{rank, why}], `waiting`
+    [{rank, collective}], `missing` (ranks with no record), `unreadable`, `other_runs` (left out), `ranks`."""
+    chosen, others = _one_run(records)
+    by_rank = {}
+    for record in chosen:
+        by_rank.setdefault(record["rank"], record)
+    world = max([r.get("world_size") or 0 for r in chosen] + [len(by_rank)])
+    out = {"hang": any(r.get("event") in ("overdue", "error") for r in chosen),
+           "run_id": chosen[0].get("run_id") if chosen else None, "world_size": world,
+           "missing": sorted(set(range(world)) - set(by_rank)), "unreadable": dict(unreadable or {}),
+           "other_runs": others, "culprits": [], "waiting": [], "collective": None, "ranks": by_rank}
+    dead = _dead(chosen)
+    if dead:
+        out["culprits"] = [{"rank": r, "why": "dead", "step": step} for r, step in sorted(dead.items())]
+        return out
+    _diverged(out, by_rank)
+    if not out["culprits"] and out["hang"]:
+        out["culprits"] = [{"rank": r, "why": "no record"} for r in out["missing"]]
+    return out
+
+
+def _one_run(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The newest run's records (torch dumps, which carry no run id, join it) and [{run_id, ranks}] of the others."""
+    runs: dict = {}
+    for record in records:
+        runs.setdefault(record.get("run_id"), []).append(record)
+    named = {k: v for k, v in runs.items() if k is not None}
+    if not named:
+        return records, []
+    newest = max(named, key=lambda k: max(str(r.get("time", "")) for r in named[k]))
+    others = [{"run_id": k, "ranks": sorted(r["rank"] for r in v)} for k, v in named.items() if k != newest]
+    return named[newest] + runs.get(None, []), others
+
+
+def _dead(records: list[dict]) -> dict[int, int | None]:
+    """{rank: its last step} of ranks some record saw gone (its process ended, or the record of its own error)."""
+    dead = {}
+    for record in records:
+        for rank, peer in (record.get("peers") or {}).items():
+            if isinstance(peer, dict) and peer.get("alive") is False:
+                dead[int(rank)] = peer.get("step")
+    return dead
+
+
+def _diverged(out: dict, by_rank: dict) -> None:
+    """Fill `collective`, `waiting` and `culprits` from the ranks' pending collectives."""
+    pending = {r: rec["collectives"]["pending"][0] for r, rec in by_rank.items()
+               if (rec.get("collectives") or {}).get("pending")}
+    if not pending:
+        return
+    first = min(pending.values(), key=lambda c: (c["seq"] is None, c["seq"] or 0))
+    same = {r: c for r, c in pending.items() if c["group"] == first["group"] and c["seq"] == first["seq"]}
+    signature = {r: (c["kind"], c["bytes"]) for r, c in same.items()}
+    count, lowest_step = Counter(signature.values()), {}
+    for rank, sig in signature.items():  # a tie goes to the ranks behind: the others skipped a collective
+        lowest_step[sig] = min(lowest_step.get(sig, math.inf), by_rank[rank].get("step") or 0)
+    common = max(count, key=lambda sig: (count[sig], -lowest_step[sig]))
+    out["collective"] = {"kind": common[0], "bytes": common[1], "seq": first["seq"], "group": first["group"]}
+    out["waiting"] = sorted(r for r, c in same.items() if (c["kind"], c["bytes"]) == common)
+    steps = [by_rank[r].get("step") for r in out["waiting"]]
+    for rank, record in sorted(by_rank.items()):
+        if rank in out["waiting"]:
+            continue
+        mine = pending.get(rank)
+        if mine is not None and mine["group"] == first["group"] and mine["seq"] == first["seq"]:
+            why = "ahead" if (record.get("step") or 0) > max(s or 0 for s in steps) else "mismatch"
+            out["culprits"].append({"rank": rank, "why": why, "collective": mine})
+        elif mine is not None and mine["group"] == first["group"]:
+            out["culprits"].append({"rank": rank, "why": "ahead", "collective": mine})
+        else:
+            out["culprits"].append({"rank": rank, "why": "not there", "collective": mine})
+    out["culprits"] += [{"rank": r, "why": "no record"} for r in out["missing"]]
+
+
+# --- saying it --------------------------------------------------------------------------------------------------
+def where(record: dict) -> str | None:
+    """The innermost frame of a record's stack outside torch and the installed libraries (else the innermost)."""
+    stack = record.get("stack") or []
+    own = [f for f in stack if "site-packages" not in f and "/torch/" not in f and "/shardscope/" not in f]
+    return (own or stack or [None])[-1]
+
+
+def _collective(c: dict | None) -> str:
+    if not c:
+        return "no collective"
+    return f"{c['kind']} #{c['seq']} ({c['group']}, {c['bytes']:,} B)"
+
+
+def line(result: dict) -> str:
+    """The one-line verdict."""
+    if not result["hang"]:
+        return "no hang recorded" + (f" ({len(result['unreadable'])} unreadable file(s))" if result["unreadable"]
+                                     else "")
+    ranks, parts = result["ranks"], []
+    if result["collective"] is not None:
+        steps = sorted({ranks[r].get("step") for r in result["waiting"]} - {None})
+        parts.append(f"rank(s) {_list(result['waiting'])} wait in {_collective(result['collective'])}"
+                     + (f" after step {_list(steps)}" if steps else ""))
+    for culprit in result["culprits"]:
+        parts.append(_culprit(culprit, ranks.get(culprit["rank"], {})))
+    if not result["culprits"] and result["collective"] is None:
+        parts.append("no rank is inside a collective: every rank that wrote is slow in its own code (see stacks)")
+    if result["missing"]:
+        parts.append(f"no record from rank(s) {_list(result['missing'])}")
+    return "; ".join(parts)
+
+
+def _culprit(culprit: dict, record: dict) -> str:
+    rank, why = culprit["rank"], culprit["why"]
+    if why == "dead":
+        return f"rank {rank} is dead (its process is gone; last step {culprit.get('step')})"
+    if why == "no record":
+        return f"rank {rank} wrote nothing (dead, stuck where Python cannot run, or on a filesystem not shared)"
+    at = f"after step {record.get('step')}" + (f", at {where(record)}" if where(record) else "")
+    if why == "not there":
+        return f"rank {rank} is not there ({at}; last completed {_collective(collectives(record)['last_completed'])})"
+    return f"rank {rank} diverged: {why}, in {_collective(culprit.get('collective'))} ({at})"
+
+
+def collectives(record: dict) -> dict:
+    return record.get("collectives") or {"source": None, "last_completed": None, "pending": []}
+
+
+def _list(values) -> str:
+    return ", ".join(map(str, values))
