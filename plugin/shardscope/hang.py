@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .safe_io import load_json, read_bytes
+from .summary import SUMMARY_FILE
 
 FOLDER = "shardscope_hang"
 KIND, VERSION = "shardscope_hang_record", 1
@@ -58,10 +59,12 @@ def collective_summary(entries: list[dict], source: str | None) -> dict:
 def read_folder(folder) -> tuple[list[dict], dict[str, str]]:
     """(records, {file: why it could not be read}) of a hang folder (or of an output dir holding one)."""
     folder = Path(folder)
-    if (folder / FOLDER).is_dir():
-        folder = folder / FOLDER
     if not folder.is_dir():
         raise UsageError(f"{folder}: no such folder (give OUTPUT_DIR or OUTPUT_DIR/{FOLDER})")
+    if (folder / FOLDER).is_dir() or (folder / SUMMARY_FILE).is_file():  # an output dir
+        folder = folder / FOLDER
+        if not folder.is_dir():
+            return [], {}  # the watchdog wrote nothing: no hang
     records, unreadable = [], {}
     for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
         try:
@@ -87,13 +90,18 @@ def _read_one(path: Path) -> dict:
 
 
 def _load_pickle(path: Path):
-    """A torch flight-recorder pickle, loaded with torch's weights-only unpickler (plain containers only)."""
+    """A torch flight-recorder dump (a bare pickle as `_dump_fr_trace` writes it, or a `torch.save` archive),
+    loaded with torch's weights-only unpickler: plain containers and numbers only, no code runs."""
     import io
 
     import torch
+    from torch._weights_only_unpickler import Unpickler
 
+    data = read_bytes(path, "flight-recorder dump", MAX_DUMP_BYTES)
     try:
-        return torch.load(io.BytesIO(read_bytes(path, "flight-recorder dump", MAX_DUMP_BYTES)), weights_only=True)
+        if data.startswith(b"PK"):
+            return torch.load(io.BytesIO(data), weights_only=True)
+        return Unpickler(io.BytesIO(data)).load()
     except Exception as error:  # the unpickler refused it: a type outside the allowlist, or not a pickle
         raise ValueError(f"{path}: not loadable as a weights-only pickle ({type(error).__name__})") from None
 
@@ -210,8 +218,9 @@ def line(result: dict) -> str:
         parts.append(_culprit(culprit, ranks.get(culprit["rank"], {})))
     if not result["culprits"] and result["collective"] is None:
         parts.append("no rank is inside a collective: every rank that wrote is slow in its own code (see stacks)")
-    if result["missing"]:
-        parts.append(f"no record from rank(s) {_list(result['missing'])}")
+    silent = [r for r in result["missing"] if r not in {c["rank"] for c in result["culprits"]}]
+    if silent:
+        parts.append(f"no record from rank(s) {_list(silent)}")
     return "; ".join(parts)
 
 
