@@ -61,10 +61,8 @@ def accelerate_cpu_overrides(config_file: Path, num_processes: int = 2) -> list[
 
 def accelerate_launch(config_file, script, script_args, output_dir, num_processes=2, timeout=600,
                       launcher_args=()) -> Run:
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
-           *accelerate_cpu_overrides(config_file, num_processes), *map(str, launcher_args), str(script),
-           *map(str, script_args), "--output_dir", str(output_dir)]
-    return _run(cmd, output_dir, timeout)
+    return _run(accelerate_cmd(config_file, script, script_args, output_dir, num_processes, launcher_args), output_dir,
+                timeout)
 
 
 def deepspeed_launch(script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
@@ -74,9 +72,27 @@ def deepspeed_launch(script, script_args, output_dir, num_processes=2, timeout=6
 
 
 def torchrun_launch(script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(num_processes), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), *map(str, script_args), "--output_dir", str(output_dir)]
-    return _run(cmd, output_dir, timeout)
+    return _run(torchrun_cmd(script, script_args, output_dir, num_processes), output_dir, timeout)
+
+
+def torchrun_cmd(script, script_args, output_dir, num_processes=2) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(num_processes), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(script), *map(str, script_args), "--output_dir", str(output_dir)]
+
+
+def accelerate_cmd(config_file, script, script_args, output_dir, num_processes=2, launcher_args=()) -> list[str]:
+    return [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
+            *accelerate_cpu_overrides(config_file, num_processes), *map(str, launcher_args), str(script),
+            *map(str, script_args), "--output_dir", str(output_dir)]
+
+
+def background(cmd, output_dir) -> subprocess.Popen:
+    """Start `cmd` in a session of its own (its log in output_dir/launch.log): `os.killpg(proc.pid, ...)` ends the
+    launcher and every rank it started."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(output_dir) / "launch.log", "w") as log:
+        return subprocess.Popen(cmd, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
 
 
 def _run(cmd, output_dir, timeout) -> Run:

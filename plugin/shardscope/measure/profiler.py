@@ -19,13 +19,14 @@ import torch
 from .. import __version__
 from .collective_timing import probe_links, probe_size
 from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
-from .memory import device_of, read_memory, reset_peak
+from .memory import device_of, memory_kind, read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
 from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
                           process_rank, route, start_gather)
-from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
+from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps  # issue 21
+from .stragglers import Windows, line as straggler_line, straggler
 from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
                            zero_optimizer)
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
@@ -33,7 +34,7 @@ from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
                          device_peak_flops, rates, step_time_summary)
-from .watchdog import Watchdog, validate_hang_after
+from .watchdog import Watchdog
 
 logger = logging.getLogger("shardscope")
 
@@ -41,13 +42,14 @@ logger = logging.getLogger("shardscope")
 # `frozen:<name>` field per frozen model follows them.
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
-               "samples", "tokens", "flops", "seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
+               "samples", "tokens", "flops", "seconds", "compute_seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
                "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
 # ... and all `_complete(summary=False)` reads: what a measurement for the logs sends (then each `frozen:<name>`)
-LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds")
+LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds",
+                 "compute_seconds")
 
 
 class ShardingProfiler:
@@ -103,8 +105,7 @@ class ShardingProfiler:
                  instruments=(), flops_model: FlopsModel | None = None, start_step: int = 0,
                  last_step: int | None = None, summary_extra: dict | None = None, hang_after="auto"):
         validate_arguments(every_n_steps, peak_tflops, summary_file, memory_step=memory_step, comm_step=comm_step,
-                           time_step=time_step, time_every_n_steps=time_every_n_steps)
-        validate_hang_after(hang_after)
+                           time_step=time_step, time_every_n_steps=time_every_n_steps, hang_after=hang_after)
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.output_dir, self.summary_file = Path(output_dir), summary_file
         self.every_n_steps, self.peak_tflops, self.memory_step = every_n_steps, peak_tflops, memory_step
@@ -116,15 +117,14 @@ class ShardingProfiler:
         self._throughput, self._state, self._memory, self._precision_probe = (
             Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
         self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
-        self._link_probe = None  # collectives timed at close(): `collective_timing.probe_links`
-        self._closed, self._pending = False, None  # _pending: a measurement whose gather step(defer=True) started
+        # _pending: a measurement whose gather step(defer=True) started; _link_probe: `collective_timing.probe_links`
+        self._closed, self._pending, self._link_probe = False, None, None
         clock = time.perf_counter
-        self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
-        self._counts = StepCounts()
+        self._interval, self._run, self._counts = ThroughputWindow(clock), ThroughputWindow(clock), StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
         self._walk, self._route = {}, None  # {step: that step's snapshot's state_walk}; rank_gather.route, read once
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
-        self._precision, self._precision_ranks = None, []
+        self._precision, self._precision_ranks, self._windows_compute = None, [], Windows()  # (stragglers.py)
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
         self.preflight, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
@@ -157,8 +157,7 @@ class ShardingProfiler:
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
             self._windows("step_begin")
         self._begin()
-        self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog"), process_rank(),
-                                  self.preflight.get("world_size", 1)).start()  # hang records (watchdog.py)
+        self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog")).start()  # hang records
 
     # --- The loop's calls --------------------------------------------------------------------------------------
     @never_raises()
@@ -230,6 +229,7 @@ class ShardingProfiler:
         with self.guard("metric logging"):
             if pending is not None:
                 metrics = log_metrics(self._complete_all(pending, summary=False), self._tp)
+                self._windows_compute.add(pending.ranks or [])  # (gathered above) per rank: compute_seconds
             if self.accelerator is not None and metrics:
                 self.accelerator.log(metrics, step=pending.step)
         return metrics
@@ -259,7 +259,8 @@ class ShardingProfiler:
         with self.guard("summary file"):
             summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
             path = write_summary(self.output_dir / self.summary_file, summary)
-            logger.warning("shardscope summary written to %s", path)
+            logger.warning("shardscope summary written to %s%s", path,
+                           "; " + straggler_line(summary["straggler"]) if straggler_line(summary["straggler"]) else "")
             return path
         return None
 
@@ -407,8 +408,9 @@ class ShardingProfiler:
                     mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
         with self.guard("throughput"):
             totals = window.totals()
-            mine.update(samples=totals.samples, seconds=totals.seconds,
-                        tokens=as_float(totals.tokens), flops=as_float(totals.flops))
+            mine.update(samples=totals.samples, seconds=totals.seconds, tokens=as_float(totals.tokens),
+                        flops=as_float(totals.flops),  # compute: the training thread's CPU time, on CPU ranks only
+                        compute_seconds=as_float(totals.compute if self._device.type == "cpu" else None))
             if summary:  # (the logs do not read the step times)
                 mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields() if summary else ())
@@ -436,11 +438,13 @@ class ShardingProfiler:
         else:  # (one number, read as the others are)
             out["peak_tensor_bytes"] = int_or_none(rank["peak_tensor_bytes"])
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
-                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
+                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"],
+                              none_if_nan(rank["compute_seconds"]))
         out["throughput"] = rates(totals, self._peak)
         if summary:
             out["throughput"].update(samples=int_or_none(totals.samples), tokens=int_or_none(totals.tokens),
-                                     seconds=totals.seconds, flops_convention=FLOPS_CONVENTION)
+                                     seconds=totals.seconds, compute_seconds=totals.compute,
+                                     flops_convention=FLOPS_CONVENTION)
             step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
             out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
             out.update(self._sampled.complete(rank))
@@ -576,19 +580,13 @@ class ShardingProfiler:
             "precision_verdict": run_verdict(self._precision_ranks),
             "global_step": self.global_step,
             "state_locations": self.locations,
-            "straggler": straggler(ranks),
+            "straggler": straggler(ranks, self._windows_compute),
             "link_probe": self._link_probe,
             "memory_details_rank0": self.memory,
-            "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r), **(extra or {}),
+            "ranks": [{"rank": i, **r, "memory_kind": memory_kind(self._device, self.memory, r), **(extra or {}),
                        **{k: v for k, v in p.items() if k != "precision_verdict"}}
                       for i, (r, p, extra) in enumerate(zip(ranks, precision, instruments))],
         }
-
-    def _memory_kind(self, rank: dict) -> str | None:
-        """What `peak_memory_bytes` is: CUDA's allocator peak, or on CPU the instrumented step's tensor peak."""
-        if self._device.type == "cuda":
-            return self.memory.get("memory_kind")
-        return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None
 
     def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""

@@ -14,6 +14,7 @@ torchtitan `get_num_flop_per_token`.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ class WindowTotals:
     tokens: float | None
     flops: float | None
     seconds: float
+    compute: float | None = None  # CPU seconds of the training thread over the same steps (`ThroughputWindow`)
 
 
 class ThroughputWindow:
@@ -60,26 +62,28 @@ class ThroughputWindow:
 
     Time per step runs from the end of the previous step (so data loading counts) or, after an
     evaluation/save, from the next step's begin (so evaluation does not). Only complete
-    gradient-accumulation cycles are timed: the Trainer calls `step_end` once per cycle.
+    gradient-accumulation cycles are timed: the Trainer calls `step_end` once per cycle. Beside the wall time,
+    `compute` adds up the calling (training) thread's CPU time over the same steps (`time.thread_time`): on a CPU
+    rank, its computing without its waits inside collectives (a blocked wait uses no CPU time).
     """
 
     def __init__(self, clock):
-        self.clock = clock
+        self.clock, self.cpu_clock = clock, time.thread_time
         self.reset()
-        self.anchor = None
+        self.anchor = self.cpu_anchor = None
 
     def reset(self):
-        self.samples, self.tokens, self.flops, self.seconds = 0.0, 0.0, 0.0, 0.0
+        self.samples, self.tokens, self.flops, self.seconds, self.compute = 0.0, 0.0, 0.0, 0.0, 0.0
         self.has_tokens = self.has_flops = False
         self.durations: list[float] = []  # seconds of each step counted
 
     def step_begin(self):
         if self.anchor is None:
-            self.anchor = self.clock()
+            self.anchor, self.cpu_anchor = self.clock(), self.cpu_clock()
 
     def restart(self):
         """The step's time starts now: what ran since its begin (the planner's preflight) is left out."""
-        self.anchor = self.clock()
+        self.anchor, self.cpu_anchor = self.clock(), self.cpu_clock()
 
     def add_batch(self, samples: int, tokens=None, flops=None):
         self.samples += samples
@@ -91,15 +95,16 @@ class ThroughputWindow:
     def step_end(self, pause_after: bool = False, count: bool = True):
         """Close one optimizer step; `pause_after` excludes the gap to the next step (eval, save);
         `count=False` leaves this step's time out (its batches must not have been added)."""
-        now = self.clock()
+        now, cpu_now = self.clock(), self.cpu_clock()
         if self.anchor is not None and count:
             self.seconds += now - self.anchor
+            self.compute += cpu_now - self.cpu_anchor
             self.durations.append(now - self.anchor)
-        self.anchor = None if pause_after else now
+        self.anchor, self.cpu_anchor = (None, None) if pause_after else (now, cpu_now)
 
     def totals(self) -> WindowTotals:
         return WindowTotals(self.samples, self.tokens if self.has_tokens else None,
-                            self.flops if self.has_flops else None, self.seconds)
+                            self.flops if self.has_flops else None, self.seconds, self.compute)
 
 
 STEP_TIME_KEYS = ("median", "p10", "p90", "steps")
@@ -124,13 +129,15 @@ def step_time_summary(durations: list[float]) -> dict:
 def rates(totals: WindowTotals, peak: float | None) -> dict:
     """samples/s, tokens/s, TFLOP/s and MFU for one device's window (None where not countable)."""
     if totals.seconds <= 0:
-        return {"samples_per_s": None, "tokens_per_s": None, "tflops_per_device": None, "mfu": None}
+        return {"samples_per_s": None, "tokens_per_s": None, "tflops_per_device": None, "mfu": None,
+                "compute_share": None}
     flops_per_s = None if totals.flops is None else totals.flops / totals.seconds
     return {
         "samples_per_s": totals.samples / totals.seconds,
         "tokens_per_s": None if totals.tokens is None else totals.tokens / totals.seconds,
         "tflops_per_device": None if flops_per_s is None else flops_per_s / 1e12,
         "mfu": None if (flops_per_s is None or not peak) else flops_per_s / peak,
+        "compute_share": None if totals.compute is None else totals.compute / totals.seconds,
     }
 
 

@@ -41,20 +41,17 @@ collective_log.record_by_default()  # at the profiler's (and the callback's) imp
 _STARTED = [0]  # watchdogs started in this process: the n-th run of a process agrees on its id with its peers'
 
 
-def validate_hang_after(value) -> None:
-    if value is None or value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"hang_after must be a positive number of seconds, 'auto' or None, got {value!r}")
-
-
 class Watchdog:
     """`start()` once the process group exists, `step_done(step, pause)` at each optimizer step's end (training
     thread; a few attribute writes), `failed(error)` where the loop ends with an exception, `stop()` at the end."""
 
-    def __init__(self, output_dir, hang_after, instrument: Instrument, rank: int = 0, world: int = 1):
+    def __init__(self, output_dir, hang_after, instrument: Instrument):
+        import torch.distributed as dist
+
         self.folder, self.hang_after, self.instrument = Path(output_dir) / hang.FOLDER, hang_after, instrument
-        self.rank, self.world, self.host, self.pid = rank, world, socket.gethostname(), os.getpid()
+        on = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        self.host, self.pid = socket.gethostname(), os.getpid()
         self.run_id, self._store, self._prefix = None, None, None
         self._durations: deque = deque(maxlen=101)
         self._step, self._started, self._paused = 0, time.monotonic(), False
