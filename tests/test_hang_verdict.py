@@ -36,6 +36,10 @@ def folder_of(tmp_path, *records, name=hang.FOLDER):
     return folder
 
 
+def culprit_list(result):
+    return [(c["rank"], c["why"]) for c in result["culprits"]]
+
+
 def cli(capsys, *args):
     code = main(["hang", *map(str, args)])
     out = capsys.readouterr()
@@ -77,8 +81,19 @@ def test_a_dead_rank_is_named_with_its_last_step_from_a_survivors_record(tmp_pat
     result = hang.verdict(*hang.read_folder(folder))
     assert result["culprits"] == [{"rank": 1, "why": "dead", "step": 5}] and result["missing"] == [1]
     code, out, _ = cli(capsys, folder)
-    assert code == 1 and "rank 1 is dead (its process is gone; last step 5)" in out.splitlines()[0]
+    assert code == 1 and "rank 1 is dead (gone without a record; last step seen 5)" in out.splitlines()[0]
     assert "no record from" not in out.splitlines()[0]  # said once, as dead
+
+
+def test_a_rank_missing_where_a_survivor_saw_an_error_is_dead_and_one_that_wrote_its_own_error_is_not(tmp_path):
+    seen = {"1": {"pid": 101, "host": "node0", "step": 5, "alive": True}}  # looked at while it was being killed
+    result = hang.verdict(*hang.read_folder(folder_of(tmp_path, record(0, event="error", peers=seen))))
+    assert result["culprits"] == [{"rank": 1, "why": "dead", "step": 5}]
+    own = record(1, event="error", peers={"0": {"pid": 100, "host": "node0", "step": 5, "alive": True}})
+    lost = {**record(0, event="error", peers=seen), "error": "RuntimeError: [pair.cc:553] Connection closed by peer"}
+    result = hang.verdict(*hang.read_folder(folder_of(tmp_path / "b", lost, {**own, "error": "ValueError: bad"})))
+    assert culprit_list(result) == [(1, "error")]  # its own error, not the one its peer saw as a closed socket
+    assert hang.line(result) == "rank 1 ended with an error after step 2: ValueError: bad"
 
 
 def test_a_partial_folder_names_the_ranks_that_wrote_nothing(tmp_path, capsys):

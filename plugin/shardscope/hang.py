@@ -27,6 +27,7 @@ KIND, VERSION = "shardscope_hang_record", 1
 FR_SOURCE, LOG_SOURCE = "torch flight recorder", "shardscope collective log"
 DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
 MAX_DUMP_BYTES = 64 << 20  # a flight-recorder dump of 2,000 entries is a few MB
 
 
@@ -133,6 +134,10 @@ def verdict(records: list[dict], unreadable: dict | None = None) -> dict:
         out["culprits"] = [{"rank": r, "why": "dead", "step": step} for r, step in sorted(dead.items())]
         return out
     _diverged(out, by_rank)
+    errors = {r: rec.get("error") or "" for r, rec in by_rank.items() if rec.get("event") == "error"}
+    own = [r for r, text in errors.items() if not any(word in text for word in PEER_ERRORS)]
+    if not out["culprits"] and errors:  # the rank whose own error ended it, not those that lost it as a peer
+        out["culprits"] = [{"rank": r, "why": "error", "error": errors[r]} for r in sorted(own or errors)]
     if not out["culprits"] and out["hang"]:
         out["culprits"] = [{"rank": r, "why": "no record"} for r in out["missing"]]
     return out
@@ -152,12 +157,20 @@ def _one_run(records: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def _dead(records: list[dict]) -> dict[int, int | None]:
-    """{rank: its last step} of ranks some record saw gone (its process ended, or the record of its own error)."""
-    dead = {}
+    """{rank: its last step seen} of the dead ranks: those a record saw gone (no process on its host), and, where
+    some rank's loop ended in an error (gloo: "Connection closed by peer"), the ranks that wrote nothing although
+    peers saw them run: a rank dying of a Python exception writes its own record, one killed (SIGKILL, the OOM
+    killer, a crash, a lost node) cannot."""
+    seen, dead = {}, {}
     for record in records:
         for rank, peer in (record.get("peers") or {}).items():
-            if isinstance(peer, dict) and peer.get("alive") is False:
-                dead[int(rank)] = peer.get("step")
+            if isinstance(peer, dict) and str(rank).isdigit():
+                seen[int(rank)] = max(seen.get(int(rank), -1), peer.get("step") or 0)
+                if peer.get("alive") is False:
+                    dead[int(rank)] = peer.get("step")
+    if any(r.get("event") == "error" for r in records):
+        wrote = {r["rank"] for r in records}
+        dead.update({rank: step for rank, step in seen.items() if rank not in wrote and rank not in dead})
     return dead
 
 
@@ -228,7 +241,9 @@ def line(result: dict) -> str:
 def _culprit(culprit: dict, record: dict) -> str:
     rank, why = culprit["rank"], culprit["why"]
     if why == "dead":
-        return f"rank {rank} is dead (its process is gone; last step {culprit.get('step')})"
+        return f"rank {rank} is dead (gone without a record; last step seen {culprit.get('step')})"
+    if why == "error":
+        return f"rank {rank} ended with an error after step {record.get('step')}: {culprit['error'][:200]}"
     if why == "no record":
         return f"rank {rank} wrote nothing (dead, stuck where Python cannot run, or on a filesystem not shared)"
     at = f"after step {record.get('step')}" + (f", at {where(record)}" if where(record) else "")

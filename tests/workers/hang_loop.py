@@ -1,7 +1,7 @@
 """A raw torch DDP loop over gloo with `ShardingProfiler` (hang_after small) and one rank made to misbehave at step
 `--at`: `skip` (it skips the loop's loss all_reduce), `sleep` (it sleeps inside the step, before backward), `kill`
-(it SIGKILLs itself inside the step), `slow` (it computes its forward and backward `--slow_factor` times every step:
-a straggler that never hangs), `clean` (nothing). Launched by tests/test_hang.py under torchrun."""
+(it SIGKILLs itself inside the step), `slow` (every step it also busy-loops for `--slow_ms` of its own CPU time:
+a straggler that never hangs), `clean` (nothing). Launched by tests/test_hang_runs.py under torchrun."""
 import argparse
 import os
 import signal
@@ -19,7 +19,7 @@ parser.add_argument("--bad_rank", type=int, default=1)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--hang_after", type=float, default=3.0)
-parser.add_argument("--slow_factor", type=int, default=3)
+parser.add_argument("--slow_ms", type=float, default=30.0)
 parser.add_argument("--output_dir", required=True)
 args = parser.parse_args()
 
@@ -44,9 +44,9 @@ with ShardingProfiler(model, optimizer, output_dir=args.output_dir, every_n_step
             time.sleep(1.0)  # (the watchdog's heartbeat has seen the last step)
             os.kill(os.getpid(), signal.SIGKILL)
         if bad and args.scenario == "slow":
-            for _ in range(args.slow_factor - 1):
-                with model.no_sync():
-                    model(**batch).loss.backward()
+            busy_until = time.thread_time() + args.slow_ms / 1000
+            while time.thread_time() < busy_until:
+                pass
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
