@@ -8,18 +8,17 @@ bound is the issue's: each record written within hang_after + 30 s of its step's
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT, accelerate_cmd, background, torchrun_cmd
+from launch import ROOT, accelerate_cmd, background, end_launch, torchrun_cmd, wait_until
 from shardscope import hang
 from shardscope.cli import main
 
-HANG_AFTER = 3.0  # seconds: the steps of these runs take milliseconds
+HANG_AFTER = 5.0  # seconds, in the hung runs: their steps take milliseconds, the first one (start-up) a few seconds
+# at most, with five launches sharing 2 cores; the killed and the slow run keep the default ("auto": 600 s before
+# the first step, then 10 x the median step and at least 120 s), as a normal run does
 LOOP, TRAINER = ROOT / "tests" / "workers" / "hang_loop.py", ROOT / "tests" / "workers" / "hang_trainer.py"
 HUNG = ("skip", "sleep", "trainer")  # ended by the test once rank 0 has logged its verdict
 DEADLINE_S = 240  # the whole fixture (five launches start together on 2 cores); a run still going then fails
@@ -28,36 +27,8 @@ DEADLINE_S = 240  # the whole fixture (five launches start together on 2 cores);
 def scenario_cmd(name: str, out: Path) -> list[str]:
     if name == "trainer":
         return accelerate_cmd(ROOT / "accelerate_configs" / "ddp.yaml", TRAINER, ["--hang_after", HANG_AFTER], out)
-    return torchrun_cmd(LOOP, ["--scenario", name, "--hang_after", HANG_AFTER, "--steps", 12], out)
-
-
-def pids_of(out: Path) -> list[int]:
-    """Processes whose command line names the run's output dir (the launcher and its ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(out).encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            pass
-    return found
-
-
-def end(proc, out: Path) -> list[int]:
-    """SIGTERM the launcher (it ends its ranks), wait; the processes of the run still there after 30 s (killed)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except Exception:
-        proc.kill()
-    deadline = time.monotonic() + 30
-    while pids_of(out) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = pids_of(out)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    return left
+    return torchrun_cmd(LOOP, ["--scenario", name, "--hang_after", HANG_AFTER if name in HUNG else "auto",
+                               "--steps", 12], out)
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +38,11 @@ def hang_runs(tmp_path_factory):
     for name in ("kill", "slow", *HUNG):
         out = tmp_path_factory.mktemp(f"hang-{name}")
         runs[name] = {"out": out, "proc": background(scenario_cmd(name, out), out)}
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline and any(r["proc"].poll() is None and not verdict_logged(n, r["out"])
-                                              for n, r in runs.items()):
-        time.sleep(0.5)
+    wait_until(lambda: all(r["proc"].poll() is not None or verdict_logged(n, r["out"]) for n, r in runs.items()),
+               DEADLINE_S)
     for run in runs.values():
         run["ended_itself"] = run["proc"].poll() is not None
-        run["left"] = end(run["proc"], run["out"])
+        run["left"] = end_launch(run["proc"], run["out"])
         run["returncode"] = run["proc"].returncode
         run["log"] = (run["out"] / "launch.log").read_text()
     return runs

@@ -125,7 +125,7 @@ def verdict(records: list[dict], unreadable: dict | None = None) -> dict:
     for record in chosen:
         by_rank.setdefault(record["rank"], record)
     world = max([r.get("world_size") or 0 for r in chosen] + [len(by_rank)])
-    out = {"hang": any(r.get("event") in ("overdue", "error") for r in chosen),
+    out = {"hang": any(r.get("event") in ("overdue", "error", "torch_dump") for r in chosen),
            "run_id": chosen[0].get("run_id") if chosen else None, "world_size": world,
            "missing": sorted(set(range(world)) - set(by_rank)), "unreadable": dict(unreadable or {}),
            "other_runs": others, "culprits": [], "waiting": [], "collective": None, "ranks": by_rank}

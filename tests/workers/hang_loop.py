@@ -18,7 +18,7 @@ parser.add_argument("--scenario", default="clean", choices=("clean", "skip", "sl
 parser.add_argument("--bad_rank", type=int, default=1)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--steps", type=int, default=8)
-parser.add_argument("--hang_after", type=float, default=3.0)
+parser.add_argument("--hang_after", type=lambda v: v if v == "auto" else float(v), default="auto")
 parser.add_argument("--slow_ms", type=float, default=30.0)
 parser.add_argument("--output_dir", required=True)
 args = parser.parse_args()
@@ -42,6 +42,7 @@ with ShardingProfiler(model, optimizer, output_dir=args.output_dir, every_n_step
             time.sleep(3600)
         if at and args.scenario == "kill":
             time.sleep(1.0)  # (the watchdog's heartbeat has seen the last step)
+            print(f"rank {rank} killed at {time.time():.3f}", flush=True)  # (how fast the launcher ends: docs)
             os.kill(os.getpid(), signal.SIGKILL)
         if bad and args.scenario == "slow":
             busy_until = time.thread_time() + args.slow_ms / 1000

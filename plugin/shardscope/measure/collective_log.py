@@ -10,6 +10,11 @@ of the profiler (and so of the callback) and at the recipes' start; a process gr
 setting. `recent()` reads the ring in its JSON form (`_dump_fr_trace_json`, no pickle) from any thread, while the
 training thread waits inside a collective.
 
+On NCCL, torch's own watchdog can dump the ring when a collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`, read at
+the process group's creation; it needs the ring on): `record_by_default` turns it on where unset, and
+`dump_into(folder)` points the dump (`TORCH_FR_DUMP_TEMP_FILE`, read when torch writes it) into the run's hang
+folder, where `shardscope hang` reads it as a weights-only pickle. Not exercised here: no NCCL on CPU.
+
 Where the ring is empty (a backend that does not record, or a buffer set to 0), records carry no collective
 (`source` None) and the verdict rests on the ranks' stacks and steps.
 """
@@ -25,10 +30,25 @@ ENTRIES = 2000  # the ring's bound (torch 2.13's own default): ~0.5 MB of entrie
 KEEP = 32  # entries a record carries (the newest)
 
 
+DUMP_ON_TIMEOUT, DUMP_FILES = "TORCH_NCCL_DUMP_ON_TIMEOUT", ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
 def record_by_default() -> None:
-    """Turn torch's flight recorder on with a bounded ring where the user set neither variable."""
+    """Turn torch's flight recorder on with a bounded ring where the user set neither variable (and NCCL's dump on
+    a timeout where the user left it unset)."""
     if not any(name in os.environ for name in VARIABLES):
         os.environ[VARIABLES[0]] = str(ENTRIES)
+    os.environ.setdefault(DUMP_ON_TIMEOUT, "1")
+
+
+def dump_into(folder) -> None:
+    """NCCL's dump on a timeout goes to `folder/torch_fr_rank_<rank>` where the user named no file (CUDA runs only:
+    the folder is made now, as torch does not make it)."""
+    import torch
+
+    if torch.cuda.is_available() and not any(name in os.environ for name in DUMP_FILES):
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ[DUMP_FILES[0]] = str(folder / "torch_fr_rank_")
 
 
 def recent(keep: int = KEEP) -> dict:

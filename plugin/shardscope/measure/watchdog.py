@@ -37,6 +37,7 @@ logger = logging.getLogger("shardscope")
 
 AUTO_FLOOR, FIRST_STEP_S, PAUSE_FLOOR = 120.0, 600.0, 600.0
 GRACE_S = 30.0  # rank 0 waits at most this long for the other ranks' records
+BEAT_S = 0.5  # the thread looks at the clock this often, and puts this rank's step into the store when it changed
 collective_log.record_by_default()  # at the profiler's (and the callback's) import: before the process group, mostly
 _STARTED = [0]  # watchdogs started in this process: the n-th run of a process agrees on its id with its peers'
 
@@ -63,6 +64,7 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if self.hang_after is None:
             return self
+        collective_log.dump_into(self.folder)
         self._n = _STARTED[0]
         _STARTED[0] += 1
         self._thread = threading.Thread(target=self.instrument.wrap(self._watch), name="shardscope-watchdog",
@@ -107,7 +109,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         self._join_store()
-        while not self._stop.wait(min(5.0, max(0.2, self.limit() / 10))):
+        while not self._stop.wait(BEAT_S):
             self._beat()
             step, started = self._step, self._started
             running = time.monotonic() - started
