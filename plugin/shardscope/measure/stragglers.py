@@ -8,7 +8,7 @@ there `compute_s` is left out (None) and only the timed step's breakdown speaks.
 
 Per logged window (every `every_n_steps` steps, the figures the profiler gathers anyway) a rank whose compute
 exceeds the median of all ranks' by more than `SLOWER` is slow in that window; a rank slow in more than half of
-the windows is named the straggler (`rank`). For each other rank, `waiting_share` = (straggler's compute - its
+the windows, of at least `MIN_WINDOWS`, is named the straggler (`rank`). For each other rank, `waiting_share` = (straggler's compute - its
 compute) / its wall time over the run: the share of its step spent waiting for the straggler.
 """
 from __future__ import annotations
@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from . import step_time
-
 SLOWER = 0.20  # compute above the median by more than this share: slow in that window
+MIN_WINDOWS = 3  # a straggler is slow over time: fewer logged windows name none (a short run's one step can be uneven)
 
 
 def _number(value) -> bool:
@@ -51,6 +50,8 @@ def straggler(ranks: list[dict], windows: Windows) -> dict | None:
     """The summary's top-level `straggler`: the timed step's figures (`step_time.straggler`: slowest_rank, step_s,
     busy_s, spread) and, where every rank measured its compute, `compute_s` and `wall_s` per rank over the run,
     `windows`, `slow_windows` per rank, `rank` (the straggler, or None) and `waiting_share` {rank: share}."""
+    from . import step_time  # (here: `line` serves report/ and compare, which need no torch)
+
     out = dict(step_time.straggler([r.get("time_breakdown") for r in ranks]) or {})
     compute = [(r.get("throughput") or {}).get("compute_seconds") for r in ranks]
     wall = [(r.get("throughput") or {}).get("seconds") for r in ranks]
@@ -58,7 +59,7 @@ def straggler(ranks: list[dict], windows: Windows) -> dict | None:
         return out or None
     logged = windows.compute or [compute]  # a run shorter than one logged window: the run is the window
     slow = slow_windows(logged)
-    named = [r for r, n in enumerate(slow) if n > len(logged) / 2]
+    named = [r for r, n in enumerate(slow) if n > len(logged) / 2 and len(logged) >= MIN_WINDOWS]
     rank = max(named, key=compute.__getitem__) if named else None
     out.update(compute_s=compute, wall_s=wall, windows=len(logged), slow_windows=slow, rank=rank,
                waiting_share=None if rank is None else {
