@@ -244,6 +244,7 @@ def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_pa
     *[("every_n_steps", bad) for bad in (0, -1, "2", 1.5, True)],
     *[("peak_tflops", bad) for bad in (0, -1.0, "989", float("inf"), float("nan"), True)],
     *[("summary_file", bad) for bad in (5, "", "  ")],
+    *[("hang_after", bad) for bad in (0, -3, "120", "Auto", float("nan"), float("inf"), True)],
 ])
 def test_arguments_are_validated_at_construction(name, bad):
     """A wrong type fails when the callback is made, not at step 0 inside the user's training."""
