@@ -83,7 +83,9 @@ class ShardingProfiler:
     (`sampled_steps.py`, issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`,
     `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th);
     `step_time_s` {median, p10, p90, steps} over the throughput window's optimizer steps; top
-    level `straggler`. Instrumented steps are left out of throughput.
+    level `straggler` (`stragglers.py`: compute time beside wall time, `throughput` {compute_seconds, compute_share}).
+    Instrumented steps are left out of throughput. `hang_after` (seconds, "auto" or None): a step past it makes every
+    rank write its record into `output_dir/shardscope_hang/` and rank 0 log the verdict (`watchdog.py`).
 
     Counting: a sample is a row of the batch (`samples=` overrides it: the callback passes the Trainer's count);
     tokens are the non-padding tokens of the step's training inputs, once; forwards that do not train (frozen
