@@ -1,18 +1,23 @@
 """The hang verdict (`shardscope.hang`, `shardscope hang DIR`) on synthetic record folders, in process: which rank,
 which collective, which step, and every kind of bad input (empty, partial, two runs mixed, corrupt, foreign,
-a planted pickle) answered without a traceback; and the straggler verdict from per-rank compute and wall time. The
+a planted pickle) answered without a traceback; the watchdog's records in one process; and the straggler verdict from per-rank compute and wall time. The
 launched scenarios that write real records and name a real straggler: test_hang_runs.py."""
 from __future__ import annotations
 
 import io
 import json
+import logging
 import pickle
+import sys
 
 import pytest
 import torch
 
+from launch import wait_until
 from shardscope import hang
 from shardscope.cli import main
+from shardscope.measure.guard import Instrument, WarnOnce
+from shardscope.measure.watchdog import Watchdog
 from shardscope.measure import stragglers
 from shardscope.report import time_section
 
@@ -154,6 +159,16 @@ def test_every_rank_slow_outside_collectives_is_a_hang_with_no_culprit(tmp_path)
     assert "no rank is inside a collective" in hang.line(result)
 
 
+def test_without_a_collective_log_the_rank_at_another_step_is_named(tmp_path):
+    unlogged = {"source": None, "last_completed": None, "pending": []}
+    folder = folder_of(tmp_path, *({**record(r, step=3 if r == 2 else 2, world=3), "collectives": unlogged}
+                                   for r in range(3)))
+    result = hang.verdict(*hang.read_folder(folder))
+    assert result["unlogged"] and culprit_list(result) == [(2, "other step")]
+    assert hang.line(result).startswith("no collective recorded (torch's flight recorder off")
+    assert "rank 2 is at another step than the others (after step 3" in hang.line(result)
+
+
 def fr_dump(pending_seq):
     """A torch flight-recorder dump as `_dump_fr_trace` pickles it (plain containers; entries as on gloo)."""
     entry = {"collective_seq_id": 7, "p2p_seq_id": 0, "is_p2p": False, "profiling_name": "gloo:all_reduce",
@@ -226,3 +241,37 @@ def test_report_names_the_straggler_of_a_run():
     lines = time_section.markdown_lines([{"run": "ddp", "straggler": result}, {"run": "zero3", "straggler": None}],
                                         str)
     assert lines[0] == "## Stragglers" and lines[2].startswith("- ddp: rank 1 is a straggler") and len(lines) == 4
+
+
+# --- the watchdog in one process (world size 1; tests/test_hang_runs.py has the launched ranks) -----------------
+@pytest.fixture
+def watchdog(tmp_path):
+    dog = Watchdog(tmp_path, 0.5, Instrument("watchdog", WarnOnce())).start()
+    yield dog
+    dog.stop()
+
+
+def test_a_step_past_hang_after_writes_the_record_with_the_training_threads_stack(watchdog, tmp_path, caplog):
+    watchdog.step_done(7)
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        assert wait_until(lambda: "shardscope hang:" in caplog.text, 20)
+    [record], unreadable = hang.read_folder(tmp_path)
+    assert unreadable == {} and (record["event"], record["step"], record["rank"], record["world_size"]) == \
+        ("overdue", 7, 0, 1)
+    assert "in wait_until" in hang.where(record)  # the training thread's stack: it waits in the line above
+    assert watchdog.instrument.ok and sys.excepthook.__name__ == "_excepthook"
+
+
+def test_an_exception_that_ends_the_loop_writes_an_error_record_and_the_hook_is_handed_back(tmp_path):
+    previous = sys.excepthook
+    dog = Watchdog(tmp_path, 60.0, Instrument("watchdog", WarnOnce())).start()
+    dog.step_done(4)
+    try:
+        raise ValueError("a bad batch")
+    except ValueError as error:
+        sys.excepthook(ValueError, error, error.__traceback__)  # what Python calls for an uncaught exception
+    dog.stop()
+    assert sys.excepthook is previous
+    [record], _ = hang.read_folder(tmp_path)
+    assert (record["event"], record["step"], record["error"]) == ("error", 4, "ValueError: a bad batch")
+    assert "raise ValueError" in record["stack"][-1]

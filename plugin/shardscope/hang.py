@@ -138,9 +138,20 @@ def verdict(records: list[dict], unreadable: dict | None = None) -> dict:
     own = [r for r, text in errors.items() if not any(word in text for word in PEER_ERRORS)]
     if not out["culprits"] and errors:  # the rank whose own error ended it, not those that lost it as a peer
         out["culprits"] = [{"rank": r, "why": "error", "error": errors[r]} for r in sorted(own or errors)]
+    out["unlogged"] = bool(by_rank) and not any(collectives(r)["source"] for r in by_rank.values())
+    if not out["culprits"] and out["unlogged"]:  # no collective known: the ranks whose step the others left
+        out["culprits"] = _odd_steps(by_rank)
     if not out["culprits"] and out["hang"]:
         out["culprits"] = [{"rank": r, "why": "no record"} for r in out["missing"]]
     return out
+
+
+def _odd_steps(by_rank: dict) -> list[dict]:
+    """Without collectives: the ranks whose last step differs from the most common one (none when all agree)."""
+    steps = Counter(r.get("step") for r in by_rank.values())
+    common = max(steps, key=lambda step: (steps[step], -(step or 0)))
+    return [{"rank": rank, "why": "other step", "step": r.get("step")} for rank, r in sorted(by_rank.items())
+            if r.get("step") != common]
 
 
 def _one_run(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -230,7 +241,11 @@ def line(result: dict) -> str:
                      + (f" after step {_list(steps)}" if steps else ""))
     for culprit in result["culprits"]:
         parts.append(_culprit(culprit, ranks.get(culprit["rank"], {})))
-    if not result["culprits"] and result["collective"] is None:
+    if result.get("unlogged"):
+        parts.insert(0, "no collective recorded (torch's flight recorder off: TORCH_FR_BUFFER_SIZE=0, or a process "
+                        "group created before shardscope was imported); steps: " + ", ".join(
+                            f"rank {r} after {ranks[r].get('step')}" for r in sorted(ranks)))
+    elif not result["culprits"] and result["collective"] is None:
         parts.append("no rank is inside a collective: every rank that wrote is slow in its own code (see stacks)")
     silent = [r for r in result["missing"] if r not in {c["rank"] for c in result["culprits"]}]
     if silent:
@@ -242,6 +257,8 @@ def _culprit(culprit: dict, record: dict) -> str:
     rank, why = culprit["rank"], culprit["why"]
     if why == "dead":
         return f"rank {rank} is dead (gone without a record; last step seen {culprit.get('step')})"
+    if why == "other step":
+        return f"rank {rank} is at another step than the others (after step {culprit['step']}, at {where(record)})"
     if why == "error":
         return f"rank {rank} ended with an error after step {record.get('step')}: {culprit['error'][:200]}"
     if why == "no record":

@@ -70,8 +70,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self.instrument.wrap(self._watch), name="shardscope-watchdog",
                                         daemon=True)
         self._thread.start()
-        self._previous_hook = sys.excepthook
-        sys.excepthook = self._excepthook
+        self._previous_hook, self._hook = sys.excepthook, self._excepthook  # (one bound method: `is` finds it)
+        sys.excepthook = self._hook
         return self
 
     def step_done(self, step: int, pause: bool = False) -> None:
@@ -90,7 +90,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if sys.excepthook is self._excepthook:
+        if self._thread is not None and sys.excepthook is self._hook:
             sys.excepthook = self._previous_hook
 
     def limit(self) -> float:
