@@ -128,10 +128,14 @@ def test_a_corrupt_record_is_named_and_the_rest_still_read(tmp_path, capsys):
     (folder / "rank1.json").write_text('{"kind": "shardscope_hang_rec')  # truncated mid-write by a dying node
     (folder / "notes.json").write_text('{"hello": 1}')
     (folder / "rank3.json").write_text(json.dumps({**record(3), "rank": "three"}))
+    (folder / "rank4.json").write_text(json.dumps({**record(4), "collectives": {"pending": [1, 2]}}))
+    (folder / "rank5.json").write_text(json.dumps({**record(5), "peers": {"0": {"step": "two"}}}))
+    (folder / "rank6.json").mkdir()
+    (folder / "rank7.json").write_text(json.dumps({**record(7), "collectives": [1], "running_s": "long"}))
     code, out, err = cli(capsys, folder)
     assert code == 1 and err == "" and "Traceback" not in out
     assert {line.split(":")[1].strip() for line in out.splitlines() if line.startswith("unreadable:")} == \
-        {"notes.json", "rank1.json", "rank3.json"}
+        {"notes.json", "rank1.json", "rank3.json", "rank4.json", "rank5.json", "rank6.json", "rank7.json"}
     assert "rank 1 wrote nothing" in out.splitlines()[0]
 
 

@@ -79,15 +79,49 @@ def _read_one(path: Path) -> dict:
     if path.suffix == ".json":
         data = load_json(path, "hang record", MAX_DUMP_BYTES)
         if isinstance(data, dict) and data.get("kind") == KIND:
-            for key in ("rank", "world_size"):
-                if not isinstance(data.get(key), int) or isinstance(data.get(key), bool):
-                    raise ValueError(f"{path}: key '{key}' is not an integer")
-            return data
+            return _checked(data, path)
     else:
         data = _load_pickle(path)
     if isinstance(data, dict) and isinstance(data.get("entries"), list):  # torch's flight-recorder dump
         return _from_torch_dump(path, data)
     raise ValueError(f"{path}: neither a shardscope hang record nor a torch flight-recorder dump")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked(record: dict, path: Path) -> dict:
+    """A record whose every key the verdict reads has its type (else ValueError naming the key)."""
+    def fail(key):
+        raise ValueError(f"{path}: key '{key}' is missing or of the wrong type")
+
+    for key in ("rank", "world_size"):
+        if not _is_int(record.get(key)) or record[key] < 0:
+            fail(key)
+    if record.get("step") is not None and not _is_int(record["step"]):
+        fail("step")
+    if not isinstance(record.get("stack", []), list) or not all(isinstance(f, str) for f in record.get("stack", [])):
+        fail("stack")
+    for key in ("run_id", "time", "event", "error"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            fail(key)
+    running = record.get("running_s")
+    if running is not None and (not isinstance(running, (int, float)) or isinstance(running, bool)):
+        fail("running_s")
+    seen = record.get("collectives") or {"pending": [], "last_completed": None}
+    if not isinstance(seen, dict) or not isinstance(seen.get("pending", []), list):
+        fail("collectives")
+    entries = [seen["last_completed"]] if seen.get("last_completed") is not None else []
+    for entry in entries + seen.get("pending", []):
+        if not (isinstance(entry, dict) and isinstance(entry.get("kind"), str) and isinstance(entry.get("group"), str)
+                and _is_int(entry.get("bytes")) and (entry.get("seq") is None or _is_int(entry["seq"]))):
+            fail("collectives")
+    peers = record.get("peers") or {}
+    if not isinstance(peers, dict) or not all(isinstance(p, dict) and (p.get("step") is None or _is_int(p["step"]))
+                                              for p in peers.values()):
+        fail("peers")
+    return record
 
 
 def _load_pickle(path: Path):
