@@ -4,14 +4,19 @@ a planted pickle) answered without a traceback; the watchdog's records in one pr
 launched scenarios that write real records and name a real straggler: test_hang_runs.py."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import pickle
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from launch import wait_until
 from shardscope import hang
@@ -279,3 +284,27 @@ def test_an_exception_that_ends_the_loop_writes_an_error_record_and_the_hook_is_
     [record], _ = hang.read_folder(tmp_path)
     assert (record["event"], record["step"], record["error"]) == ("error", 4, "ValueError: a bad batch")
     assert "raise ValueError" in record["stack"][-1]
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=8)
+KEYS = st.sampled_from(["rank", "world_size", "step", "stack", "collectives", "peers", "event", "run_id", "time",
+                        "running_s", "error", "host"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(changes=st.lists(st.tuples(st.integers(0, 2), KEYS, JSON), max_size=4))
+def test_any_record_a_file_can_hold_is_read_or_named_unreadable_never_a_traceback(changes):
+    records = [record(0, pending=[collective()]), record(1, world=3), record(2, world=3, event="error",
+                                                                          peers={"1": {"step": 1, "alive": False}})]
+    for index, key, value in changes:
+        records[index][key] = value
+    with tempfile.TemporaryDirectory() as folder:
+        for i, r in enumerate(records):
+            (Path(folder) / f"rank{i}.json").write_text(json.dumps(r))
+        errors, out = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(out):
+            code = main(["hang", folder])
+            assert main(["hang", folder, "--json"]) == code
+        assert code in (0, 1, 2) and "internal error" not in errors.getvalue(), errors.getvalue()
