@@ -271,6 +271,18 @@ def test_a_step_past_hang_after_writes_the_record_with_the_training_threads_stac
     assert watchdog.instrument.ok and sys.excepthook.__name__ == "_excepthook"
 
 
+def test_a_watchdog_whose_profiler_is_dropped_without_close_ends_and_hands_the_hook_back(tmp_path):
+    class Owner:
+        pass
+
+    previous, owner = sys.excepthook, Owner()
+    dog = Watchdog(tmp_path, 0.3, Instrument("watchdog", WarnOnce()), owner).start()
+    assert sys.excepthook is not previous
+    del owner
+    assert dog.watching and wait_until(lambda: not dog.watching, 10)
+    assert sys.excepthook is previous and not (tmp_path / hang.FOLDER).exists()
+
+
 def test_an_exception_that_ends_the_loop_writes_an_error_record_and_the_hook_is_handed_back(tmp_path):
     previous = sys.excepthook
     dog = Watchdog(tmp_path, 60.0, Instrument("watchdog", WarnOnce())).start()

@@ -159,7 +159,7 @@ class ShardingProfiler:
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
             self._windows("step_begin")
         self._begin()
-        self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog")).start()  # hang records
+        self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog"), self).start()  # hang records
 
     # --- The loop's calls --------------------------------------------------------------------------------------
     @never_raises()

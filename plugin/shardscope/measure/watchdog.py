@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections import deque
 from pathlib import Path
 
@@ -46,8 +47,11 @@ class Watchdog:
     """`start()` once the process group exists, `step_done(step, pause)` at each optimizer step's end (training
     thread; a few attribute writes), `failed(error)` where the loop ends with an exception, `stop()` at the end."""
 
-    def __init__(self, output_dir, hang_after, instrument: Instrument):
+    def __init__(self, output_dir, hang_after, instrument: Instrument, owner=None):
         import torch.distributed as dist
+
+        # the thread ends with its owner (a profiler dropped without close()); None: with stop() only
+        self._owner = (lambda: True) if owner is None else weakref.ref(owner)
 
         self.folder, self.hang_after, self.instrument = Path(output_dir) / hang.FOLDER, hang_after, instrument
         on = dist.is_available() and dist.is_initialized()
@@ -93,6 +97,11 @@ class Watchdog:
         if self._thread is not None and sys.excepthook is self._hook:
             sys.excepthook = self._previous_hook
 
+    @property
+    def watching(self) -> bool:
+        """Whether the thread runs (it ends at `stop()`, with its owner, or when its instrument failed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def limit(self) -> float:
         """Seconds the current step may run before it is overdue."""
         if self.hang_after != "auto":
@@ -109,7 +118,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         self._join_store()
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(BEAT_S) and self._owner() is not None:
             self._beat()
             step, started = self._step, self._started
             running = time.monotonic() - started
@@ -118,6 +127,8 @@ class Watchdog:
                 self._write("overdue", running=running)
                 if self.rank == 0:
                     self._log_verdict()
+        if self._owner() is None:  # its profiler was dropped without close(): hand the hook back too
+            self.stop()
 
     def _join_store(self) -> None:
         """The run's id (rank 0 draws it; the others read it) and this rank's pid and host, in the store."""
