@@ -277,9 +277,9 @@ def test_a_watchdog_whose_profiler_is_dropped_without_close_ends_and_hands_the_h
 
     previous, owner = sys.excepthook, Owner()
     dog = Watchdog(tmp_path, 0.3, Instrument("watchdog", WarnOnce()), owner).start()
-    assert sys.excepthook is not previous
+    assert sys.excepthook is not previous and dog.watching
     del owner
-    assert dog.watching and wait_until(lambda: not dog.watching, 10)
+    assert wait_until(lambda: not dog.watching, 10)
     assert sys.excepthook is previous and not (tmp_path / hang.FOLDER).exists()
 
 
