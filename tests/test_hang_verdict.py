@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import pickle
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from launch import wait_until
 from shardscope import hang
 from shardscope.cli import main
+from shardscope.measure import collective_log
 from shardscope.measure.guard import Instrument, WarnOnce
 from shardscope.measure.watchdog import Watchdog
 from shardscope.measure import stragglers
@@ -320,3 +322,14 @@ def test_any_record_a_file_can_hold_is_read_or_named_unreadable_never_a_tracebac
             code = main(["hang", folder])
             assert main(["hang", folder, "--json"]) == code
         assert code in (0, 1, 2) and "internal error" not in errors.getvalue(), errors.getvalue()
+
+
+def test_a_flight_recorder_turned_off_by_the_user_is_kept_off_and_said_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    collective_log.record_by_default()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"  # the user's setting wins
+    with caplog.at_level(logging.WARNING, logger="shardscope"):
+        Watchdog(tmp_path, 60.0, Instrument("watchdog", WarnOnce())).start().stop()
+    assert [r.getMessage() for r in caplog.records] == [
+        "shardscope: TORCH_FR_BUFFER_SIZE=0: torch's flight recorder is off, so hang records carry no collectives "
+        "(stacks and steps only)"]

@@ -109,10 +109,13 @@ def _checked(record: dict, path: Path) -> dict:
     running = record.get("running_s")
     if running is not None and (not isinstance(running, (int, float)) or isinstance(running, bool)):
         fail("running_s")
-    seen = record.get("collectives") or {"pending": [], "last_completed": None}
-    if not isinstance(seen, dict) or not isinstance(seen.get("pending", []), list):
+    seen = record.get("collectives") or {}
+    if not isinstance(seen, dict):
         fail("collectives")
-    entries = [seen["last_completed"]] if seen.get("last_completed") is not None else []
+    seen = record["collectives"] = {"source": None, "last_completed": None, "pending": []} | seen
+    if not isinstance(seen["pending"], list) or not isinstance(seen["source"], (str, type(None))):
+        fail("collectives")
+    entries = [seen["last_completed"]] if seen["last_completed"] is not None else []
     for entry in entries + seen.get("pending", []):
         if not (isinstance(entry, dict) and isinstance(entry.get("kind"), str) and isinstance(entry.get("group"), str)
                 and _is_int(entry.get("bytes")) and (entry.get("seq") is None or _is_int(entry["seq"]))):

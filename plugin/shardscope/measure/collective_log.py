@@ -41,6 +41,14 @@ def record_by_default() -> None:
     os.environ.setdefault(DUMP_ON_TIMEOUT, "1")
 
 
+def ring_off() -> str | None:
+    """Why torch's ring records nothing in this process, where the environment says so (else None)."""
+    name = next((n for n in VARIABLES if n in os.environ), None)
+    if name is not None and os.environ[name].strip() == "0":
+        return f"{name}=0: torch's flight recorder is off, so hang records carry no collectives (stacks and steps only)"
+    return None
+
+
 def dump_into(folder) -> None:
     """NCCL's dump on a timeout goes to `folder/torch_fr_rank_<rank>` where the user named no file (CUDA runs only:
     the folder is made now, as torch does not make it)."""

@@ -69,6 +69,8 @@ class Watchdog:
         if self.hang_after is None:
             return self
         collective_log.dump_into(self.folder)
+        if collective_log.ring_off():
+            self.instrument.warn("flight recorder off", collective_log.ring_off(), note=True)
         self._n = _STARTED[0]
         _STARTED[0] += 1
         self._thread = threading.Thread(target=self.instrument.wrap(self._watch), name="shardscope-watchdog",
