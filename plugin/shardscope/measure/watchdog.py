@@ -50,10 +50,9 @@ class Watchdog:
     def __init__(self, output_dir, hang_after, instrument: Instrument, owner=None):
         import torch.distributed as dist
 
+        self.folder, self.hang_after, self.instrument = Path(output_dir) / hang.FOLDER, hang_after, instrument
         # the thread ends with its owner (a profiler dropped without close()); None: with stop() only
         self._owner = (lambda: True) if owner is None else weakref.ref(owner)
-
-        self.folder, self.hang_after, self.instrument = Path(output_dir) / hang.FOLDER, hang_after, instrument
         on = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -63,7 +62,7 @@ class Watchdog:
         self._thread_id = threading.get_ident()
         self._reported, self._beaten = None, None
         self._stop = threading.Event()
-        self._thread = self._previous_hook = None
+        self._thread = self._previous_hook = self._hook = self._n = None
 
     def start(self) -> "Watchdog":
         if self.hang_after is None:
@@ -96,7 +95,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if self._thread is not None and sys.excepthook is self._hook:
+        if self._hook is not None and sys.excepthook is self._hook:
             sys.excepthook = self._previous_hook
 
     @property
@@ -138,10 +137,13 @@ class Watchdog:
 
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         fallback = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}-{os.environ.get('MASTER_PORT', '')}-{self._n}"
-        if self.world == 1 or not dist.is_initialized():
-            self.run_id = uuid.uuid4().hex[:12] if self.world == 1 else fallback
+        self.run_id = uuid.uuid4().hex[:12] if self.world == 1 else fallback
+        try:  # (no store: records without peers, the run told apart by the launcher's run id and port)
+            self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        except (RuntimeError, ValueError, AttributeError) as error:
+            self.instrument.warn("no store", f"the watchdog runs without the launcher's store ({error})", note=True)
+        if self._store is None:
             return
-        self._store = dist.distributed_c10d._get_default_store()
         key = f"shardscope/run/{restart}/{self._n}"
         if self.rank == 0:
             self._store.set(key, uuid.uuid4().hex[:12])
