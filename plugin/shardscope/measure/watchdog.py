@@ -57,7 +57,7 @@ class Watchdog:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.run_id, self._store, self._prefix = None, None, None
-        self._durations: deque = deque(maxlen=101)
+        self._durations: deque = deque(maxlen=100)  # the last 100 steps
         self._step, self._started, self._paused = 0, time.monotonic(), False
         self._thread_id = threading.get_ident()
         self._reported, self._beaten = None, None
