@@ -201,8 +201,11 @@ def test_torch_flight_recorder_dumps_are_read_weights_only_and_a_planted_pickle_
     torch.save(fr_dump(8), buffer)
     (folder / "nccl_trace_rank_1").write_bytes(buffer.getvalue())
     (folder / "nccl_trace_rank_2").write_bytes(pickle.dumps({"entries": [Planted()]}, protocol=2))
+    odd = fr_dump(8)
+    odd["entries"][1]["collective_seq_id"] = "eight"  # a value of the wrong type: unreadable, not a traceback
+    (folder / "nccl_trace_rank_3").write_bytes(pickle.dumps(odd, protocol=2))
     records, unreadable = hang.read_folder(folder)
-    assert not (tmp_path / "planted").exists() and list(unreadable) == ["nccl_trace_rank_2"]
+    assert not (tmp_path / "planted").exists() and list(unreadable) == ["nccl_trace_rank_2", "nccl_trace_rank_3"]
     assert sorted(r["rank"] for r in records) == [0, 1]
     seen = hang.collectives(records[0])
     assert seen["last_completed"] == collective(seq=7, nbytes=4000) and seen["pending"] == [collective(seq=8,

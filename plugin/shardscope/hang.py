@@ -149,8 +149,8 @@ def _from_torch_dump(path: Path, dump: dict) -> dict:
     if rank is None:
         raise ValueError(f"{path}: a flight-recorder dump whose file name does not end in its rank")
     entries = [fr_entry(e) for e in dump["entries"] if isinstance(e, dict)]
-    return {"kind": KIND, "event": "torch_dump", "rank": int(rank.group(1)), "world_size": None, "run_id": None,
-            "file": path.name, "collectives": collective_summary(entries, FR_SOURCE)}
+    return _checked({"kind": KIND, "event": "torch_dump", "rank": int(rank.group(1)), "world_size": 0, "run_id": None,
+                     "file": path.name, "collectives": collective_summary(entries, FR_SOURCE)}, path)  # 0: unknown
 
 
 # --- the verdict ------------------------------------------------------------------------------------------------
