@@ -35,16 +35,18 @@ def scenario_cmd(name: str, out: Path) -> list[str]:
 def hang_runs(tmp_path_factory):
     """{scenario: {out, returncode, ended_itself, left}} of the five launches, all run to their verdict."""
     runs = {}
-    for name in ("kill", "slow", *HUNG):
-        out = tmp_path_factory.mktemp(f"hang-{name}")
-        runs[name] = {"out": out, "proc": background(scenario_cmd(name, out), out)}
-    wait_until(lambda: all(r["proc"].poll() is not None or verdict_logged(n, r["out"]) for n, r in runs.items()),
-               DEADLINE_S)
-    for run in runs.values():
-        run["ended_itself"] = run["proc"].poll() is not None
-        run["left"] = end_launch(run["proc"], run["out"])
-        run["returncode"] = run["proc"].returncode
-        run["log"] = (run["out"] / "launch.log").read_text()
+    try:
+        for name in ("kill", "slow", *HUNG):
+            out = tmp_path_factory.mktemp(f"hang-{name}")
+            runs[name] = {"out": out, "proc": background(scenario_cmd(name, out), out)}
+        wait_until(lambda: all(r["proc"].poll() is not None or verdict_logged(n, r["out"]) for n, r in runs.items()),
+                   DEADLINE_S)
+    finally:  # (also when starting or waiting failed: no launch outlives the fixture)
+        for run in runs.values():
+            run["ended_itself"] = run["proc"].poll() is not None
+            run["left"] = end_launch(run["proc"], run["out"])
+            run["returncode"] = run["proc"].returncode
+            run["log"] = (run["out"] / "launch.log").read_text()
     return runs
 
 
