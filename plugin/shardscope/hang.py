@@ -3,7 +3,9 @@
 Written by the profiler's watchdog (`measure/watchdog.py`): one JSON record per rank (`rank<N>.json`) when that
 rank's step runs past `hang_after` ("overdue") or when an exception ends it ("error"). Read by rank 0's watchdog
 (its one-line verdict) and by `shardscope hang DIR`. Torch's own flight-recorder dumps found in the folder (the
-file name ends in the rank) are read too: as JSON, or as a pickle through `torch.load(weights_only=True)` only.
+file name ends in the rank) are read too (event "torch_dump"): as JSON, or as a pickle through torch's weights-only
+unpickler only (plain containers and numbers; nothing in a dump runs). Every record is checked key by key before
+the verdict reads it: one of the wrong shape is reported unreadable, with the rest still read.
 
 A record: `kind`, `version`, `event`, `run_id`, `rank`, `world_size`, `pid`, `host`, `time` (UTC), `step` (the
 last optimizer step this rank completed), `running_s` (how long the step after it has run), `hang_after_s`,
