@@ -15,7 +15,7 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 # Fixtures that start multi-process training: every test using one is a `launch` test, so that
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.
 LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "recipe_runs", "comparison", "trained", "loop_runs",
-                      "fsdp2_run", "sp_runs"}
+                      "fsdp2_run", "sp_runs", "hang_runs"}
 
 
 # Launching fixtures defined here (loop_runs, recipe_runs: in tests/loop_runs.py, tests/recipe_runs.py),

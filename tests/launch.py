@@ -7,9 +7,11 @@ the `deepspeed` launcher additionally need `cpu_shim/` on PYTHONPATH (see its do
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,10 +69,8 @@ def accelerate_cpu_overrides(config_file: Path, num_processes: int = 2) -> list[
 
 def accelerate_launch(config_file, script, script_args, output_dir, num_processes=2, timeout=600,
                       launcher_args=()) -> Run:
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
-           *accelerate_cpu_overrides(config_file, num_processes), *map(str, launcher_args), str(script),
-           *map(str, script_args), "--output_dir", str(output_dir)]
-    return _run(cmd, output_dir, timeout)
+    return _run(accelerate_cmd(config_file, script, script_args, output_dir, num_processes, launcher_args), output_dir,
+                timeout)
 
 
 def deepspeed_launch(script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
@@ -80,9 +80,66 @@ def deepspeed_launch(script, script_args, output_dir, num_processes=2, timeout=6
 
 
 def torchrun_launch(script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(num_processes), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), *map(str, script_args), "--output_dir", str(output_dir)]
-    return _run(cmd, output_dir, timeout)
+    return _run(torchrun_cmd(script, script_args, output_dir, num_processes), output_dir, timeout)
+
+
+def torchrun_cmd(script, script_args, output_dir, num_processes=2) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(num_processes), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(script), *map(str, script_args), "--output_dir", str(output_dir)]
+
+
+def accelerate_cmd(config_file, script, script_args, output_dir, num_processes=2, launcher_args=()) -> list[str]:
+    return [str(BIN / "accelerate"), "launch", "--config_file", str(config_file),
+            *accelerate_cpu_overrides(config_file, num_processes), *map(str, launcher_args), str(script),
+            *map(str, script_args), "--output_dir", str(output_dir)]
+
+
+def background(cmd, output_dir) -> subprocess.Popen:
+    """Start `cmd` in a session of its own (its log in output_dir/launch.log): `os.killpg(proc.pid, ...)` ends the
+    launcher and every rank it started."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(output_dir) / "launch.log", "w") as log:
+        return subprocess.Popen(cmd, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+
+
+def wait_until(done, timeout: float, every: float = 0.5) -> bool:
+    """Poll `done()` until it is true or `timeout` seconds passed (a harness bound, not a timing claim)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
+def pids_naming(text: str) -> list[int]:
+    """Processes whose command line contains `text` (a run's output dir names its launcher and every rank)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def end_launch(proc: subprocess.Popen, output_dir) -> list[int]:
+    """End a `background` launch as a job scheduler does (SIGTERM to the launcher, which ends its ranks); returns the
+    pids of the run still there 30 s later (then killed, so that none outlives the test)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    wait_until(lambda: not pids_naming(str(output_dir)), 30)
+    left = pids_naming(str(output_dir))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _run(cmd, output_dir, timeout) -> Run:

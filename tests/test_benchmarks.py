@@ -188,3 +188,12 @@ def test_exit_abort_rate_counts_a_profiled_run(tmp_path):
     [row] = table_rows(out.read_text())
     assert row[:2] == ["profiled", "1"] and row[2] in ("0", "1") and 0 < float(row[3].rstrip("%")) <= 100
     assert "--runs 1 --arms profiled`" in out.read_text()
+
+
+def test_hang_overhead_writes_both_arms_and_the_per_step_calls(tmp_path):
+    """One pair of launches, few calls: the table's shape, each figure a positive number."""
+    out = tmp_path / "hang.md"
+    script("hang_overhead").main(["--pairs", "1", "--collectives", "20", "--out", str(out)])
+    rows = table_rows(out.read_text())
+    assert [r[0] for r in rows] == ["1 KiB", "1 MiB", "Watchdog.step_done", "compute clock (2 x time.thread_time)"]
+    assert all(float(r[-1]) > 0 for r in rows) and "hang_overhead.py --pairs 1 --collectives 20" in out.read_text()

@@ -63,6 +63,10 @@ def test_logs_carry_metrics_and_the_callback_runs_before_reporters(llama, tmp_pa
     n_params = sum(p.numel() for p in llama.parameters())
     assert logged[-1]["shardscope/params_bytes_max"] == 4 * n_params
     assert logged[0]["shardscope/tokens_per_s"] > 0  # steps 3 and 4 are instrumented (left out of throughput)
+    # the training thread's CPU time over wall time: one thread cannot use more (2% for the two clocks' reads)
+    assert 0 < logged[0]["shardscope/compute_share_max"] <= 1.02
+    throughput = summary["ranks"][0]["throughput"]
+    assert 0 < throughput["compute_seconds"] <= throughput["seconds"] * 1.02
     assert summary["strategy"] == "single" and summary["world_size"] == 1
     assert summary["ranks"][0]["params_bytes"] == 4 * n_params
     assert summary["model"]["params_total"] == n_params
@@ -252,6 +256,7 @@ def test_peak_tensor_memory_by_category_from_one_instrumented_step(llama, tmp_pa
     *[("every_n_steps", bad) for bad in (0, -1, "2", 1.5, True)],
     *[("peak_tflops", bad) for bad in (0, -1.0, "989", float("inf"), float("nan"), True)],
     *[("summary_file", bad) for bad in (5, "", "  ")],
+    *[("hang_after", bad) for bad in (0, -3, "120", "Auto", float("nan"), float("inf"), True)],
 ])
 def test_arguments_are_validated_at_construction(name, bad):
     """A wrong type fails when the callback is made, not at step 0 inside the user's training."""

@@ -47,6 +47,8 @@ def test_each_summary_is_complete_or_says_why_not(shapes, config):
     for shape in SHAPES_OF[config]:
         summary = json.loads((out / shape / "profiled" / "shardscope_summary.json").read_text())
         assert summary["global_step"] == STEPS and summary["world_size"] == 2, shape
+        assert not (out / shape / "profiled" / "shardscope_hang").exists(), shape  # no hang record in a normal run
+        assert (summary["straggler"] or {}).get("rank") is None, shape
         statuses = summary["instruments"]
         assert statuses == dict.fromkeys(statuses, "ok"), (shape, statuses)
         for rank in summary["ranks"]:

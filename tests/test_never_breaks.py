@@ -44,6 +44,7 @@ FAULTS = {
     ("precision", "construction"): "measure.profiler:PrecisionWatch",
     ("precision", "hook"): "measure.precision:ForwardProbe._record",
     ("batch_feed", "hook"): "measure.profiler:ShardingProfiler.add_batch",
+    ("watchdog", "thread"): "measure.watchdog:Watchdog._join_store",  # its thread's first call
 }
 
 

@@ -50,6 +50,10 @@ def test_sft_strategy_really_ran(runs, name):
     kind, wrapper, share = EXPECTED[name]
     assert sorted(line["rank"] for line in lines) == ["0", "1"], run.output[-3000:]
     assert "could not measure" not in run.output  # the profiler measured everything (it warns what it could not)
+    # and reported nothing: no hang record, no verdict line, no straggler (equal ranks doing equal work)
+    assert not (run.output_dir / "shardscope_hang").exists() and "shardscope hang:" not in run.output
+    straggler = json.loads((run.output_dir / "shardscope_summary.json").read_text())["straggler"]
+    assert (straggler or {}).get("rank") is None and "is a straggler" not in run.output, straggler
     for line in lines:
         assert (line["world_size"], line["distributed_type"], line["wrapped"]) == ("2", kind, wrapper)
         assert float(line["local_param_fraction"]) == pytest.approx(share, abs=0.02)

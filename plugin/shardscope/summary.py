@@ -56,9 +56,11 @@ FIELDS = {
              "steps excluded), "
              "peak_tensor_bytes, peak_breakdown, peak_phase, peak_step {micro_batch, seq_len, image_size, "
              "gradient_checkpointing} (the instrumented step), ...",
-    "straggler": "optional: {slowest_rank, step_s, busy_s, spread} across ranks on the timed step",
+    "straggler": "optional: {slowest_rank, step_s, busy_s, spread} across ranks on the timed step; where every "
+                 "rank measured its compute (CPU ranks), also compute_s and wall_s per rank, windows, slow_windows "
+                 "per rank, rank (the straggler or null) and waiting_share {rank: share} (measure/stragglers.py)",
     "instruments": "optional: {instrument: 'ok' or why it stopped} for what the profiler installs (throughput, "
-                   "state_bytes, precision, memory, collectives, step_time, batch_feed); the fields of one that "
+                   "state_bytes, precision, memory, collectives, step_time, watchdog, batch_feed); the fields of one that "
                    "stopped are null",
 }
 REQUIRED = ("world_size", "strategy", "ranks")

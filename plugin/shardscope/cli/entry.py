@@ -24,6 +24,7 @@ COMMANDS = {
     "export": "cli.export",
     "reshard": "cli.reshard",
     "preflight": "cli.preflight",
+    "hang": "cli.hang",
 }
 
 DESCRIPTION = """\
@@ -42,6 +43,7 @@ examples:
   shardscope export output/checkpoint-100 model_out     # sharded checkpoint -> from_pretrained folder
   shardscope reshard output/checkpoint-100 ckpt_any     # a checkpoint that resumes at another world size
   shardscope preflight --nnodes 2 --node-rank 0 --master-addr node0  # before the first multi-node run
+  shardscope hang output/                               # a hung or dead run: which rank, collective, step
 
 `shardscope COMMAND --help` gives each command's options."""
 

@@ -58,6 +58,9 @@ class ShardingProfilerCallback(TrainerCallback):
         time_step: the optimizer step whose time is broken down (`step_time.py`; None: none); by default the
             step after them (an instrumented step's time is not a plain step's).
         time_every_n_steps: also break down every N-th step (None: `time_step` only).
+        hang_after: seconds a step may run before every rank writes its hang record into
+            `output_dir/shardscope_hang/` and rank 0 logs which rank and collective (`watchdog.py`); "auto": 10x the
+            median step, at least 120 s; None: no watchdog.
     Instrumented steps are left out of throughput.
     """
 
@@ -65,9 +68,12 @@ class ShardingProfilerCallback(TrainerCallback):
 
     def __init__(self, every_n_steps: int | None = None, peak_tflops: float | None = None,
                  summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3,
-                 comm_step: int | None = 3, time_step: int | None = 4, time_every_n_steps: int | None = None):
+                 comm_step: int | None = 3, time_step: int | None = 4, time_every_n_steps: int | None = None,
+                 hang_after="auto"):
         self.sampled = dict(comm_step=comm_step, time_step=time_step, time_every_n_steps=time_every_n_steps)
-        validate_arguments(every_n_steps, peak_tflops, summary_file, memory_step=memory_step, **self.sampled)
+        validate_arguments(every_n_steps, peak_tflops, summary_file, memory_step=memory_step, **self.sampled,
+                           hang_after=hang_after)
+        self.hang_after = hang_after
         self.every_n_steps, self.peak_tflops = every_n_steps, peak_tflops
         self.summary_file, self.memory_step = summary_file, memory_step
         self.profiler: ShardingProfiler | None = None
@@ -99,6 +105,7 @@ class ShardingProfilerCallback(TrainerCallback):
             frozen_models=frozen, peak_tflops=self.peak_tflops, summary_file=self.summary_file,
             memory_step=memory_step, **self.sampled, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             flops_model=self._flops_model, start_step=state.global_step, last_step=state.max_steps,
+            hang_after=self.hang_after,
             summary_extra={"fit": getattr(args, FIT_ATTRIBUTE, None),  # shardscope fit: fit_training
                            "gradient_accumulation_steps": args.gradient_accumulation_steps})  # what plan --compare plans
         self._pending = {}

@@ -202,9 +202,13 @@ def never_raises(default=lambda: None):
     return decorate
 
 
-def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, **steps) -> None:
+def validate_arguments(every_n_steps=None, peak_tflops=None, summary_file=SUMMARY_FILE, hang_after="auto",
+                       **steps) -> None:
     """A wrong type fails when the profiler (or callback) is made, not at step 0 inside the user's loop.
     `steps`: memory_step, comm_step, time_step, time_every_n_steps (positive integers or None)."""
+    if hang_after not in (None, "auto") and (isinstance(hang_after, bool) or not isinstance(hang_after, (int, float))
+                                             or not 0 < hang_after < math.inf):
+        raise ValueError(f"hang_after must be a positive number of seconds, 'auto' or None, got {hang_after!r}")
     for name, value in (("every_n_steps", every_n_steps), *steps.items()):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

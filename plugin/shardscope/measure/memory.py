@@ -45,3 +45,10 @@ def device_of(accelerator, module) -> torch.device:
         return torch.device(accelerator.device)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return torch.device("cpu") if device.type == "meta" else device
+
+
+def memory_kind(device: torch.device, memory: dict, rank: dict) -> str | None:
+    """What a rank's `peak_memory_bytes` is: CUDA's allocator peak, or on CPU the instrumented step's tensor peak."""
+    if device.type == "cuda":
+        return memory.get("memory_kind")
+    return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None

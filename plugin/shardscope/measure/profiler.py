@@ -19,21 +19,22 @@ import torch
 from .. import __version__
 from .collective_timing import probe_links, probe_size
 from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
-from .memory import device_of, read_memory, reset_peak
+from .memory import device_of, memory_kind, read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
 from .peak import figures as peak_figures, reported as peak_reported
 from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
 from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
                           process_rank, route, start_gather)
-from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps, straggler  # issue 21
+from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps  # issue 21
+from .stragglers import Windows, line as straggler_line, straggler
 from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
                            zero_optimizer)
 from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
-from ..units import peak_flops
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
-                         rates, sequence_share, split_degrees, step_time_summary)
+                         device_peak_flops, rates, sequence_share, split_degrees, step_time_summary)
+from .watchdog import Watchdog
 
 logger = logging.getLogger("shardscope")
 
@@ -41,13 +42,14 @@ logger = logging.getLogger("shardscope")
 # `frozen:<name>` field per frozen model follows them.
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
                "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
-               "samples", "tokens", "flops", "seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
+               "samples", "tokens", "flops", "seconds", "compute_seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
                "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
 # ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
 COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
 LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
 # ... and all `_complete(summary=False)` reads: what a measurement for the logs sends (then each `frozen:<name>`)
-LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds")
+LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds",
+                 "compute_seconds")
 
 
 class ShardingProfiler:
@@ -81,7 +83,9 @@ class ShardingProfiler:
     (`sampled_steps.py`, issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`,
     `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th);
     `step_time_s` {median, p10, p90, steps} over the throughput window's optimizer steps; top
-    level `straggler`. Instrumented steps are left out of throughput.
+    level `straggler` (`stragglers.py`: compute time beside wall time, `throughput` {compute_seconds, compute_share}).
+    Instrumented steps are left out of throughput. `hang_after` (seconds, "auto" or None): a step past it makes every
+    rank write its record into `output_dir/shardscope_hang/` and rank 0 log the verdict (`watchdog.py`).
 
     Counting: a sample is a row of the batch (`samples=` overrides it: the callback passes the Trainer's count);
     tokens are the non-padding tokens of the step's training inputs, once; forwards that do not train (frozen
@@ -101,9 +105,9 @@ class ShardingProfiler:
                  summary_file: str | None = SUMMARY_FILE, memory_step: int | None = 3, comm_step: int | None = 3,
                  time_step: int | None = 4, time_every_n_steps: int | None = None, precision: str | None = None,
                  instruments=(), flops_model: FlopsModel | None = None, start_step: int = 0,
-                 last_step: int | None = None, summary_extra: dict | None = None):
+                 last_step: int | None = None, summary_extra: dict | None = None, hang_after="auto"):
         validate_arguments(every_n_steps, peak_tflops, summary_file, memory_step=memory_step, comm_step=comm_step,
-                           time_step=time_step, time_every_n_steps=time_every_n_steps)
+                           time_step=time_step, time_every_n_steps=time_every_n_steps, hang_after=hang_after)
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
         self.output_dir, self.summary_file = Path(output_dir), summary_file
         self.every_n_steps, self.peak_tflops, self.memory_step = every_n_steps, peak_tflops, memory_step
@@ -115,15 +119,14 @@ class ShardingProfiler:
         self._throughput, self._state, self._memory, self._precision_probe = (
             Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
         self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
-        self._link_probe = None  # collectives timed at close(): `collective_timing.probe_links`
-        self._closed, self._pending = False, None  # _pending: a measurement whose gather step(defer=True) started
+        # _pending: a measurement whose gather step(defer=True) started; _link_probe: `collective_timing.probe_links`
+        self._closed, self._pending, self._link_probe = False, None, None
         clock = time.perf_counter
-        self._interval, self._run = ThroughputWindow(clock), ThroughputWindow(clock)
-        self._counts = StepCounts()
+        self._interval, self._run, self._counts = ThroughputWindow(clock), ThroughputWindow(clock), StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
         self._walk, self._route = {}, None  # {step: that step's snapshot's state_walk}; rank_gather.route, read once
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
-        self._precision, self._precision_ranks = None, []
+        self._precision, self._precision_ranks, self._windows_compute = None, [], Windows()  # (stragglers.py)
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
         self.detected, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
@@ -148,7 +151,7 @@ class ShardingProfiler:
         with self._precision_probe:
             self._watch_precision()
         with self.guard("device peak FLOP/s"):
-            self._peak = self._peak_flops()
+            self._peak = device_peak_flops(self.peak_tflops, self._device, self.precision)
         self._plan_due = self._device.type == "cuda" and self.plan_for_live_run is not None  # at the first batch
         if process_rank() == 0:
             with self.guard("detected strategy log"):
@@ -156,6 +159,7 @@ class ShardingProfiler:
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
             self._windows("step_begin")
         self._begin()
+        self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog"), self).start()  # hang records
 
     # --- The loop's calls --------------------------------------------------------------------------------------
     @never_raises()
@@ -212,6 +216,7 @@ class ShardingProfiler:
                 self._windows("add_batch", *counted)
             self._windows("step_end", pause_after=pause, count=not instrumented)
         self.global_step += 1
+        self._watchdog.step_done(self.global_step, pause)
         if self._is_measure_step(self.global_step):
             self._measure_and_log()
             metrics.update({} if defer else self.logged())
@@ -226,6 +231,7 @@ class ShardingProfiler:
         with self.guard("metric logging"):
             if pending is not None:
                 metrics = log_metrics(self._complete_all(pending, summary=False), self._tp)
+                self._windows_compute.add(pending.ranks or [])  # (gathered above) per rank: compute_seconds
             if self.accelerator is not None and metrics:
                 self.accelerator.log(metrics, step=pending.step)
         return metrics
@@ -255,14 +261,17 @@ class ShardingProfiler:
         with self.guard("summary file"):
             summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
             path = write_summary(self.output_dir / self.summary_file, summary)
-            logger.warning("shardscope summary written to %s", path)
+            logger.warning("shardscope summary written to %s%s", path,
+                           "; " + straggler_line(summary["straggler"]) if straggler_line(summary["straggler"]) else "")
             return path
         return None
 
     def __enter__(self) -> "ShardingProfiler":
         return self
 
-    def __exit__(self, *exc) -> None:  # also on an exception in the loop: what was measured is written
+    def __exit__(self, kind, error, _tb) -> None:  # also on an exception in the loop: what was measured is written
+        if error is not None:
+            self._watchdog.failed(error)
         self.close()
 
     # --- Counting ----------------------------------------------------------------------------------------------
@@ -333,6 +342,7 @@ class ShardingProfiler:
     def _release(self):
         """Leave nothing behind that a run without the profiler would not have: every hook, wrapped method and
         dispatch mode out, no reference to the model, the optimizer, their tensors or the process group."""
+        self._watchdog.stop()
         for instrument in self._all_instruments():
             instrument.remove()
         self.model = self.optimizer = self.accelerator = self._module = self._adapter_layer = None
@@ -400,8 +410,9 @@ class ShardingProfiler:
                     mine["peak_memory_bytes"] = self.step_peak["peak_tensor_bytes"]
         with self.guard("throughput"):
             totals = window.totals()
-            mine.update(samples=totals.samples, seconds=totals.seconds,
-                        tokens=as_float(totals.tokens), flops=as_float(totals.flops))
+            mine.update(samples=totals.samples, seconds=totals.seconds, tokens=as_float(totals.tokens),
+                        flops=as_float(totals.flops),  # compute: the training thread's CPU time, on CPU ranks only
+                        compute_seconds=as_float(totals.compute if self._device.type == "cpu" else None))
             if summary:  # (the logs do not read the step times)
                 mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields() if summary else ())
@@ -429,11 +440,13 @@ class ShardingProfiler:
         else:  # (one number, read as the others are)
             out["peak_tensor_bytes"] = int_or_none(rank["peak_tensor_bytes"])
         totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
-                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"])
+                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"],
+                              none_if_nan(rank["compute_seconds"]))
         out["throughput"] = rates(totals, self._peak)
         if summary:
             out["throughput"].update(samples=int_or_none(totals.samples), tokens=int_or_none(totals.tokens),
-                                     seconds=totals.seconds, flops_convention=FLOPS_CONVENTION)
+                                     seconds=totals.seconds, compute_seconds=totals.compute,
+                                     flops_convention=FLOPS_CONVENTION)
             step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
             out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
             out.update(self._sampled.complete(rank))
@@ -491,15 +504,6 @@ class ShardingProfiler:
                                          self._precision_probe)
         if process_rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
-
-    def _peak_flops(self):
-        if self.peak_tflops:
-            return self.peak_tflops * 1e12
-        if self._device.type != "cuda":
-            return None
-        dtype = self.precision if self.precision in ("bf16", "fp16") else \
-            "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-        return peak_flops(torch.cuda.get_device_name(self._device), dtype)
 
     def _plan_live_run(self, inputs: dict):
         """Warn (rank 0) when the planner's peak for this run at the first training batch's shape does not fit this
@@ -578,19 +582,13 @@ class ShardingProfiler:
             "precision_verdict": run_verdict(self._precision_ranks),
             "global_step": self.global_step,
             "state_locations": self.locations,
-            "straggler": straggler(ranks),
+            "straggler": straggler(ranks, self._windows_compute),
             "link_probe": self._link_probe,
             "memory_details_rank0": self.memory,
-            "ranks": [{"rank": i, **r, "memory_kind": self._memory_kind(r), **(extra or {}),
+            "ranks": [{"rank": i, **r, "memory_kind": memory_kind(self._device, self.memory, r), **(extra or {}),
                        **{k: v for k, v in p.items() if k != "precision_verdict"}}
                       for i, (r, p, extra) in enumerate(zip(ranks, precision, instruments))],
         }
-
-    def _memory_kind(self, rank: dict) -> str | None:
-        """What `peak_memory_bytes` is: CUDA's allocator peak, or on CPU the instrumented step's tensor peak."""
-        if self._device.type == "cuda":
-            return self.memory.get("memory_kind")
-        return "tensor_peak" if rank.get("peak_memory_bytes") is not None else None
 
     def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""

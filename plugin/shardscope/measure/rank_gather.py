@@ -13,7 +13,7 @@ from ..summary import reduce_ranks
 
 PREFIX = "shardscope/"
 REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "frozen_models_bytes", "peak_memory_bytes",
-           "peak_tensor_bytes", "tokens_per_s", "tflops_per_device", "mfu")
+           "peak_tensor_bytes", "tokens_per_s", "tflops_per_device", "mfu", "compute_share")
 STATS = ("min", "max", "mean")
 LOGGED_NAMES = {key: tuple(f"{PREFIX}{'tokens_per_s_per_device' if key == 'tokens_per_s' else key}_{stat}"
                            for stat in STATS) for key in REDUCED}  # each key's logged names, made once

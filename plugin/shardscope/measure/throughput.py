@@ -20,9 +20,12 @@ share one batch (its tokens count once over the group, its FLOPs 1/cp on each ra
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+
+from ..units import peak_flops
 
 FLOPS_CONVENTION = ("6*N_trainable + 4*N_frozen + 12*layers*d_attn*seq per non-padding training token, plus "
                     "2*N + 4*layers*d_attn*seq per token of each forward that does not train (reference models, "
@@ -57,6 +60,7 @@ class WindowTotals:
     tokens: float | None
     flops: float | None
     seconds: float
+    compute: float | None = None  # CPU seconds of the training thread over the same steps (`ThroughputWindow`)
 
 
 class ThroughputWindow:
@@ -64,26 +68,28 @@ class ThroughputWindow:
 
     Time per step runs from the end of the previous step (so data loading counts) or, after an
     evaluation/save, from the next step's begin (so evaluation does not). Only complete
-    gradient-accumulation cycles are timed: the Trainer calls `step_end` once per cycle.
+    gradient-accumulation cycles are timed: the Trainer calls `step_end` once per cycle. Beside the wall time,
+    `compute` adds up the calling (training) thread's CPU time over the same steps (`time.thread_time`): on a CPU
+    rank, its computing without its waits inside collectives (a blocked wait uses no CPU time).
     """
 
     def __init__(self, clock):
-        self.clock = clock
+        self.clock, self.cpu_clock = clock, time.thread_time
         self.reset()
-        self.anchor = None
+        self.anchor = self.cpu_anchor = None
 
     def reset(self):
-        self.samples, self.tokens, self.flops, self.seconds = 0.0, 0.0, 0.0, 0.0
+        self.samples, self.tokens, self.flops, self.seconds, self.compute = 0.0, 0.0, 0.0, 0.0, 0.0
         self.has_tokens = self.has_flops = False
         self.durations: list[float] = []  # seconds of each step counted
 
     def step_begin(self):
         if self.anchor is None:
-            self.anchor = self.clock()
+            self.anchor, self.cpu_anchor = self.clock(), self.cpu_clock()
 
     def restart(self):
         """The step's time starts now: what ran since its begin (the planner's plan for the live run) is left out."""
-        self.anchor = self.clock()
+        self.anchor, self.cpu_anchor = self.clock(), self.cpu_clock()
 
     def add_batch(self, samples: int, tokens=None, flops=None):
         self.samples += samples
@@ -95,15 +101,16 @@ class ThroughputWindow:
     def step_end(self, pause_after: bool = False, count: bool = True):
         """Close one optimizer step; `pause_after` excludes the gap to the next step (eval, save);
         `count=False` leaves this step's time out (its batches must not have been added)."""
-        now = self.clock()
+        now, cpu_now = self.clock(), self.cpu_clock()
         if self.anchor is not None and count:
             self.seconds += now - self.anchor
+            self.compute += cpu_now - self.cpu_anchor
             self.durations.append(now - self.anchor)
-        self.anchor = None if pause_after else now
+        self.anchor, self.cpu_anchor = (None, None) if pause_after else (now, cpu_now)
 
     def totals(self) -> WindowTotals:
         return WindowTotals(self.samples, self.tokens if self.has_tokens else None,
-                            self.flops if self.has_flops else None, self.seconds)
+                            self.flops if self.has_flops else None, self.seconds, self.compute)
 
 
 STEP_TIME_KEYS = ("median", "p10", "p90", "steps")
@@ -139,13 +146,15 @@ def sequence_share(samples, sp: int):
 def rates(totals: WindowTotals, peak: float | None) -> dict:
     """samples/s, tokens/s, TFLOP/s and MFU for one device's window (None where not countable)."""
     if totals.seconds <= 0:
-        return {"samples_per_s": None, "tokens_per_s": None, "tflops_per_device": None, "mfu": None}
+        return {"samples_per_s": None, "tokens_per_s": None, "tflops_per_device": None, "mfu": None,
+                "compute_share": None}
     flops_per_s = None if totals.flops is None else totals.flops / totals.seconds
     return {
         "samples_per_s": totals.samples / totals.seconds,
         "tokens_per_s": None if totals.tokens is None else totals.tokens / totals.seconds,
         "tflops_per_device": None if flops_per_s is None else flops_per_s / 1e12,
         "mfu": None if (flops_per_s is None or not peak) else flops_per_s / peak,
+        "compute_share": None if totals.compute is None else totals.compute / totals.seconds,
     }
 
 
@@ -169,3 +178,13 @@ def batch_counts(args: tuple, kwargs: dict, patch_size: int | None = None):
         return pixels.shape[0], pixels.shape[0] * seq_len, seq_len
     first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     return (first.shape[0] if first is not None else 0), None, 0
+
+
+def device_peak_flops(peak_tflops: float | None, device, precision: str | None) -> float | None:
+    """FLOP/s of one device at `precision`: the user's `peak_tflops`, else the table's for a CUDA device, else None."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    dtype = precision if precision in ("bf16", "fp16") else "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return peak_flops(torch.cuda.get_device_name(device), dtype)

@@ -23,6 +23,7 @@ from pathlib import Path
 from transformers import TrainingArguments
 
 from ..errors import UsageError
+from ..measure.collective_log import record_by_default
 from ..safe_io import load_yaml
 
 
@@ -119,12 +120,14 @@ def typed_defaults(parser, values: dict, source: str) -> dict:
 
 
 def run(main) -> None:
-    """Call `main()`; a `UsageError` becomes one line on stderr and exit code 2.
+    """Call `main()` (torch's flight recorder on first: `measure/collective_log.py`); a `UsageError` becomes one line
+    on stderr and exit code 2.
 
     Then collect `main()`'s garbage (its datasets and Trainer) while pyarrow is still alive: Arrow
     threads that survive into Python's final teardown abort the process ("terminate called without an
     active exception", huggingface/datasets#7566, apache/arrow#45214) after everything was saved.
     """
+    record_by_default()  # torch's flight recorder, before the Trainer's arguments create the process group
     try:
         main()
     except UsageError as error:

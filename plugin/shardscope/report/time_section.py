@@ -4,10 +4,11 @@ From each summary: `time_breakdown` (per rank, `step_time.py`) averaged over ran
 compute (forward + backward), exposed communication, optimizer, data and other, and
 `comm_sent_bytes_per_step` (`comm_count.py`, the most any rank sends). One sentence per strategy says where
 its extra time went against the fastest run: the parts that grew most, and the bytes it sends beside the
-fastest run's.
+fastest run's. A run whose summary names a straggler gets one sentence more.
 """
 from __future__ import annotations
 
+from ..measure.stragglers import line as straggler_line
 from ..summary import numbers
 
 STACK = (("compute", ("forward_s", "backward_s"), "tab:blue"), ("exposed comm", ("exposed_comm_s",), "tab:red"),
@@ -47,11 +48,18 @@ def where_time_went(row: dict, fastest: dict, human_bytes) -> str:
             f"(vs {human_bytes(fastest['comm_sent_bytes_per_step'])}).")
 
 
+def straggler_lines(runs: list[dict]) -> list[str]:
+    """One sentence per run whose summary names a straggler (`measure/stragglers.py`)."""
+    named = [(r["run"], straggler_line(r.get("straggler"))) for r in runs]
+    named = [f"- {run}: {said}" for run, said in named if said]
+    return ["## Stragglers", "", *named, ""] if named else []
+
+
 def markdown_lines(runs: list[dict], human_bytes) -> list[str]:
-    """The time table and one sentence per timed run (nothing when no run was timed)."""
+    """The time table and one sentence per timed run (nothing when no run was timed), then the stragglers."""
     timed = [r for r in runs if r.get("time")]
     if not timed:
-        return []
+        return straggler_lines(runs)
     fastest = min(timed, key=lambda r: r["time"]["step"])
     lines = ["## Where the step time goes", "",
              "One sampled step per run (`time_breakdown`, mean over ranks; excluded from throughput). Compute is "
@@ -66,7 +74,7 @@ def markdown_lines(runs: list[dict], human_bytes) -> list[str]:
                  f"{t['comm in flight']:.3g} s", human_bytes(r["comm_sent_bytes_per_step"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [f"- {where_time_went(r, fastest, human_bytes)}" for r in timed] + [""]
-    return lines
+    return lines + straggler_lines(runs)
 
 
 def plot_time(runs: list[dict], path, title: str = ""):
