@@ -64,6 +64,7 @@ def main():
           "accelerate + DeepSpeed on gloo). The `fsdp_full_shard` row is therefore real torch FSDP2 driven "
           "through a patched accelerate state, not something `accelerate launch` does on CPU by itself.\n")
     print(f"Command:\n\n```\n{command}\n```\n")
+    print("<!-- part:table -->")
     print("| strategy | median step (ms) | median tokens/s (all ranks) | tokens/s min–max | steps | "
           "params/rank | grads/rank | optimizer/rank | model states/rank | peak RSS/rank | status |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -82,6 +83,7 @@ def main():
               f"{human_range(r['params_bytes'])} | {human_range(r['grads_bytes'])} | "
               f"{human_range(r['optimizer_bytes'])} | {human_bytes(states)} | "
               f"{human_range(r['peak_memory_bytes'])} | ok |")
+    print("<!-- /part:table -->")
     print("\nBytes are what each rank holds (the profiler's count of live tensors, 1 MB = 1e6 B), min–max over "
           "the 2 ranks; the report below shows the planner's estimate beside each. Peak RSS is the whole "
           "process (Python, torch, transformers, DeepSpeed loaded: ~0.5 GB before any model state).\n")
@@ -97,7 +99,8 @@ def main():
     report = (args.out / "report.md").read_text().split("\n", 2)[2]  # without its title
     print(report.replace("](memory.png)", "](../docs/img/strategies_cpu_memory.png)")
           .replace("](throughput.png)", "](../docs/img/strategies_cpu_throughput.png)")
-          .replace("](time.png)", "](../docs/img/strategies_cpu_time.png)"))
+          .replace("](time.png)", "](../docs/img/strategies_cpu_time.png)")
+          .replace("](peak.png)", "](../docs/img/strategies_cpu_peak.png)"))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def test_strategies_cpu_benchmark_tables_the_comparison(comparison, tmp_path):
         assert rows[name][-1] == "ok" and float(rows[name][1].split()[0]) > 0 and int(rows[name][4]) >= 1
     assert rows["clip_mismatch"][-1].startswith("failed: ValueError")
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
-        "strategies_cpu_memory.png", "strategies_cpu_throughput.png", "strategies_cpu_time.png"]
+        "strategies_cpu_memory.png", "strategies_cpu_peak.png", "strategies_cpu_throughput.png", "strategies_cpu_time.png"]
 
 
 def test_report_errors_name_the_file(tmp_path):

@@ -14,8 +14,11 @@ from shardscope.configs import shipped_configs
 # tp.yaml and fsdp_tp.yaml shard while the model loads (transformers DistributedConfig), which the recipe
 # does and this worker does not: test_tensor_parallel.py runs them through the SFT recipe.
 TENSOR_PARALLEL = {"tp", "fsdp_tp"}
+# The sequence splits: zero3_sp trains through the SFT recipe in test_sequence_parallel.py (its losses, bytes and peak
+# held there); torch context parallelism (fsdp_cp) has no CPU attention kernel: its config is loaded, not trained.
+SEQUENCE_SPLIT = {"zero3_sp", "fsdp_cp"}
 SINGLE_NODE = sorted(c.name for c in shipped_configs()
-                     if c.kind != "slurm" and not c.multinode and c.name not in TENSOR_PARALLEL)
+                     if c.kind != "slurm" and not c.multinode and c.name not in TENSOR_PARALLEL | SEQUENCE_SPLIT)
 
 # What each strategy promises on 2 ranks, as fractions of the full model's fp32 bytes P (params) and
 # of the full AdamW state M = 2P (moments); DeepSpeed ZeRO-1/2/3 also keep an fp32 master partition
