@@ -82,7 +82,7 @@ DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: the last b
 RECOMPUTE_SHARE = 0.23
 # The host's per-module work of each gathering library (hooks, bookkeeping, issuing the collectives), seconds per
 # module per pass, measured by benchmarks/library_host_cost.py (results/library_host_cost.md) on a 2-core CPU:
-HOST_S_PER_MODULE = {"fsdp": 300e-6, "deepspeed": 330e-6}
+HOST_S_PER_MODULE = {"fsdp": 99e-6, "deepspeed": 108e-6}
 # The model's measured error on the ratio of two settings' step times: datasheet figures against published
 # same-setting GPU measurements (the 80th percentile, benchmarks/results/published_ratios.md; a test holds the two
 # equal); calibrated figures against the time benchmark's CPU runs out of sample (the bar results/time_prediction.md
