@@ -22,7 +22,12 @@ import time
 import timeit
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+from render_docs import stamped  # noqa: E402
+
 OUT = Path(__file__).parent / "results" / "hang_overhead.md"
+MEASURES = ("plugin/shardscope/measure/watchdog.py", "plugin/shardscope/measure/collective_log.py",
+            "plugin/shardscope/measure/stragglers.py")  # render_docs.stale
 PLUGIN = Path(__file__).resolve().parents[1] / "plugin"
 SIZES = {"1 KiB": 256, "1 MiB": 256 * 1024}  # float32 elements
 
@@ -113,7 +118,7 @@ def main(argv=None) -> None:
         f"{max(1, args.collectives // 10)} calls after 20 warm-up calls; per arm the median over its launches. "
         "Per-step calls: the best of 5 repeats of 20,000 calls in one process (the watchdog's thread not started: "
         "it wakes every 0.5 s and writes to the store only when the step changed).", ""])
-    args.out.write_text(text)
+    args.out.write_text(stamped(text, __file__, MEASURES))
     print(text)
 
 
