@@ -1,8 +1,9 @@
 """DeepSpeed's Ulysses sequence parallelism trained for real on 2 gloo ranks, held against the same batches trained
 without it and against the planner.
 
-One launch of the SFT recipe under the shipped accelerate_configs/zero3_sp.yaml (sp_size 2 on 2 ranks: one
-data-parallel replica, each rank holding half of every 2,048-token sequence) and one reference launch of
+Launches of the SFT recipe under the shipped accelerate_configs/zero3_sp.yaml (sp_size 2 on 2 ranks: one
+data-parallel replica, each rank holding half of every 2,048-token sequence; and sp_size 4 on 4 ranks, a quarter:
+losses and counted bytes held for it too) and one reference launch of
 accelerate_configs/zero3.yaml on 1 rank with the same data, seed and micro-batch (the same optimizer steps on the
 whole sequences). Every assertion of this file reads those two runs. torch's context parallelism does not run on
 CPU (its attention handlers cover the CUDA SDPA kernels only): tests/test_sequence_split.py holds its config,
@@ -21,6 +22,7 @@ from shardscope.plan.sequence import comm_terms, split_row
 from shardscope.plan.trace_cache import cached_traces_for
 
 SEQ, STEPS, SP = 2048, 4, 2
+DEGREES = (SP, 4)  # the split trained on 2 and on 4 ranks
 # Losses of the split and the unsplit run: fp32 on both, the same batches; they differ only by summation order
 # (the attention of each head computed on another rank, the loss gathered as a token-weighted mean of 2 halves).
 LOSS_RTOL = 1e-5
@@ -29,7 +31,7 @@ TOLERANCE = 0.05  # the planner's peak within 5% of the measured one, as for eve
 
 @pytest.fixture(scope="module")
 def sp_runs(tmp_path_factory):
-    """{"sp": run folder, "ref": run folder, "model": tiny Llama folder} of the two launches."""
+    """{"sp": run folder (sp 2), "sp4": run folder (sp 4), "ref": run folder, "model": tiny Llama folder}."""
     from shardscope.recipes.tiny import make_sft_assets
 
     root = tmp_path_factory.mktemp("sp_runs")
@@ -39,9 +41,15 @@ def sp_runs(tmp_path_factory):
             "--per_device_train_batch_size", 1, "--max_steps", STEPS]
     accelerate_launch(ROOT / "accelerate_configs/zero3_sp.yaml", ROOT / "recipes/causal_lm_sft.py", args,
                       root / "sp", num_processes=SP, launcher_args=["--parallelism_config_sp_size", SP]).check()
+    accelerate_launch(ROOT / "accelerate_configs/zero3_sp.yaml", ROOT / "recipes/causal_lm_sft.py", args,
+                      root / "sp4", num_processes=4, launcher_args=["--parallelism_config_sp_size", 4]).check()
     accelerate_launch(ROOT / "accelerate_configs/zero3.yaml", ROOT / "recipes/causal_lm_sft.py", args,
                       root / "ref", num_processes=1).check()
-    return {"sp": root / "sp", "ref": root / "ref", "model": assets["model"]}
+    return {"sp": root / "sp", "sp4": root / "sp4", "ref": root / "ref", "model": assets["model"]}
+
+
+def run_of(sp_runs, degree: int) -> Path:
+    return sp_runs["sp" if degree == SP else f"sp{degree}"]
 
 
 def summary(folder: Path) -> dict:
@@ -53,8 +61,9 @@ def losses(folder: Path) -> list[float]:
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
 
 
-def test_losses_equal_the_same_batches_trained_without_sp(sp_runs):
-    split, whole = losses(sp_runs["sp"]), losses(sp_runs["ref"])
+@pytest.mark.parametrize("degree", DEGREES)
+def test_losses_equal_the_same_batches_trained_without_sp(sp_runs, degree):
+    split, whole = losses(run_of(sp_runs, degree)), losses(sp_runs["ref"])
     assert len(split) == len(whole) == STEPS
     assert split == pytest.approx(whole, rel=LOSS_RTOL)
     assert whole[-1] < whole[0]  # it trained: the comparison is of steps that changed the weights
@@ -80,16 +89,20 @@ def test_summary_records_the_split_and_counts_each_token_once(sp_runs):
     assert flops == pytest.approx(ref["tflops_per_device"] * ref["seconds"], rel=1e-9)
 
 
-def test_counted_all_to_all_bytes_equal_the_planned_term(sp_runs):
+@pytest.mark.parametrize("degree", DEGREES)
+def test_counted_all_to_all_bytes_equal_the_planned_term(sp_runs, degree):
     spec = model_spec(str(sp_runs["model"]))
-    planned = comm_terms(spec, Setup(gpus_per_node=SP, seq_len=SEQ, precision="fp32"), "sp", SP)["sp_all_to_all"]
-    for rank in summary(sp_runs["sp"])["ranks"]:
+    planned = comm_terms(spec, Setup(gpus_per_node=degree, seq_len=SEQ, precision="fp32"), "sp", degree)[
+        "sp_all_to_all"]
+    ranks = summary(run_of(sp_runs, degree))["ranks"]
+    assert len(ranks) == degree
+    for rank in ranks:
         counted = rank["comm"]["all_to_all"]
         assert counted["sent_bytes"] == planned
         assert counted["calls"] == 8 * spec.num_layers  # q, k, v, output; forward and backward
     assert "all_to_all" not in summary(sp_runs["ref"])["ranks"][0]["comm"]
     # plan --compare / report plan the run's split from its summary (the step's slice x sp): the same term
-    assert plan_vs_run(sp_runs["sp"] / "shardscope_summary.json")["planned_comm"]["sp_all_to_all"] == planned
+    assert plan_vs_run(run_of(sp_runs, degree) / "shardscope_summary.json")["planned_comm"]["sp_all_to_all"] == planned
 
 
 def test_planned_row_model_states_exact_and_peak_within_5_percent(sp_runs):
