@@ -319,7 +319,7 @@ def test_world_size_above_one_with_each_process_alone_is_named(monkeypatch):
     """torchrun on CPU without use_cpu: WORLD_SIZE=N, yet accelerate's state holds one process (issue 20)."""
     from accelerate import Accelerator
 
-    from shardscope.strategy import detect_strategy
+    from shardscope.measure.detect import detect_strategy
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

@@ -409,7 +409,7 @@ def test_compare_plans_a_zero3_run_with_its_live_bucket_and_threshold(tiny_llama
 
 
 def test_zero_buckets_reads_what_the_zero_optimizer_was_built_with():
-    from shardscope.strategy import zero_buckets
+    from shardscope.measure.detect import zero_buckets
 
     class Zero:  # DeepSpeed's ZeRO optimizer as the profiler meets it: its gradient partitions and bucket settings
         def __init__(self, **settings):

@@ -29,8 +29,9 @@ from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps  # issue 
 from .stragglers import Windows, line as straggler_line, straggler
 from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
                            zero_optimizer)
-from ..strategy import detect_strategy, family, num_nodes, wrapper_strategy, zero_buckets
+from ..strategy import family, num_nodes
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
+from .detect import detect_strategy, wrapper_strategy, zero_buckets
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
                          device_peak_flops, rates, sequence_share, split_degrees, step_time_summary)
