@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shardscope import ShardingProfiler
+from shardscope import ShardingProfiler, end_of_run
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--scenario", default="clean", choices=("clean", "skip", "sleep", "kill", "slow"))
@@ -54,5 +54,4 @@ with ShardingProfiler(model, optimizer, output_dir=args.output_dir, every_n_step
         if not (at and args.scenario == "skip"):
             dist.all_reduce(loss.detach())  # the loop's own loss average, as a logging loop does
         profiler.step(batch)
-dist.barrier()
-dist.destroy_process_group()
+end_of_run()  # barrier, destroy, and leave without gloo's exit race (pytorch/pytorch#179291)
