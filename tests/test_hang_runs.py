@@ -108,7 +108,9 @@ def test_a_killed_rank_ends_the_run_and_the_survivor_names_it_with_its_last_step
     assert "exitcode  : -9" in run["log"]
     code, result = cli_verdict(run["out"], capsys)
     assert code == 1 and result["culprits"] == [{"rank": 1, "why": "dead", "step": 2}]
-    assert result["ranks"]["0"]["event"] == "error" and "Connection closed by peer" in result["ranks"]["0"]["error"]
+    survivor = result["ranks"]["0"]  # its next collective fails on the closed connection, unless the launcher's
+    # agent, which saw rank 1 die too, ends it first (a race on a loaded machine): then its last heartbeat stands
+    assert survivor["event"] != "error" or "Connection closed by peer" in survivor["error"], survivor
 
 
 def test_a_rank_busy_every_step_is_named_the_straggler_and_nothing_else_is_reported(hang_runs):
