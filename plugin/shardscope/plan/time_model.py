@@ -216,7 +216,7 @@ def overlapped(strategy: str, term: str) -> bool:
     DDP's bucketed all-reduce during backward; ZeRO-3 and FSDP's prefetched all-gathers and their
     reduce-scatters during backward (and HSDP's replica all-reduce); not ZeRO-1/2 (gradients reduced after
     backward with DeepSpeed's default overlap_comm false, parameters all-gathered after the optimizer step),
-    not tensor parallelism (each all-reduce feeds the next layer)."""
+    not tensor parallelism (each all-reduce feeds the next layer); a sequence split's as `SPLIT_TERMS` says."""
     if term in TP_TERMS:
         return False
     if term in SPLIT_TERMS:
