@@ -31,6 +31,9 @@ DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "In
                "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
 MAX_DUMP_BYTES = 64 << 20  # a flight-recorder dump of 2,000 entries is a few MB
+# this package's own files, wherever the writing rank had it installed (not a user's folder that is named shardscope)
+OWN_FILES = tuple(f"/shardscope/{p.relative_to(Path(__file__).parent).as_posix()}:"
+                  for p in Path(__file__).parent.rglob("*.py"))
 
 
 def record_path(folder, rank: int) -> Path:
@@ -258,7 +261,7 @@ def _diverged(out: dict, by_rank: dict) -> None:
 def where(record: dict) -> str | None:
     """The innermost frame of a record's stack outside torch and the installed libraries (else the innermost)."""
     stack = record.get("stack") or []
-    own = [f for f in stack if "site-packages" not in f and "/torch/" not in f and "/shardscope/" not in f]
+    own = [f for f in stack if "site-packages" not in f and "/torch/" not in f and not any(o in f for o in OWN_FILES)]
     return (own or stack or [None])[-1]
 
 
