@@ -341,6 +341,6 @@ def test_a_flight_recorder_turned_off_by_the_user_is_kept_off_and_said_once(tmp_
 def test_where_leaves_out_this_packages_frames_not_a_users_folder_named_shardscope():
     """A user's checkout named shardscope (as `git clone` names this repository) is the user's code; the package's
     own files are not, wherever the rank had it installed."""
-    own = f"/opt/venv/lib/python3.11/site-packages/../x/shardscope/{hang.OWN_FILES[0].split('/shardscope/', 1)[1]}1 in f: g"
+    own = f"/opt/checkout/plugin/shardscope/{hang.OWN_FILES[0].split('/shardscope/', 1)[1]}1 in f: g"
     record = {"stack": ["/home/me/shardscope/train.py:42 in <module>: step()", own]}
     assert hang.where(record) == "/home/me/shardscope/train.py:42 in <module>: step()"
