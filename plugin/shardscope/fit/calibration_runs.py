@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 
 from ..errors import UsageError
-from ..launching import (LOG_FILE, MAX_LOG_BYTES, failure_reason, launch, launch_command, launcher_config,
-                         no_summary_reason)
+from ..launching import LOG_FILE, MAX_LOG_BYTES, launch, launch_command, launcher_config, no_summary_reason
 from ..plan.calibration import CALIBRATION_FILE, run_sources
 from ..plan.calibration_file import VERSION
 from ..safe_io import atomic_write_text, load_json, read_bytes
@@ -48,13 +47,6 @@ def script_arguments(cand, steps: int) -> list[str]:
             "--max_steps", str(steps)]
 
 
-def log_tail(run_dir: Path) -> list[str]:
-    log = run_dir / LOG_FILE
-    if not log.is_file():
-        return []
-    return read_bytes(log, "launch log", 2 ** 20, tail=True).decode(errors="replace").splitlines()[-TAIL_LINES:]
-
-
 def run_one(script: Path, cand, family: str, args, output: Path, number: int, total: int, say) -> dict:
     """Launch one calibration run; its row for calibration.json (figures, or why it failed)."""
     run_dir = output / cand.strategy
@@ -67,10 +59,11 @@ def run_one(script: Path, cand, family: str, args, output: Path, number: int, to
     row = {"family": family, "strategy": cand.strategy, "config": str(config), "run_dir": str(run_dir),
            "log": str(run_dir / LOG_FILE), "exit_code": code, "seconds": round(seconds, 1)}
     log_text = read_bytes(run_dir / LOG_FILE, "launch log", MAX_LOG_BYTES, tail=True).decode(errors="replace")
+    tail = log_text.splitlines()[-TAIL_LINES:]
     if code != 0 or not (run_dir / SUMMARY_FILE).is_file():
-        reason = failure_reason(log_text) if code else no_summary_reason(code, log_text)
+        reason = no_summary_reason(code, log_text)  # the log's last error, or that no summary was written
         say(f"      failed after {seconds:.0f} s: {reason}")
-        return {**row, "status": "failed", "reason": reason, "log_tail": log_tail(run_dir), "figures": []}
+        return {**row, "status": "failed", "reason": reason, "log_tail": tail, "figures": []}
     try:
         ran = strategy_from_summary(load_json(run_dir / SUMMARY_FILE, "run summary"))
         if ran != cand.strategy:  # e.g. accelerate runs an FSDP config as DDP on CPU: not this family's figures
@@ -78,7 +71,7 @@ def run_one(script: Path, cand, family: str, args, output: Path, number: int, to
         figures = [{"source": source, "figures": values} for source, values in run_sources(run_dir)]
     except UsageError as error:  # no timed step, or another strategy ran: reported, the others go on
         say(f"      finished in {seconds:.0f} s but measured nothing usable: {error}")
-        return {**row, "status": "failed", "reason": str(error), "log_tail": log_tail(run_dir), "figures": []}
+        return {**row, "status": "failed", "reason": str(error), "log_tail": tail, "figures": []}
     say(f"      done in {seconds:.0f} s")
     return {**row, "status": "ok", "figures": figures}
 
