@@ -292,3 +292,39 @@ def multinode_launch(cmds: dict, env: dict, output_dir, timeout) -> MultiNodeRun
         log.close()
     return MultiNodeRun(list(cmds.values()), returncodes, outputs, output_dir, timed_out, time.monotonic() - start,
                         list(seen.values()))
+
+
+# ----------------------------------------------------------------------------- SLURM on one machine
+SBATCH = ROOT / "accelerate_configs" / "slurm_multinode.sbatch"
+# srun as SLURM runs a one-task-per-node step: the command on every node at once, each with its SLURM_NODEID
+SRUN = """#!/bin/bash
+while [[ $1 == --* ]]; do shift 2; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def slurm_stand_ins(folder: Path, nodelist: str, hostnames: list[str], env: dict) -> dict:
+    """Write stand-ins for `srun` and `scontrol show hostnames NODELIST` into `folder`; `env` as a job of
+    len(hostnames) nodes sees it (its own SLURM_* set, the stand-ins first on PATH)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = "\\n".join(hostnames)
+    scontrol = f'#!/bin/bash\n[[ "$*" == "show hostnames {nodelist}" ]] && printf "{names}\\n"\n'
+    for name, text in (("srun", SRUN), ("scontrol", scontrol)):
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    return dict(env, PATH=f"{folder}{os.pathsep}{env['PATH']}", SLURM_NNODES=str(len(hostnames)),
+                SLURM_JOB_NODELIST=nodelist)
+
+
+def slurm_launch(config_file, script, script_args, output_dir, procs_per_node=2, timeout=150) -> MultiNodeRun:
+    """`bash slurm_multinode.sbatch CONFIG --mixed_precision no SCRIPT ARGS` as a 2-node SLURM job would run it,
+    both "nodes" on 127.0.0.1 (the CPU override goes before the script, where the launcher reads it)."""
+    env = slurm_stand_ins(Path(output_dir) / "slurm_bin", "node-[0-1]", ["127.0.0.1", "127.0.0.1"], cpu_env())
+    env.update(GPUS_PER_NODE=str(procs_per_node), MAIN_PROCESS_PORT=str(free_port()), ACCELERATE_USE_CPU="1")
+    cmd = ["bash", str(SBATCH), str(config_file), "--mixed_precision", "no", str(script), *map(str, script_args)]
+    return multinode_launch({0: cmd}, env, output_dir, timeout)

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import ROOT, free_port
+from launch import ROOT, SBATCH, free_port, slurm_stand_ins
 from shardscope.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
                                 validate_config)
 from shardscope.errors import UsageError
 
 BAD = Path(__file__).parent / "fixtures" / "bad_configs"
-SBATCH = ROOT / "accelerate_configs" / "slurm_multinode.sbatch"
 # Every file in the three config folders, found recursively, with the kind it must validate as.
 SHIPPED = sorted(
     [(p, "accelerate") for p in (ROOT / "accelerate_configs").rglob("*.yaml")]
@@ -52,7 +51,7 @@ def test_catalogue_is_every_file_in_the_config_folders():
     assert len(set(file_names)) == len(file_names), "file names must be unique so `configs path X.json` is unambiguous"
     assert all(c.description for c in shipped_configs())
     assert sorted(c.name for c in shipped_configs() if c.multinode) == sorted(
-        MULTINODE + ["fsdp/llama_hybrid_shard", "slurm_multinode"])
+        MULTINODE + ["slurm_multinode"])
 
 
 @pytest.mark.parametrize("name, kind, file", [
@@ -134,6 +133,8 @@ BAD_CASES = {
     "ds_bad_stage.json": "zero_optimization.stage:",
     "fsdp_unknown_key.json": "transformer_layer_cls_to_warp: not read by TrainingArguments",
     "malformed.json": "malformed JSON",
+    "fsdp1_hybrid_shard.json": "reshard_after_forward: 'hybrid_shard' is not what FSDP1 trains: accelerate wraps with "
+                               "its sharding_strategy, FULL_SHARD",
     "cp_under_deepspeed.yaml": "parallelism_config.parallelism_config_cp_size: 4 needs distributed_type FSDP",
     "sp_under_fsdp.yaml": "parallelism_config.parallelism_config_sp_size: 4 needs distributed_type DEEPSPEED",
     "sp_not_dividing.yaml": "parallelism_config.parallelism_config_sp_size: 3 x tp_size 1 does not divide",
@@ -275,21 +276,15 @@ def test_multinode_launcher_arguments(name, machine_rank):
         assert [env[f"PARALLELISM_CONFIG_{k}_SIZE"] for k in ("DP_REPLICATE", "DP_SHARD", "TP")] == ["2", "2", "4"]
 
 
-STUBS = {
-    # srun: run the command once per node, as SLURM would, with that node's SLURM_NODEID
-    "srun": '#!/bin/bash\nwhile [[ $1 == --* ]]; do shift 2; done\n'
-            'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n',
-    "scontrol": '#!/bin/bash\n[[ "$*" == "show hostnames gpu-node-[07-08]" ]] && printf "gpu-node-07\\ngpu-node-08\\n"\n',
-    "accelerate": f'#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n',
-}
-
-
 def run_sbatch(tmp_path, *args, **slurm_env):
-    for name, text in STUBS.items():
-        (tmp_path / name).write_text(text)
-        (tmp_path / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=f"{tmp_path}{os.pathsep}{env['PATH']}", **slurm_env)
+    """The script under the srun and scontrol stand-ins (tests/launch.py), with an `accelerate` that prints its
+    arguments: what each node's launcher would be given."""
+    env = slurm_stand_ins(tmp_path, "gpu-node-[07-08]", ["gpu-node-07", "gpu-node-08"], dict(os.environ))
+    # one write per line: both "nodes" print at once into the same pipe
+    (tmp_path / "accelerate").write_text(f'#!{sys.executable}\nimport json, os\nimport sys\n'
+                                         'os.write(1, (json.dumps(sys.argv[1:]) + "\\n").encode())\n')
+    (tmp_path / "accelerate").chmod(0o755)
+    env = {k: v for k, v in {**env, **slurm_env}.items() if v is not None}  # None: not set
     return subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=60)
 
 
@@ -303,10 +298,10 @@ def test_slurm_script_derives_launcher_flags(tmp_path):
     config = ROOT / "accelerate_configs" / "zero3_multinode.yaml"
     port = str(free_port())  # rank 0's launcher checks the port is free
     proc = run_sbatch(tmp_path, str(config), "train.py", "--bf16", MAIN_PROCESS_PORT=port,
-                      SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_JOB_NODELIST="gpu-node-[07-08]")
+                      SLURM_GPUS_ON_NODE="8")
     assert proc.returncode == 0, proc.stderr
-    calls = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(calls) == 2  # one launcher per node
+    calls = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda argv: argv[2])
+    assert len(calls) == 2  # one launcher per node (started at once: sorted by machine rank)
     for node, argv in enumerate(calls):
         assert argv[0] == "launch" and argv[-2:] == ["train.py", "--bf16"]
         flags = dict(zip(argv[1:-2:2], argv[2:-2:2]))
@@ -320,5 +315,5 @@ def test_slurm_script_derives_launcher_flags(tmp_path):
 
 
 def test_slurm_script_outside_slurm_fails_clearly(tmp_path):
-    proc = run_sbatch(tmp_path, "x.yaml", "train.py")
+    proc = run_sbatch(tmp_path, "x.yaml", "train.py", SLURM_NNODES=None, SLURM_JOB_NODELIST=None)
     assert proc.returncode != 0 and "SLURM_NNODES" in proc.stderr and proc.stdout == ""

@@ -1,9 +1,10 @@
-"""Multi-node launches, for real, on one machine: two `accelerate launch` processes on 127.0.0.1 act as two
-nodes (`--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1`), 2 CPU ranks each, 4 gloo ranks
-in all. The shipped multi-node configs train the tiny Llama for 2 steps; the profiler's summary must show
-the world size, the node count and the sharding layout each config promises. Bad input (port in use,
-unreachable main address, a node whose main node never comes up) must fail, not hang (each launch's timeout
-bounds it), and leave no process behind; how long each takes is in benchmarks/failure_speed.py.
+"""Multi-node launches, for real, on one machine: two `accelerate launch` processes on 127.0.0.1 act as two nodes
+(`--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1`), 2 CPU ranks each, 4 gloo ranks in all (the DDP
+one through the SLURM script, under stand-ins for srun and scontrol). The shipped multi-node configs train the tiny
+Llama for 2 steps; the profiler's summary must show the world size, the node count and the sharding layout each
+config promises. Bad input (port in use, unreachable main address, a node whose main node never comes up) must
+fail, not hang (each launch's timeout bounds it), and leave no process behind; how long each takes is in
+benchmarks/failure_speed.py.
 """
 import json
 import math
@@ -11,7 +12,7 @@ import socket
 
 import pytest
 
-from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch, free_port
+from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch, free_port, slurm_launch
 
 from shardscope.configs import find_config
 from shardscope.doctor.diagnose import Inputs, diagnose
@@ -23,9 +24,12 @@ HELLO = WORKER  # the bad-input launches fail before any rank starts
 FP32 = 4  # the CPU runs train in fp32 (--mixed_precision no; DeepSpeed without bf16)
 
 
+TRAIN_ARGS = ["--max_steps", 2, "--logging_steps", 1, "--per_device_train_batch_size", 2, "--report_to", "none",
+              "--save_strategy", "no", "--use_cpu"]
+
+
 def _train(config, model, out):
-    args = ["--model", model, "--max_steps", 2, "--logging_steps", 1, "--per_device_train_batch_size", 2,
-            "--report_to", "none", "--save_strategy", "no", "--use_cpu", "--output_dir", out]
+    args = ["--model", model, *TRAIN_ARGS, "--output_dir", out]
     return _summary(accelerate_multinode_launch(find_config(config).path, WORKER, args, out, timeout=150), out)
 
 
@@ -43,8 +47,12 @@ def _summary(run, out):
 
 
 @pytest.mark.launch
-def test_ddp_multinode_replicates_everything(strategy_model, parameter_shapes, tmp_path):
-    summary = _train("ddp_multinode", strategy_model("shard_llama"), tmp_path)
+def test_ddp_multinode_under_the_slurm_script_replicates_everything(strategy_model, parameter_shapes, tmp_path):
+    """accelerate_configs/slurm_multinode.sbatch with ddp_multinode.yaml as a 2-node job runs it: stand-ins for
+    `srun` (the script's launcher on every node at once, each with its SLURM_NODEID) and `scontrol` (both nodes
+    are 127.0.0.1); the script derives machine rank, main address and process counts, the launchers meet."""
+    args = ["--model", strategy_model("shard_llama"), *TRAIN_ARGS, "--output_dir", tmp_path]
+    summary = _summary(slurm_launch(find_config("ddp_multinode").path, WORKER, args, tmp_path), tmp_path)
     full = sum(math.prod(s) for s in parameter_shapes("shard_llama")) * FP32
     assert summary["strategy"] == "ddp"
     assert [r["params_bytes"] for r in summary["ranks"]] == [full] * 4

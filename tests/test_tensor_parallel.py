@@ -26,6 +26,8 @@ STEPS = 6
 RUNS = {
     "tp": ("tp", "llama", 2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2}, 8),
     "fsdp_tp": ("fsdp_tp", "mistral", 4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}, 4),
+    # the smallest layout with hsdp_tp's shape: 2 replicas x 2 shards x TP 2 (the shipped 2 nodes x 8 GPUs halved)
+    "hsdp_tp": ("hsdp_tp", "mistral", 8, {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 2),
 }
 GLOBAL_BATCH = 8
 TP_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise": 0, "rowwise": 1}

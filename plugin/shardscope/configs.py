@@ -68,7 +68,7 @@ def _describe(path: Path, kind: str, name: str) -> ShippedConfig:
     if kind in ("deepspeed", "fsdp"):
         config = json.loads(text)
         description = config.get("_comment", "").split(". ")[0].rstrip(".")
-        multinode = str(config.get("reshard_after_forward", "")).lower().startswith("hybrid")
+        multinode = False  # a JSON holds no node count; the multi-node layouts ship as launcher yamls
     else:
         comments = [line.lstrip("#").strip() for line in text.splitlines()
                     if line.startswith("#") and not line.startswith(("#!", "#SBATCH"))]
@@ -524,15 +524,30 @@ def _check_fsdp(path: Path, problems: list[str], world_size: int):
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", fsdp=True, fsdp_config=tracked)
-        _fsdp_plugin(**args.fsdp_plugin_args)  # what Trainer.create_accelerator_and_postprocess builds
+        plugin = _fsdp_plugin(**args.fsdp_plugin_args)  # what Trainer.create_accelerator_and_postprocess builds
     except (ValueError, TypeError, KeyError) as error:
         problems.append(f"TrainingArguments rejects it: {error}")
         return None
+    problems += _fsdp1_strategy_ignored(config, plugin)
     # keys transformers did not read for this config (unknown, or meant for the other FSDP version)
     version = config.get("version", config.get("fsdp_version", 2))
     problems += [f"{key}: not read by TrainingArguments for an FSDP{version} fsdp_config (ignored)"
                  for key in tracked.unread()]
     return args
+
+
+def _fsdp1_strategy_ignored(config: dict, plugin) -> list[str]:
+    """FSDP1 wraps with `sharding_strategy or reshard_after_forward` (accelerate's Accelerator.prepare_model), and
+    the plugin fills `sharding_strategy` from FSDP_SHARDING_STRATEGY or FULL_SHARD when the Trainer passes none (it
+    never does): a `reshard_after_forward` strategy other than that is silently not the one trained."""
+    asked = config.get("reshard_after_forward")
+    if plugin.fsdp_version != 1 or asked is None or plugin.sharding_strategy is None:
+        return []
+    if str(asked).upper() == plugin.sharding_strategy.name:
+        return []
+    return [f"reshard_after_forward: {asked!r} is not what FSDP1 trains: accelerate wraps with its sharding_strategy, "
+            f"{plugin.sharding_strategy.name} (FSDP_SHARDING_STRATEGY or its default; the Trainer's fsdp_config cannot "
+            "set it); use FSDP2 (an accelerate yaml with a parallelism_config for HYBRID_SHARD)"]
 
 
 # --- SLURM script
