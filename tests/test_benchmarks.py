@@ -22,7 +22,8 @@ CLOCKS = re.compile(r"perf_counter|process_time|monotonic|time\.time\(|getrusage
 def test_callback_overhead_benchmark_writes_both_settings(tmp_path):
     out = tmp_path / "overhead.md"
     tiny = ["--hidden", "32", "--intermediate", "64", "--layers", "1", "--seq", "8", "--batch", "2",
-            "--interval", "2", "--pairs", "2", "--blocks-default", "1", "--blocks-every-step", "2", "--out", str(out)]
+            "--interval", "2", "--pairs", "2", "--blocks-default", "1", "--blocks-every-step", "2", "--ranks", "1",
+            "--out", str(out)]  # one process: the table's shape; the 2-rank launch is the benchmark's own
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(SCRIPT), *tiny], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
