@@ -134,10 +134,25 @@ def strategy_model_for(config: str) -> str:
 # Runs (config, model, lora_r, grad_accum, flags) that one launch trains together (tests/workers/several_runs.py): a
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
 # accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
-# test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); every single-node DeepSpeed
-# JSON under one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script
-# arguments).
+# test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); the single-node accelerate
+# configs of one family (DeepSpeed; FSDP) under one `accelerate launch`, each run in its own config's launch
+# environment (several_runs.py --launch_config); every single-node DeepSpeed JSON under one `deepspeed` launch, every
+# single-node FSDP JSON under one `torchrun` (their configs are script arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
+
+
+def accelerate_families() -> dict[str, list[str]]:
+    """The single-node accelerate configs without a parallelism mesh, by distributed_type."""
+    import yaml
+
+    from shardscope.configs import shipped_configs
+
+    families: dict[str, list[str]] = {}
+    for config in shipped_configs():
+        text = yaml.safe_load(config.path.read_text()) if config.kind == "accelerate" else {}
+        if config.kind == "accelerate" and not config.multinode and "parallelism_config" not in text:
+            families.setdefault(text["distributed_type"], []).append(config.name)
+    return families
 
 
 def shared_launches() -> list[tuple]:
@@ -146,13 +161,15 @@ def shared_launches() -> list[tuple]:
     from precision_checks import PRECISION_RUNS, precision_flags
     from shardscope.configs import shipped_configs
 
-    def beside(c):  # the precision and peak runs of config c
-        return [*((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
+    def runs_of(c):  # the agreement runs, or the config's own run; then its precision and peak runs
+        own = ([(c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
+                *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else [])] if c in AGREEING
+               else [(c, strategy_model_for(c), 0, 1, ())])
+        return [*own, *((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
                 *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
 
-    launches = [((c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
-                 *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else []), *beside(c)) for c in AGREEING]
-    launches += [((c, "shard_llama", 0, 1, ()), *beside(c)) for c in PRECISION_RUNS if c not in AGREEING]
+    launches = [tuple(run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c))
+                for family in accelerate_families().values()]
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
                               if c.kind == kind and not c.multinode))
@@ -180,12 +197,14 @@ def strategy_runs(strategy_model, tmp_path_factory):
     def launch(keys):
         shipped = {key: find_config(key[0]) for key in keys}
         kinds = {s.kind for s in shipped.values()}
-        assert len(kinds) == 1 and (kinds != {"accelerate"} or len({k[0] for k in keys}) == 1), keys
+        assert len(kinds) == 1, keys
+        several_configs = kinds == {"accelerate"} and len({k[0] for k in keys}) > 1  # one family (shared_launches)
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum, flags = key
             suffix = "".join(map(str, flags)).replace("-", "_")
             names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}{suffix}"
+            args += ["--launch_config", config.path] if several_configs else []
             args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
                      "--gradient_accumulation_steps", grad_accum,
                      *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
@@ -198,6 +217,10 @@ def strategy_runs(strategy_model, tmp_path_factory):
         else:  # `--`: torchrun's own parser would read `--run` as short for its --run-path
             launched = torchrun_launch(several, ["--", *args], out)
         launched.check()
+        if several_configs:  # the environment several_runs.py computes for the launcher's own config is its export
+            for rank in range(2):
+                record = json.loads((out / "logs" / f"{names[keys[0]]}.launch_env.rank{rank}.json").read_text())
+                assert record["launched"] == record["computed"], record
         for key, name in names.items():
             summary = json.loads((out / name / "shardscope_summary.json").read_text())
             independent = [json.loads((out / name / f"independent_count_rank{r}.json").read_text()) for r in range(2)]

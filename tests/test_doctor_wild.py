@@ -57,21 +57,26 @@ def test_zero3_save_reads_every_name_deepspeed_accepts(tmp_path, zero, saved):
     assert codes(findings) == ([] if saved else [("zero3-save", "zero_optimization.stage3_gather_16bit_weights_on_model_save")])
 
 
-def test_accelerate_deepspeed_mixed_precision_that_agrees_is_not_flagged(tmp_path):
+def test_accelerate_deepspeed_precision_from_the_deepspeed_file_is_not_flagged(tmp_path):
+    ds = write(tmp_path, "ds.json", {**ZERO3, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    acc = write(tmp_path, "acc.yaml", {"distributed_type": "DEEPSPEED", "num_processes": 8,
+                                       "deepspeed_config": {"deepspeed_config_file": str(ds)}})
+    assert run("--bf16", accelerate_config=acc) == []
+    assert run(accelerate_config=acc) == []  # no Trainer arguments: the DeepSpeed file sets it
+    # the Trainer's flag disagrees with the DeepSpeed file
+    assert ("precision", "mixed_precision") in codes(run("--fp16", accelerate_config=acc))
+
+
+def test_accelerate_mixed_precision_beside_a_deepspeed_file_is_refused_as_accelerate_refuses_it(tmp_path):
+    """accelerate's launcher passes the yaml's DeepSpeed fields, mixed_precision among them, to its DeepSpeed plugin,
+    which refuses any beside `deepspeed_config_file` at start-up (seen: `accelerate launch` raises ValueError "When
+    using `deepspeed_config_file`, the following accelerate config variables will be ignored"), even where they agree."""
     ds = write(tmp_path, "ds.json", {**ZERO3, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
     acc = write(tmp_path, "acc.yaml", {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 8,
                                        "deepspeed_config": {"deepspeed_config_file": str(ds)}})
-    assert run("--bf16", accelerate_config=acc) == []
-    assert run(accelerate_config=acc) == []  # no Trainer arguments: the yaml and the DeepSpeed file agree
-    # the DeepSpeed file enables fp16 while the yaml asks for bf16: accelerate raises at start-up
-    fp16 = write(tmp_path, "ds16.json", {**ZERO3, "bf16": {"enabled": False}, "fp16": {"enabled": True},
-                                          "zero_optimization": {"stage": 2}})
-    acc16 = write(tmp_path, "acc16.yaml", {**yaml.safe_load(acc.read_text()),
-                                            "deepspeed_config": {"deepspeed_config_file": str(fp16)}})
-    f = [f for f in run(accelerate_config=acc16) if f.code == "precision"]
-    assert len(f) == 1 and "cannot be set to bf16 when fp16" in f[0].problem and f[0].level == "warning"
-    # the Trainer's flag disagrees with the yaml: the flag wins silently
-    assert ("precision", "mixed_precision") in codes(run("--fp16", accelerate_config=acc))
+    [finding] = run("--bf16", accelerate_config=acc)
+    assert (finding.code, finding.key) == ("ignored-key", "mixed_precision")
+    assert "accelerate rejects it at launch" in finding.problem
 
 
 def test_ignored_and_refused_keys_are_worded_apart(tmp_path):

@@ -438,7 +438,10 @@ def launch_args(config_file, *flags: str, script: str = "train.py"):
 
     parser = launch_command_parser()
     args = parser.parse_args(["--config_file", str(config_file), *flags, script])
-    args, _, _ = _validate_launch_command(args)
+    args, defaults, mp_from_config_flag = _validate_launch_command(args)
+    if args.use_deepspeed:  # as accelerate's launch_command: the DeepSpeed fields the yaml set
+        fields = [*(defaults.deepspeed_config if defaults else ()), *(["mixed_precision"] if mp_from_config_flag else [])]
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
     return args
 
 
@@ -447,7 +450,6 @@ def launch_env(args) -> dict:
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = ""
         return prepare_deepspeed_cmd_env(args)[1]
     return prepare_multi_gpu_env(args)
 

@@ -1,16 +1,24 @@
 """Run several training scripts one after another in one launched process, so that the launch (process start,
 imports, process group) is paid once:
 
-    accelerate launch ... tests/workers/several_runs.py --run NAME SCRIPT ARGS... [--run NAME SCRIPT ARGS...] \\
-        --output_dir OUT
+    accelerate launch ... tests/workers/several_runs.py [--launch_config YAML] --run NAME SCRIPT ARGS... \\
+        [[--launch_config YAML] --run NAME SCRIPT ARGS...] --output_dir OUT
 
 Each script runs unchanged as `__main__` (runpy) with its ARGS and `--output_dir OUT/NAME`; what each rank
 prints meanwhile (file descriptors 1 and 2: libraries' output too) goes to `OUT/logs/NAME.rank{R}.log`. Before
 each run accelerate's state is reset, so every Trainer builds its own (the process group stays), and the heap
 left is frozen (gc.freeze); `end_of_run`
 (which ends the process group, and on gloo the process) runs once, after the last run.
+
+`--launch_config YAML` before a run: the run gets the environment `accelerate launch --config_file YAML` (with the
+tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code (shardscope.configs.launch_env),
+in place of the launch's: accelerate, the Trainer and DeepSpeed build that config's plugin from it as in a launch of
+their own. Only configs of the launch's family (DeepSpeed; FSDP) share a launch: the process group and accelerate's
+PartialState stay. Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
+hold the computed one equal to what the launcher exported (tests/conftest.py does, for the launcher's own config).
 """
 import gc
+import json
 import os
 import runpy
 import sys
@@ -20,20 +28,39 @@ from accelerate.state import AcceleratorState
 
 from shardscope.recipes import training
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: launch.accelerate_cpu_overrides
+LAUNCH_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # what the launcher exports of a config
 
-def parse(argv: list[str]) -> tuple[Path, list[tuple[str, str, list[str]]]]:
-    """(OUT, [(NAME, SCRIPT, ARGS)]); OUT is the last `--output_dir` (the one the launch appends). Arguments before
-    the first `--run` are the launcher's (the `deepspeed` launcher's `--local_rank=N`): every run gets them."""
+
+def parse(argv: list[str]) -> tuple[Path, list[tuple[str, str, list[str], str | None]]]:
+    """(OUT, [(NAME, SCRIPT, ARGS, LAUNCH_CONFIG or None)]); OUT is the last `--output_dir` (the one the launch
+    appends). Arguments before the first `--run` or `--launch_config` are the launcher's (the `deepspeed` launcher's
+    `--local_rank=N`): every run gets them."""
     at = len(argv) - 1 - argv[::-1].index("--output_dir")
     output_dir, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
-    first = argv.index("--run")
-    groups: list[list[str]] = []
-    for token in argv[first:]:
-        if token == "--run":
-            groups.append([])
+    first = min(argv.index(marker) for marker in ("--run", "--launch_config") if marker in argv)
+    runs, config, tokens = [], None, iter(argv[first:])
+    for token in tokens:
+        if token == "--launch_config":
+            config = next(tokens)
+        elif token == "--run":
+            runs.append([next(tokens), next(tokens), list(argv[:first]), config])
+            config = None
         else:
-            groups[-1].append(token)
-    return output_dir, [(name, script, [*argv[:first], *args]) for name, script, *args in groups]
+            runs[-1][2].append(token)
+    return output_dir, [tuple(run) for run in runs]
+
+
+def launched_with(config: str, record: Path) -> None:
+    """This process's environment as `accelerate launch --config_file CONFIG` sets it (module docstring)."""
+    from launch import accelerate_cpu_overrides
+    from shardscope.configs import launch_args, launch_env
+
+    exported = launch_env(launch_args(config, *accelerate_cpu_overrides(config, int(os.environ["WORLD_SIZE"]))))
+    exported = {k: v for k, v in exported.items() if k.startswith(LAUNCH_ENV)}
+    before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(LAUNCH_ENV)}
+    os.environ.update(exported, **{k: v for k, v in before.items() if k == "ACCELERATE_USE_CPU"})  # the tests' own
+    record.write_text(json.dumps({"launched": before, "computed": exported}))
 
 
 def run_one(script: str, args: list[str], log: Path) -> None:
@@ -63,7 +90,9 @@ def main():
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
     end_of_run, training.end_of_run = training.end_of_run, lambda: None  # the scripts' own call: not yet
     rank = os.environ.get("RANK", "0")
-    for name, script, args in runs:
+    for name, script, args, config in runs:
+        if config:
+            launched_with(config, output_dir / "logs" / f"{name}.launch_env.rank{rank}.json")
         run_one(script, [*args, "--output_dir", str(output_dir / name)], output_dir / "logs" / f"{name}.rank{rank}.log")
     end_of_run()
 
