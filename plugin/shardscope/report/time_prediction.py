@@ -16,11 +16,10 @@ from ..plan.mesh import Setup
 from ..plan.planner import estimate
 from ..plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
 from ..safe_io import load_json
-from ..strategy import strategy_from_summary
+from ..strategy import PRECISION_ALIASES, strategy_from_summary
 from ..summary import SUMMARY_FILE
 
 EXPLAINED = 0.02  # a prediction within 2% of the median has nothing to explain
-PRECISION = {"fp32": "fp32", "fp16": "fp16-mixed", "fp16-mixed": "fp16-mixed", "bf16-pure": "bf16-pure"}
 
 
 def run_setup(doc: dict, where) -> tuple:
@@ -41,7 +40,7 @@ def run_setup(doc: dict, where) -> tuple:
                 f"{str(error).rstrip('.')}")
     nodes = int(doc.get("num_nodes") or 1)
     setup = Setup(gpus_per_node=int(doc["world_size"]) // nodes, nodes=nodes,
-                  precision=PRECISION.get(str(doc.get("precision")), "bf16-mixed"), micro_batch=int(step["micro_batch"]),
+                  precision=PRECISION_ALIASES.get(str(doc.get("precision")).lower(), "bf16-mixed"), micro_batch=int(step["micro_batch"]),
                   seq_len=int(step.get("seq_len") or 2048), grad_accum_steps=int(doc.get("gradient_accumulation_steps") or 1),
                   activation_checkpointing=bool(step.get("gradient_checkpointing"))).validate()
     return spec, setup, strategy, note
