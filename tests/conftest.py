@@ -144,7 +144,7 @@ def shared_launches() -> list[tuple]:
     from peak_spec import RUNS as PEAK_RUNS
     from peak_spec import peak_flags
     from precision_checks import PRECISION_RUNS, precision_flags
-    from shardscope.configs import shipped_configs
+    from shardscope.fit.configs import shipped_configs
 
     def beside(c):  # the precision and peak runs of config c
         return [*((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
@@ -168,7 +168,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
     the runs shared_launches() puts beside it; returns (profiler summary, [independent count per rank], the run's
     folder)."""
     from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
-    from shardscope.configs import find_config
+    from shardscope.fit.configs import find_config
 
     cache = {}
     launches = shared_launches()
