@@ -121,12 +121,11 @@ def test_fit_searches_the_tp_rows_the_planner_can_recommend(gpus, nodes, t, plan
     """Which TP rows exist (plan/mesh.py) and which a run on every GPU can use (the planner's recommendation and
     fit's search) have one owner each: fit's groups, the planner's rows and its recommendation agree."""
     from shardscope.fit.search import strategy_groups
-    from shardscope.model.spec import model_spec
 
-    spec, setup = model_spec("llama-3-8b"), Setup(gpus_per_node=gpus, nodes=nodes, tp_size=t, gpu_memory_bytes=10 ** 15)
-    result = estimate(spec, setup)
+    setup = Setup(gpus_per_node=gpus, nodes=nodes, tp_size=t, gpu_memory_bytes=10 ** 15)
+    result = estimate(SPEC, setup)
     assert tuple(r.strategy for r in result["rows"] if r.strategy in TP_STRATEGIES) == planned
-    assert [(d, names) for d, names, _ in strategy_groups(spec, setup, TP_STRATEGIES)] == \
+    assert [(d, names) for d, names, _ in strategy_groups(SPEC, setup, TP_STRATEGIES)] == \
         ([(t, searched)] if searched else [])
     rec = result["recommendation"]  # everything fits: ddp, and the TP rows it lists as fitting alternatives
     assert rec["strategy"] == "ddp" and tuple(s for s in TP_STRATEGIES if s in rec["not_chosen"]) == searched
