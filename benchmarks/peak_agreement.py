@@ -49,7 +49,7 @@ def run_name(config: str, precision: str, ckpt: bool) -> str:
 
 
 def launch_all(out: Path, only: list[str], small: bool = False) -> list[Path]:
-    from shardscope.configs import resolve_config
+    from shardscope.fit.configs import resolve_config
     from shardscope.launching import launch, launch_command
     from shardscope.recipes.tiny import make_causal_lm
 

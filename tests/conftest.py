@@ -145,7 +145,7 @@ def accelerate_families() -> dict[str, list[str]]:
     """The single-node accelerate configs without a parallelism mesh, by distributed_type."""
     import yaml
 
-    from shardscope.configs import shipped_configs
+    from shardscope.fit.configs import shipped_configs
 
     families: dict[str, list[str]] = {}
     for config in shipped_configs():
@@ -159,7 +159,7 @@ def shared_launches() -> list[tuple]:
     from peak_spec import RUNS as PEAK_RUNS
     from peak_spec import peak_flags
     from precision_checks import PRECISION_RUNS, precision_flags
-    from shardscope.configs import shipped_configs
+    from shardscope.fit.configs import shipped_configs
 
     def runs_of(c):  # the agreement runs, or the config's own run; then its precision and peak runs
         own = ([(c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
@@ -185,7 +185,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
     the runs shared_launches() puts beside it; returns (profiler summary, [independent count per rank], the run's
     folder)."""
     from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
-    from shardscope.configs import find_config
+    from shardscope.fit.configs import find_config
 
     cache = {}
     launches = shared_launches()

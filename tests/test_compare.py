@@ -15,6 +15,7 @@ from PIL import Image, ImageStat
 
 from launch import ROOT, shardscope_cli as shardscope
 from shardscope import launching
+from shardscope.fit.configs import launcher_config
 from shardscope.report import compare
 
 # ZeRO-2 whose gradient clipping disagrees with the Trainer's max_grad_norm (1.0): the Trainer raises on
@@ -206,18 +207,18 @@ def test_report_errors_name_the_file(tmp_path):
 
 
 def test_launch_commands(tmp_path):
-    acc = launching.launch_command("accelerate", "train.py", launching.launcher_config("zero3", "accelerate"),
+    acc = launching.launch_command("accelerate", "train.py", launcher_config("zero3", "accelerate"),
                                  ["--max_steps", "3"], tmp_path / "zero3", 2, ["--mixed_precision", "no"])
     assert acc[1:3] == ["launch", "--config_file"] and acc[3].endswith("accelerate_configs/zero3.yaml")
     assert acc[4:6] == ["--num_processes", "2"] and acc[6] == "--main_process_port"
     assert acc[8:] == ["--mixed_precision", "no", "train.py", "--max_steps", "3", "--output_dir", str(tmp_path / "zero3")]
-    ds = launching.launch_command("deepspeed", "train.py", launching.launcher_config("zero3", "deepspeed"), [],
+    ds = launching.launch_command("deepspeed", "train.py", launcher_config("zero3", "deepspeed"), [],
                                 tmp_path / "zero3", 2, ["--master_port", "1234"])
     assert ds[0].endswith("deepspeed") and ds[1:5] == ["--num_gpus", "2", "--master_port", "1234"]
     assert ds[5:9] == ["train.py", "--output_dir", str(tmp_path / "zero3"), "--deepspeed"]
     assert ds[9].endswith("ds_configs/zero3.json")
     with pytest.raises(compare.UsageError, match="'ddp' is not one of the shipped"):
-        launching.launcher_config("ddp", "deepspeed")
+        launcher_config("ddp", "deepspeed")
 
 
 def test_failure_reason_picks_the_error_line():

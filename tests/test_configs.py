@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from launch import ROOT, SBATCH, free_port, slurm_stand_ins
-from shardscope.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
+from shardscope.fit.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
                                 validate_config)
 from shardscope.errors import UsageError
 

@@ -111,6 +111,26 @@ def test_divisors():
     assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(7) == [1, 7]
 
 
+
+@pytest.mark.parametrize("gpus, nodes, t, planned, searched", [
+    (8, 1, 2, ("tp", "fsdp_tp"), ("fsdp_tp",)),  # tp alone on 2 of 8 GPUs: planned, never searched nor recommended
+    (8, 1, 8, ("tp",), ("tp",)),                 # fsdp_tp would repeat tp's mesh
+    (4, 2, 4, ("tp", "fsdp_tp", "hsdp_tp"), ("fsdp_tp", "hsdp_tp")),
+    (8, 1, 1, ("tp", "fsdp_tp"), ())])           # degree 1 repeats ddp / fsdp
+def test_fit_searches_the_tp_rows_the_planner_can_recommend(gpus, nodes, t, planned, searched):
+    """Which TP rows exist (plan/mesh.py) and which a run on every GPU can use (the planner's recommendation and
+    fit's search) have one owner each: fit's groups, the planner's rows and its recommendation agree."""
+    from shardscope.fit.search import strategy_groups
+
+    setup = Setup(gpus_per_node=gpus, nodes=nodes, tp_size=t, gpu_memory_bytes=10 ** 15)
+    result = estimate(SPEC, setup)
+    assert tuple(r.strategy for r in result["rows"] if r.strategy in TP_STRATEGIES) == planned
+    assert [(d, names) for d, names, _ in strategy_groups(SPEC, setup, TP_STRATEGIES)] == \
+        ([(t, searched)] if searched else [])
+    rec = result["recommendation"]  # everything fits: ddp, and the TP rows it lists as fitting alternatives
+    assert rec["strategy"] == "ddp" and tuple(s for s in TP_STRATEGIES if s in rec["not_chosen"]) == searched
+
+
 # ----------------------------------------------------------------------------- command line
 def fit(capsys, *argv):
     code = main(["fit", *map(str, argv)])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardscope.measure.precision import ForwardProbe, classify, dtype_name, verdict
-from shardscope.strategy import configured_precision
+from shardscope.strategy import PRECISION_ALIASES, configured_precision, trainer_precision
 
 
 def model_and_optimizer(dtype=torch.float32, master=False):
@@ -75,7 +75,10 @@ def test_installed_autocast_wrapper_and_zero3_built_fp32():
     assert verdict("fp32", classify(torch.nn.Linear(2, 2), None), strategy="ddp", loaded_dtype="bf16")["ok"]
 
 
-@pytest.mark.parametrize("bf16, fp16, name", [(True, False, "bf16-mixed"), (False, True, "fp16-mixed"),
-                                              (False, False, "fp32")])
-def test_configured_precision(bf16, fp16, name):
-    assert configured_precision(bf16, fp16) == name
+@pytest.mark.parametrize("bf16, fp16, short, name", [(True, False, "bf16", "bf16-mixed"),
+                                                     (False, True, "fp16", "fp16-mixed"), (False, False, "fp32", "fp32")])
+def test_configured_precision(bf16, fp16, short, name):
+    """The Trainer's flags mapped once: the summary's name (the callback's), the planner's, and back from the summary
+    (report/, plan --compare)."""
+    assert trainer_precision(bf16, fp16) == short and configured_precision(bf16, fp16) == name
+    assert PRECISION_ALIASES[short] == name

@@ -104,7 +104,8 @@ def summary(strategy="ddp", accumulation=2, checkpointing=False):
     rank = {"time_breakdown": breakdown, "step_time_s": {"median": 0.4, "p10": 0.39, "p90": 0.41, "steps": 10},
             "throughput": {"tflops_per_device": 0.003, "seconds": 4.0},
             "comm": {"all_reduce": {"calls": 3, "bytes": 6e6, "sent_bytes": 6e6}},
-            "peak_step": {"gradient_checkpointing": checkpointing}}
+            "peak_step": {"gradient_checkpointing": checkpointing},
+            "params_bytes": 4 * 10 ** 6, "grads_bytes": 4 * 10 ** 6, "optimizer_bytes": 8 * 10 ** 6}
     return {"strategy": strategy, "gradient_accumulation_steps": accumulation, "world_size": 2,
             "mesh": {"dp_replicate": 2, "dp_shard": 1, "tp": 1} if strategy == "ddp" else
             {"dp_replicate": 1, "dp_shard": 2, "tp": 1},
@@ -310,6 +311,28 @@ def test_fit_ranks_by_the_same_function(capsys, tmp_path):
         assert fastest <= result["step_time_s"] <= fastest * (1 + result["tie"]["error"])
     else:
         assert result["step_time_s"] == fastest
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"precision": "fp8"}, "key 'precision' ('fp8') is not one of"),
+    ({"num_nodes": "2"}, "key 'num_nodes' must be a positive integer"),
+    ({"gradient_accumulation_steps": 0}, "key 'gradient_accumulation_steps' must be a positive integer"),
+    ({"strategy": "fsdp_tp", "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 4}}, "disagrees with world_size 2"),
+    ({"strategy": "pipeline"}, "key 'strategy' ('pipeline') is not one of")])
+def test_a_run_is_read_with_the_checks_plan_compare_reads_it_with(tmp_path, capsys, change, message):
+    """The summary's fields have one owner (`summary.run_of`): the prediction and `plan --compare` refuse the same
+    bad key with the same line."""
+    from shardscope.report.time_prediction import predict_run
+
+    doc = {**summary(), **change}
+    for rank in doc["ranks"]:
+        rank["peak_step"].update(micro_batch=1, seq_len=64)
+    run = write_run(tmp_path / "run", doc)
+    with pytest.raises(UsageError) as raised:
+        predict_run(run, FIG)
+    assert message in str(raised.value)
+    assert main(["plan", "--compare", str(run / "shardscope_summary.json")]) == 2
+    assert capsys.readouterr().err == f"shardscope: error: {raised.value}\n"
 
 
 def test_a_run_is_predicted_at_its_own_setup(tmp_path):

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from .configs import resolve_config
 from .errors import UsageError
 from .summary import SUMMARY_FILE
 
@@ -38,18 +37,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def launcher_config(name: str, launcher: str) -> Path:
-    """The config file `launcher` reads: a path, or a shipped name of its kind (`zero3`: the accelerate yaml for
-    `accelerate launch`, ds/zero3 for `deepspeed`)."""
-    if launcher == "accelerate":
-        return resolve_config(name, "accelerate")
-    try:
-        return resolve_config(name, "deepspeed")
-    except UsageError:
-        raise UsageError(f"--launcher deepspeed needs a DeepSpeed JSON config: '{name}' is not one of the shipped "
-                         "ds/ configs (zero1, zero2, zero2_offload, zero3, zero3_offload) nor a file") from None
 
 
 def launch_command(launcher: str, recipe: str, config: Path, recipe_args: list[str], output_dir: Path,

@@ -9,7 +9,7 @@ from .model.spec import live_config, spec_from_config
 from .plan.mesh import Setup, setup_for_mesh
 from .plan.planner import estimate, usable_bytes
 from .plan.trace import traces_for
-from .strategy import configured_precision
+from .strategy import PRECISION_ALIASES
 from .units import gb
 
 
@@ -27,7 +27,7 @@ def plan_for_live_run(model, strategy: str | None, mesh: dict | None, world: int
     config, lora = live_config(model)
     shape = step_shape(model, (), inputs or {})
     setup = Setup(gpus_per_node=max(1, world // nodes), nodes=nodes, gpu_memory_bytes=gpu_memory_bytes,
-                  precision=configured_precision(precision == "bf16", precision == "fp16"),
+                  precision=PRECISION_ALIASES.get(str(precision), "fp32"),
                   micro_batch=shape["micro_batch"] or 1, seq_len=shape["seq_len"] or 0,
                   image_size=shape["image_size"], activation_checkpointing=shape["gradient_checkpointing"], **lora)
     if mesh and mesh.get("tp", 1) > 1:

@@ -14,15 +14,21 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"
               "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_offload", *TP_STRATEGIES)
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum")
-# How runs and configs spell a precision -> the planner's name.
+# How runs and configs spell a precision -> the planner's name (a summary's "bf16" -> "bf16-mixed").
 PRECISION_ALIASES = {"no": "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "bf16-mixed",
                      "fp16": "fp16-mixed", "bf16-mixed": "bf16-mixed", "fp16-mixed": "fp16-mixed",
                      "bf16-pure": "bf16-pure", "bf16-true": "bf16-pure"}
 
 
+def trainer_precision(bf16: bool, fp16: bool) -> str:
+    """The Trainer's flags (--bf16 / --fp16) as the profiler and its summary name them: "bf16", "fp16" or "fp32"
+    (the one mapping of the flags; `configured_precision` is the planner's name for them)."""
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
 def configured_precision(bf16: bool, fp16: bool) -> str:
-    """The planner's name for the Trainer's flags (--bf16 / --fp16)."""
-    return "bf16-mixed" if bf16 else "fp16-mixed" if fp16 else "fp32"
+    """The planner's name for the Trainer's flags (--bf16 / --fp16): "bf16-mixed", "fp16-mixed" or "fp32"."""
+    return PRECISION_ALIASES[trainer_precision(bf16, fp16)]
 
 
 def family(strategy: str) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .safe_io import atomic_write_text, load_json
+from .strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, strategy_from_summary, tp_strategy
 
 SUMMARY_FILE = "shardscope_summary.json"
 SCHEMA_VERSION = 1
@@ -100,6 +101,61 @@ def read_summary(path: str | Path) -> dict:
             if not _is_count(value):
                 raise UsageError(f"summary '{path}': key 'ranks[{i}].{key}' is missing or not a byte count")
     return summary
+
+
+def run_of(summary: dict, path) -> dict:
+    """The run a summary (as `read_summary` returns it) records, as the planner reads it, each key checked (one-line
+    `UsageError` naming the file and key): {strategy, world_size, num_nodes, precision (the planner's names),
+    grad_accum_steps (None where not recorded), mesh (a TP run's, held to world_size and strategy; else None)}.
+    report/'s plan_vs_run and time_prediction read a run through it."""
+    where = f"summary '{path}'"
+    strategy = strategy_from_summary(summary)
+    if strategy is None:
+        raise UsageError(f"{where}: key 'strategy' ({summary['strategy']!r}) is not one of {', '.join(STRATEGIES)}")
+    world, nodes = summary["world_size"], summary.get("num_nodes") or 1
+    if count_or_none(nodes) is None:
+        raise UsageError(f"{where}: key 'num_nodes' must be a positive integer, got {nodes!r}")
+    precision = PRECISION_ALIASES.get(str(summary.get("precision", "fp32")).lower())
+    if precision is None:
+        raise UsageError(f"{where}: key 'precision' ({summary.get('precision')!r}) is not one of "
+                         f"{', '.join(PRECISIONS)}")
+    accum = summary.get("gradient_accumulation_steps")
+    if "gradient_accumulation_steps" in summary and not count_or_none(accum):
+        raise UsageError(f"{where}: key 'gradient_accumulation_steps' must be a positive integer, got {accum!r}")
+    mesh = summary.get("mesh") if strategy in TP_STRATEGIES else None
+    if strategy in TP_STRATEGIES:
+        if not isinstance(mesh, dict) or not all(count_or_none(mesh.get(k)) for k in ("dp_replicate", "dp_shard", "tp")):
+            raise UsageError(f"{where}: key 'mesh' must give positive integers dp_replicate, dp_shard and tp for "
+                             f"strategy {strategy}, got {mesh!r}")
+        degrees = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["tp"]
+        if degrees != world:
+            raise UsageError(f"{where}: key 'mesh' ({mesh['dp_replicate']} x {mesh['dp_shard']} x {mesh['tp']} = "
+                             f"{degrees}) disagrees with world_size {world}")
+        if tp_strategy(mesh) != strategy:
+            raise UsageError(f"{where}: key 'strategy' ({strategy}) disagrees with key 'mesh' {mesh} (which is "
+                             f"{tp_strategy(mesh)})")
+    return {"strategy": strategy, "world_size": world, "num_nodes": nodes, "precision": precision,
+            "grad_accum_steps": accum, "mesh": mesh}
+
+
+def step_shape(rank: dict, where: str) -> dict | None:
+    """A rank's measured step shape (`peak_step`): {micro_batch, seq_len, image_size, gradient_checkpointing}, None
+    where it is not recorded; one-line `UsageError` naming `where` (the key) when it is malformed."""
+    step = rank.get("peak_step")
+    if step is None:
+        return None
+    shape = {k: step.get(k) if isinstance(step, dict) else None
+             for k in ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")}
+    if not count_or_none(shape["micro_batch"]) or not all(
+            v is None or count_or_none(v) is not None for v in (shape["seq_len"], shape["image_size"])):
+        raise UsageError(f"{where} must give a positive integer micro_batch and non-negative integers (or null) "
+                         f"seq_len and image_size, got {step!r}")
+    return shape
+
+
+def count_or_none(value):
+    """A count read from a summary (an integer, not a bool, in [0, 2**63)), or None."""
+    return value if isinstance(value, int) and _is_count(value) else None
 
 
 def _is_count(value) -> bool:

@@ -11,7 +11,7 @@ left is frozen (gc.freeze); `end_of_run`
 (which ends the process group, and on gloo the process) runs once, after the last run.
 
 `--launch_config YAML` before a run: the run gets the environment `accelerate launch --config_file YAML` (with the
-tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code (shardscope.configs.launch_env),
+tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code (shardscope.fit.configs.launch_env),
 in place of the launch's: accelerate, the Trainer and DeepSpeed build that config's plugin from it as in a launch of
 their own. Only configs of the launch's family (DeepSpeed; FSDP) share a launch: the process group and accelerate's
 PartialState stay. Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
@@ -54,7 +54,7 @@ def parse(argv: list[str]) -> tuple[Path, list[tuple[str, str, list[str], str | 
 def launched_with(config: str, record: Path) -> None:
     """This process's environment as `accelerate launch --config_file CONFIG` sets it (module docstring)."""
     from launch import accelerate_cpu_overrides
-    from shardscope.configs import launch_args, launch_env
+    from shardscope.fit.configs import launch_args, launch_env
 
     exported = launch_env(launch_args(config, *accelerate_cpu_overrides(config, int(os.environ["WORLD_SIZE"]))))
     exported = {k: v for k, v in exported.items() if k.startswith(LAUNCH_ENV)}

@@ -7,8 +7,8 @@ import shlex
 from pathlib import Path
 
 from ..errors import UsageError
-from ..launching import (CPU_LAUNCHER_ARGS, LOG_FILE, cpu_launch_problem, launch, launch_command, launcher_config,
-                         no_summary_reason)
+from ..fit.configs import launcher_config
+from ..launching import CPU_LAUNCHER_ARGS, LOG_FILE, cpu_launch_problem, launch, launch_command, no_summary_reason
 from ..report.compare import outcome, write_report
 from ..summary import SUMMARY_FILE
 from ..plan.calibration import measured_figures

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..configs import KINDS, find_config, guess_kind, shipped_configs, validate_config
+from ..fit.configs import KINDS, find_config, guess_kind, shipped_configs, validate_config
 from ..doctor.diagnose import check_files
 from ..doctor.rules import failing
 from ..errors import UsageError

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..configs import ConfigProblems, resolve_config, validate_config
+from ..fit.configs import ConfigProblems, resolve_config, validate_config
 from .cluster import cluster_checks
 from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
                                check_deepspeed_precision, planner_settings)

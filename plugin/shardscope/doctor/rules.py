@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..configs import DEEPSPEED_SECTIONS, accelerate_sections, not_mappings
+from ..fit.configs import DEEPSPEED_SECTIONS, accelerate_sections, not_mappings
 from ..errors import UsageError
 from ..safe_io import load_data
 

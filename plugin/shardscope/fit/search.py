@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..model.spec import ModelSpec
 from ..plan.formulas import Row
 from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
-from ..plan.planner import estimate, fits, host_fits as planner_host_fits, usable_bytes
+from ..plan.planner import chosen_tp_rows, estimate, fits, host_fits as planner_host_fits, usable_bytes
 from ..plan.sequence import KINDS, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name, search_groups
 from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, model_error, step_time
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
@@ -66,19 +66,16 @@ def divisors(n: int) -> list[int]:
 
 def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | None, tuple, int]]:
     """(tp_size, strategies, data-parallel size) of each mesh family to search: the non-TP strategies over
-    all GPUs; per TP degree t > 1 (`setup.tp_size`, else each that divides the GPUs per node and both head
-    counts) the TP rows, dp = world / t."""
+    all GPUs; per TP degree t (`setup.tp_size`, else each that divides both head counts) the TP rows a run on
+    every GPU can use (`planner.chosen_tp_rows`), dp = world / t."""
     world, groups = setup.world_size, []
     plain = tuple(s for s in allowed if s in STRATEGIES and s not in TP_STRATEGIES
                   and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
     if plain:
         groups.append((None, plain, world))
-    if spec.tp_plan and any(s in TP_STRATEGIES for s in allowed):
+    if spec.tp_plan:
         for t in [setup.tp_size] if setup.tp_size else valid_tp_degrees(*spec.heads):
-            if t == 1 or setup.gpus_per_node % t:
-                continue
-            names = tuple(s for s in TP_STRATEGIES if s in allowed and (
-                (s == "tp" and t == world) or (s == "fsdp_tp" and t < world) or (s == "hsdp_tp" and setup.nodes > 1)))
+            names = chosen_tp_rows(setup, t, allowed)
             if names:
                 groups.append((t, names, world // t))
     return groups + search_groups(spec, setup, allowed)  # each sequence split cp/sp ways: dp = world / degree

@@ -18,6 +18,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from .guard import Guard, MethodWrap, WarnOnce, never_raises, unwrap_stale, validate_arguments
 from .profiler import ShardingProfiler
 from .step_counts import describe_flops
+from ..strategy import trainer_precision
 from ..summary import FIT_ATTRIBUTE, SUMMARY_FILE
 
 # Trainer attributes holding a frozen model -> the name it has in the summary (others: the attribute's name).
@@ -103,7 +104,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self.profiler = self.profiler_class(
             trained, optimizer, output_dir=args.output_dir, every_n_steps=every,
             frozen_models=frozen, peak_tflops=self.peak_tflops, summary_file=self.summary_file,
-            memory_step=memory_step, **self.sampled, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            memory_step=memory_step, **self.sampled, precision=trainer_precision(args.bf16, args.fp16),
             flops_model=self._flops_model, start_step=state.global_step, last_step=state.max_steps,
             hang_after=self.hang_after,
             summary_extra={"fit": getattr(args, FIT_ATTRIBUTE, None),  # shardscope fit: fit_training

@@ -18,7 +18,7 @@ import torch
 
 from .guard import Instrument, WarnOnce
 from .rank_gather import gather_objects
-from ..strategy import configured_precision
+from ..strategy import configured_precision, trainer_precision
 from ..state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
                           storage_entry, zero_optimizer)
 
@@ -203,7 +203,7 @@ class PrecisionWatch:
     def __init__(self, model, optimizer, args, strategy: str | None, instrument: Instrument | None = None):
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.configured = configured_precision(args.bf16, args.fp16)
-        self.autocast = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        self.autocast = trainer_precision(args.bf16, args.fp16) if args.bf16 or args.fp16 else None
         self.loaded = loaded_dtype(model)
         self.probe = ForwardProbe(getattr(model, "module", model), instrument)
 

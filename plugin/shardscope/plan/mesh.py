@@ -104,16 +104,24 @@ def run_dict(setup: Setup, knobs: LibraryKnobs) -> dict:
 
 
 def row_meshes(spec: ModelSpec, setup: Setup, strategies) -> dict:
-    """Each strategy's row mesh on this setup (`tp_mesh`), in `strategies`' order: the TP rows (at `tp_degree`)
-    only where the model has a TP plan, fsdp_tp not where TP spans every GPU and hsdp_tp not on one node (their
-    mesh is the row's above)."""
+    """Each strategy's row mesh on this setup (`tp_mesh`), in `strategies`' order: the TP rows (`tp_rows` at
+    `tp_degree`) only where the model has a TP plan."""
     if not spec.tp_plan:
         if setup.tp_size is not None:
             tp_degree(spec, setup)  # raises: no plan
         return {s: tp_mesh(s, setup, 1) for s in strategies if s not in TP_STRATEGIES}
     t = tp_degree(spec, setup)
+    kept = tp_rows(setup, t, strategies)
+    return {s: tp_mesh(s, setup, t if s in TP_STRATEGIES else 1) for s in strategies
+            if s not in TP_STRATEGIES or s in kept}
+
+
+def tp_rows(setup: Setup, t: int, strategies=TP_STRATEGIES) -> tuple[str, ...]:
+    """The TP rows of `strategies` at degree t, in `TP_STRATEGIES`' order (the one rule of which exist): fsdp_tp
+    not where TP spans every GPU (t = world) and hsdp_tp not on one node, where their mesh is the row's above; tp
+    always (on t GPUs of one node)."""
     same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
-    return {s: tp_mesh(s, setup, t if s in TP_STRATEGIES else 1) for s in strategies if not same.get(s)}
+    return tuple(s for s in TP_STRATEGIES if s in strategies and not same.get(s))
 
 
 def tp_degree(spec: ModelSpec, setup: Setup) -> int:

@@ -7,7 +7,7 @@ rows, `fits`, `recommend` (here) -> printing (`cli.plan`); planned beside measur
 from __future__ import annotations
 
 from .formulas import Row, activation_bytes, counts, strategy_row
-from .mesh import LibraryKnobs, Setup, row_meshes, run_dict
+from .mesh import LibraryKnobs, Setup, row_meshes, run_dict, tp_rows
 from ..model.spec import ModelSpec, model_spec
 from .trace import regime_for
 from ..strategy import STRATEGIES, TP_STRATEGIES, family
@@ -65,10 +65,8 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
             continue  # one node: identical to full shard
         if tier[0] in TP_STRATEGIES:
             row = by_name.get(tier[0])
-            if row is None or row.mesh["tp"] == 1:  # estimate() leaves out rows that repeat a mesh
+            if row is None or tier[0] not in chosen_tp_rows(setup, row.mesh["tp"]):
                 continue
-            if tier == ("tp",) and row.mesh["tp"] != setup.world_size:
-                continue  # TP alone uses t GPUs of one node, not all of them
         names = sorted(tier, key=lambda s: family(s) != setup.prefer)
         for name in names:
             row = by_name[name]
@@ -88,9 +86,18 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
                                          f"a smaller micro-batch{hint} or LoRA"}
 
 
+def chosen_tp_rows(setup: Setup, t: int, strategies=TP_STRATEGIES) -> tuple[str, ...]:
+    """The TP rows (`mesh.tp_rows`) a run on every GPU can use at degree t (what `recommend` picks from and `fit`
+    searches): none at t = 1 (they repeat ddp / fsdp) or where t does not divide the GPUs per node (a TP group
+    stays in one node), and tp only where t is the world (elsewhere it leaves GPUs idle)."""
+    if t < 2 or setup.gpus_per_node % t:
+        return ()
+    return tuple(s for s in tp_rows(setup, t, strategies) if s != "tp" or t == setup.world_size)
+
+
 def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
     """One line each on why a fitting alternative lost: the other strategy of the pick's tier, and the
-    TP rows (degree > 1) that fit."""
+    TP rows a run on every GPU can use (`chosen_tp_rows`) that fit."""
     out = {}
     for row in rows:
         if row.strategy == pick or not row.fits:
@@ -99,7 +106,7 @@ def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
             out[row.strategy] = (f"fits too ({gb(row.peak_bytes)} GB), same tier of the decision tree; "
                                  f"--prefer {setup.prefer}{' (the default)' * (setup.prefer == 'fsdp')} "
                                  f"puts {pick} first")
-        elif row.strategy in TP_STRATEGIES and row.mesh["tp"] > 1:
+        elif row.strategy in chosen_tp_rows(setup, row.mesh["tp"]):
             out[row.strategy] = (f"fits too ({gb(row.peak_bytes)} GB) but ranks after sharding: FSDP over the "
                                  f"same GPUs divides model states as well, and TP all-reduces activations in "
                                  f"every layer; pick it when activations or gathered layers do not fit")

@@ -13,8 +13,7 @@ from ..plan.formulas import strategy_row
 from ..plan.mesh import LibraryKnobs, Setup, setup_for_mesh
 from ..plan.sequence import comm_terms
 from ..plan.trace import regime_for
-from ..strategy import PRECISION_ALIASES, PRECISIONS, STRATEGIES, TP_STRATEGIES, strategy_from_summary
-from ..summary import COMPONENTS, read_summary
+from ..summary import COMPONENTS, count_or_none, read_summary, run_of, step_shape
 
 
 def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: Setup | None = None,
@@ -26,18 +25,11 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
     traced from `model` or the summary's model when it is a local folder or shipped name) beside it. `knobs`: what
     the libraries decide, where the summary does not say (the ZeRO and FSDP settings it holds win)."""
     summary = read_summary(summary_path)
-    strategy = strategy_from_summary(summary)
-    if strategy is None:
-        raise UsageError(f"summary '{summary_path}': key 'strategy' ({summary['strategy']!r}) is not one of "
-                         f"{', '.join(STRATEGIES)}")
-    world, nodes = int(summary["world_size"]), int(summary.get("num_nodes") or 1)
-    precision = PRECISION_ALIASES.get(str(summary.get("precision", "fp32")).lower())
-    if precision is None:
-        raise UsageError(f"summary '{summary_path}': key 'precision' ({summary.get('precision')!r}) is not one of "
-                         f"{', '.join(PRECISIONS)}")
+    run = run_of(summary, summary_path)
+    strategy, world, nodes = run["strategy"], run["world_size"], run["num_nodes"]
     info = summary.get("model") or {}
     spec, model = _spec_of_run(summary_path, info, spec, model)
-    setup = _setup_of_run(summary_path, summary, strategy, setup, world, nodes, precision)
+    setup = _setup_of_run(summary, run, setup)
     knobs = _knobs_of_run(summary, strategy, knobs or LibraryKnobs())
     row = _with_split_comm(summary, spec, setup, strategy_row(strategy, spec, setup, knobs=knobs))
     planned = {k: getattr(row, k) for k in COMPONENTS}
@@ -49,7 +41,7 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
     trainable = info.get("trainable_params")
     planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.peak_bytes)
     return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
-            "mesh": row.mesh, "precision": precision, "model": spec.name, "planned_total_bytes": planned_peak,
+            "mesh": row.mesh, "precision": run["precision"], "model": spec.name, "planned_total_bytes": planned_peak,
             "bucket_elements": knobs.bucket_elements, "trace_note": peaks.note,
             "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
             "planned_comm_bytes_per_step": row.comm_bytes_per_step,
@@ -85,30 +77,14 @@ def _spec_of_run(summary_path, info: dict, spec: ModelSpec | None, model: str | 
     return spec, model
 
 
-def _setup_of_run(summary_path, summary: dict, strategy: str, setup: Setup | None, world: int, nodes: int,
-                  precision: str) -> Setup:
-    """The Setup the run was: its GPUs, precision, accumulation, TP mesh and whether it held a frozen reference
-    model."""
-    setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=precision)
-    accum = summary.get("gradient_accumulation_steps", setup.grad_accum_steps)
-    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
-        raise UsageError(f"summary '{summary_path}': key 'gradient_accumulation_steps' must be a positive integer, "
-                         f"got {accum!r}")
-    setup = replace(setup, grad_accum_steps=accum)
-    mesh = summary.get("mesh")
-    if strategy in TP_STRATEGIES:
-        if not isinstance(mesh, dict) or not all(isinstance(mesh.get(k), int) and mesh[k] >= 1
-                                                 for k in ("dp_replicate", "dp_shard", "tp")):
-            raise UsageError(f"summary '{summary_path}': key 'mesh' must give positive integers dp_replicate, "
-                             f"dp_shard and tp for strategy {strategy}, got {mesh!r}")
-        degrees = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["tp"]
-        if degrees != world:
-            raise UsageError(f"summary '{summary_path}': key 'mesh' ({mesh['dp_replicate']} x {mesh['dp_shard']} x "
-                             f"{mesh['tp']} = {degrees}) disagrees with world_size {world}")
-        by_mesh, setup = setup_for_mesh(setup, mesh)
-        if by_mesh != strategy:
-            raise UsageError(f"summary '{summary_path}': key 'strategy' ({strategy}) disagrees with key 'mesh' "
-                             f"{mesh} (which is {by_mesh})")
+def _setup_of_run(summary: dict, run: dict, setup: Setup | None) -> Setup:
+    """The Setup the run was (`summary.run_of`): its GPUs, precision, accumulation, TP mesh and whether it held a
+    frozen reference model."""
+    world, nodes = run["world_size"], run["num_nodes"]
+    setup = replace(setup or Setup(), gpus_per_node=max(1, world // nodes), nodes=nodes, precision=run["precision"])
+    setup = replace(setup, grad_accum_steps=run["grad_accum_steps"] or setup.grad_accum_steps)
+    if run["mesh"]:
+        _, setup = setup_for_mesh(setup, run["mesh"])
     # A run that held a frozen copy of the model (DPO's reference) is planned with one: compared as its own part.
     return replace(setup, reference_model=all(v is not None for v in _references(summary)))
 
@@ -121,7 +97,7 @@ def _knobs_of_run(summary: dict, strategy: str, knobs: LibraryKnobs) -> LibraryK
     if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
         knobs = replace(knobs, fsdp_version=int(detail["fsdp_version"]))
     if strategy.startswith("zero"):  # the buckets the run's ZeRO optimizer was built with (the profiler reads them)
-        if _count_or_none(detail.get("reduce_bucket_size")):
+        if count_or_none(detail.get("reduce_bucket_size")):
             knobs = replace(knobs, bucket_elements=detail["reduce_bucket_size"])
         if isinstance(detail.get("overlap_comm"), bool):
             knobs = replace(knobs, zero_overlap_comm=detail["overlap_comm"])
@@ -130,7 +106,7 @@ def _knobs_of_run(summary: dict, strategy: str, knobs: LibraryKnobs) -> LibraryK
 
 def _references(summary: dict) -> list:
     """Per rank, the bytes of the frozen reference model it held (DPO's), or None."""
-    return [_count_or_none((r.get("frozen_models") or {}).get("reference")) for r in summary["ranks"]]
+    return [count_or_none((r.get("frozen_models") or {}).get("reference")) for r in summary["ranks"]]
 
 
 def _ranks(summary_path, summary: dict, planned: dict, peaks: "_PlannedPeaks") -> list[dict]:
@@ -161,15 +137,12 @@ class _PlannedPeaks:
         """{step, planned {peak_bytes, peak_breakdown, peak_phase, activations_source}, measured {peak_tensor_bytes,
         peak_breakdown, peak_phase}, error = (planned - measured) / measured (as the 5% bound reads)}, or None
         when the rank has no measured peak or step shape."""
-        step, breakdown = rank.get("peak_step"), rank.get("peak_breakdown")
-        if step is None or not isinstance(breakdown, dict) or _count_or_none(rank.get("peak_tensor_bytes")) is None:
+        breakdown = rank.get("peak_breakdown")
+        if not isinstance(breakdown, dict) or count_or_none(rank.get("peak_tensor_bytes")) is None:
             return None
-        shape = {k: step.get(k) if isinstance(step, dict) else None
-                 for k in ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")}
-        if not _count_or_none(shape["micro_batch"]) or not all(
-                v is None or _count_or_none(v) is not None for v in (shape["seq_len"], shape["image_size"])):
-            raise UsageError(f"{where} must give a positive integer micro_batch and non-negative integers (or null) "
-                             f"seq_len and image_size, got {step!r}")
+        shape = step_shape(rank, where)
+        if shape is None:
+            return None
         key = tuple(shape.values())
         if key not in self.rows:
             setup = replace(self.setup, micro_batch=shape["micro_batch"], image_size=shape["image_size"],
@@ -191,7 +164,3 @@ class _PlannedPeaks:
                              "peak_phase": rank.get("peak_phase")},
                 "error": (row.peak_bytes - measured) / measured if measured else None}
 
-
-def _count_or_none(value):
-    """A byte count read from a summary, or None (missing, not a number)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -1,9 +1,9 @@
 """A profiled run's step time, predicted (`time_model.step_time` at the run's own setup) beside measured.
 
-The run's setup comes from its summary: the model (`model.name_or_path`, read as `plan --model` reads it, else
-its parameter count), the strategy (`strategy.strategy_from_summary`), world size and nodes, precision, and the
-step shape the profiler recorded (`peak_step`: micro-batch, sequence length, checkpointing) with
-`gradient_accumulation_steps`. Measured: the mean over ranks of `step_time_s` {median, p10, p90}.
+The run's setup comes from its summary (read and checked by `summary.read_summary`, `run_of`, `step_shape`): the
+model (`model.name_or_path`, read as `plan --model` reads it, else its parameter count), the strategy, world size and
+nodes, precision, and the step shape the profiler recorded (`peak_step`: micro-batch, sequence length,
+checkpointing) with `gradient_accumulation_steps`. Measured: the mean over ranks of `step_time_s` {median, p10, p90}.
 """
 from __future__ import annotations
 
@@ -15,21 +15,18 @@ from ..plan.calibration import calibrate, run_sources, scaled_breakdown, timed_r
 from ..plan.mesh import Setup
 from ..plan.planner import estimate
 from ..plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
-from ..safe_io import load_json
-from ..strategy import strategy_from_summary
-from ..summary import SUMMARY_FILE
+from ..summary import SUMMARY_FILE, read_summary, run_of, step_shape
 
 EXPLAINED = 0.02  # a prediction within 2% of the median has nothing to explain
-PRECISION = {"fp32": "fp32", "fp16": "fp16-mixed", "fp16-mixed": "fp16-mixed", "bf16-pure": "bf16-pure"}
 
 
 def run_setup(doc: dict, where) -> tuple:
     """(spec, setup, strategy, note) of a summary's run; `note` says when the model's folder could not be read and
     its parameter count stood for it (a Llama shape of that size), else ""."""
-    strategy = strategy_from_summary(doc)
-    step = (doc["ranks"][0].get("peak_step") or {}) if doc.get("ranks") else {}
-    if strategy is None or not step.get("micro_batch"):
-        raise UsageError(f"{where}: no strategy the planner knows or no recorded step shape ('peak_step')")
+    run = run_of(doc, where)
+    step = step_shape(doc["ranks"][0], f"summary '{where}': key 'ranks[0].peak_step'")
+    if step is None:
+        raise UsageError(f"summary '{where}': no recorded step shape ('peak_step')")
     name, note = doc["model"].get("name_or_path"), ""
     try:
         if not name or not Path(name).exists():
@@ -39,12 +36,12 @@ def run_setup(doc: dict, where) -> tuple:
         spec = model_spec(None, params=doc["model"]["params_total"])
         note = (f"predicted from the parameter count ({doc['model']['params_total']:,}, a Llama shape assumed): "
                 f"{str(error).rstrip('.')}")
-    nodes = int(doc.get("num_nodes") or 1)
-    setup = Setup(gpus_per_node=int(doc["world_size"]) // nodes, nodes=nodes,
-                  precision=PRECISION.get(str(doc.get("precision")), "bf16-mixed"), micro_batch=int(step["micro_batch"]),
-                  seq_len=int(step.get("seq_len") or 2048), grad_accum_steps=int(doc.get("gradient_accumulation_steps") or 1),
-                  activation_checkpointing=bool(step.get("gradient_checkpointing"))).validate()
-    return spec, setup, strategy, note
+    nodes = run["num_nodes"]
+    setup = Setup(gpus_per_node=run["world_size"] // nodes, nodes=nodes, precision=run["precision"],
+                  micro_batch=step["micro_batch"], seq_len=step["seq_len"] or 2048,
+                  grad_accum_steps=run["grad_accum_steps"] or 1,
+                  activation_checkpointing=bool(step["gradient_checkpointing"])).validate()
+    return spec, setup, run["strategy"], note
 
 
 def measured(doc: dict) -> dict | None:
@@ -58,8 +55,9 @@ def measured(doc: dict) -> dict | None:
 def predict_run(path, fig: Figures) -> dict:
     """{run, strategy, accumulation, checkpointing, predicted_s, parts, measured {median, p10, p90}, error} of a run."""
     path = Path(path)
-    doc = load_json(path / SUMMARY_FILE if path.is_dir() else path, "run summary")
-    spec, setup, strategy, note = run_setup(doc, path)
+    file = path / SUMMARY_FILE if path.is_dir() else path
+    doc = read_summary(file)
+    spec, setup, strategy, note = run_setup(doc, file)
     planned = estimate(spec, setup)
     row = next(r for r in planned["rows"] if r.strategy == strategy)
     predicted = step_time(row, spec, planned["model"], setup, planned["activations"]["tokens_per_sample"], fig)

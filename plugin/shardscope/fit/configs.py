@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from .errors import UsageError
-from .safe_io import parse_json, parse_yaml, read_text
+from ..errors import UsageError
+from ..safe_io import parse_json, parse_yaml, read_text
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 # folder -> (kind by file suffix, prefix of the qualified name)
 FOLDERS = {
     "accelerate_configs": ({".yaml": "accelerate", ".sbatch": "slurm"}, ""),
@@ -121,6 +121,17 @@ def resolve_config(value, kind: str) -> Path | None:
         raise UsageError(f"'{value}' is a shipped {config.kind} config, not a {kind} one")
     return config.path
 
+
+def launcher_config(name: str, launcher: str) -> Path:
+    """The config file `launcher` reads: a path, or a shipped name of its kind (`zero3`: the accelerate yaml for
+    `accelerate launch`, ds/zero3 for `deepspeed`)."""
+    if launcher == "accelerate":
+        return resolve_config(name, "accelerate")
+    try:
+        return resolve_config(name, "deepspeed")
+    except UsageError:
+        raise UsageError(f"--launcher deepspeed needs a DeepSpeed JSON config: '{name}' is not one of the shipped "
+                         "ds/ configs (zero1, zero2, zero2_offload, zero3, zero3_offload) nor a file") from None
 
 
 # ----------------------------------------------------------------------------- validation
