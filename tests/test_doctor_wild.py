@@ -75,8 +75,8 @@ def test_accelerate_mixed_precision_beside_a_deepspeed_file_is_refused_as_accele
     acc = write(tmp_path, "acc.yaml", {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 8,
                                        "deepspeed_config": {"deepspeed_config_file": str(ds)}})
     [finding] = run("--bf16", accelerate_config=acc)
-    assert (finding.code, finding.key) == ("ignored-key", "mixed_precision")
-    assert "accelerate rejects it at launch" in finding.problem
+    assert (finding.code, finding.key, finding.level) == ("config", "mixed_precision", "error")
+    assert "accelerate rejects it at launch beside deepspeed_config_file" in finding.problem
 
 
 def test_ignored_and_refused_keys_are_worded_apart(tmp_path):

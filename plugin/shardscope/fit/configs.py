@@ -7,6 +7,7 @@ written as strings. Every problem is reported as `FILE: KEY: what is wrong`.
 """
 from __future__ import annotations
 
+import ast
 import difflib
 import functools
 import importlib.util
@@ -494,7 +495,20 @@ def _check_launch(path: Path, loaded, problems: list[str]):
                 plugin = DeepSpeedPlugin()
                 _check_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
     except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as error:
-        problems.append(f"accelerate rejects it at launch: {error}")
+        problems += _refused_beside_deepspeed_file(args, error) or [f"accelerate rejects it at launch: {error}"]
+
+
+def _refused_beside_deepspeed_file(args, error) -> list[str]:
+    """The yaml keys accelerate's DeepSpeed plugin refuses beside `deepspeed_config_file` (it lists what it ignores;
+    the launcher passed which of them the yaml set), one problem per key."""
+    listed = re.search(r"deepspeed_config_file`, the following accelerate config variables will be ignored: (\[.*?\])",
+                       str(error))
+    if not listed:
+        return []
+    ignored = set(ast.literal_eval(listed.group(1)))
+    fields = [f for f in getattr(args, "deepspeed_fields_from_accelerate_config", "").split(",") if f in ignored]
+    return [f"{'' if field == 'mixed_precision' else 'deepspeed_config.'}{field}: accelerate rejects it at launch "
+            "beside deepspeed_config_file, even where the DeepSpeed file agrees (set it there only)" for field in fields]
 
 
 def _sequence_split_problems(mesh, args) -> list[str]:
