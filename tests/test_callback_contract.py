@@ -274,7 +274,7 @@ FAULTS = {
     "count_state": "model-state bytes", "held_gradients": "state_bytes disabled", "read_memory": "peak memory",
     "reset_peak": "peak memory", "count_batch": "batch counting", "rates": "reported figures",
     "start_gather": "cross-rank gather", "write_summary": "summary file", "StepPeak": "memory disabled",
-    "PrecisionWatch": "precision disabled", "gather_reports": "precision", "detect_strategy": "strategy",
+    "PrecisionWatch": "precision disabled", "gather_reports": "precision", "live_strategy": "strategy",
     "log_metrics": "metric logging", "callback:describe_flops": "parameter counts",
     "ThroughputWindow.step_end": "throughput", "callback:ShardingProfilerCallback._run_before_reporters": "callback order",
     "callback:frozen_models_of": "frozen models",

@@ -18,6 +18,7 @@ import torch
 
 from .. import __version__
 from .collective_timing import probe_links, probe_size
+from .cuda_compute import gpu_compute
 from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
 from .memory import device_of, memory_kind, read_memory, reset_peak
 from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
@@ -29,9 +30,9 @@ from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps  # issue 
 from .stragglers import Windows, line as straggler_line, straggler
 from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
                            zero_optimizer)
-from ..strategy import family, num_nodes
+from ..strategy import num_nodes
 from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
-from .detect import detect_strategy, wrapper_strategy, zero_buckets
+from .detect import live_strategy, visible_module, zero_buckets
 from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
 from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
                          device_peak_flops, rates, sequence_share, split_degrees, step_time_summary)
@@ -116,14 +117,14 @@ class ShardingProfiler:
         self.summary_extra = dict(summary_extra or {})  # top-level summary keys the caller owns (the callback's fit)
         self.global_step = start_step  # optimizer steps taken (a resumed Trainer run starts past 0)
         self.warn_once, self._guards = WarnOnce(), {}  # _guards: one per figure (a Guard holds no state of its own)
-        # What the profiler installs into the loop, by instrument (guard.py): "ok" or why not, in the summary
-        self._throughput, self._state, self._memory, self._precision_probe = (
-            Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
+        names = ("throughput", "state_bytes", "memory", "precision", "gpu compute")  # what it installs (guard.py)
+        self._throughput, self._state, self._memory, self._precision_probe, self._gpu_compute = (
+            Instrument(name, self.warn_once) for name in names)
         self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
         # _pending: a measurement whose gather step(defer=True) started; _link_probe: `collective_timing.probe_links`
-        self._closed, self._pending, self._link_probe = False, None, None
-        clock = time.perf_counter
-        self._interval, self._run, self._counts = ThroughputWindow(clock), ThroughputWindow(clock), StepCounts()
+        self._closed, self._pending, self._link_probe, self._sampled_due = False, None, None, True  # (_begin_sampled)
+        window = functools.partial(ThroughputWindow, time.perf_counter)
+        self._interval, self._run, self._counts = window(), window(), StepCounts()
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
         self._walk, self._route = {}, None  # {step: that step's snapshot's state_walk}; rank_gather.route, read once
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
@@ -132,8 +133,8 @@ class ShardingProfiler:
         self.detected, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
         with self.guard("strategy"):
-            self._module = self._visible_module(model)
-            self.detected.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
+            self._module = visible_module(model)
+            self.detected.update(live_strategy(model, self._module, self.warn_once), **zero_buckets(optimizer))
         self._tp, self._sp = split_degrees(self.detected.get("mesh"))  # ranks sharing a batch / a sequence's tokens
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
@@ -141,8 +142,8 @@ class ShardingProfiler:
         self._fields, self._log_fields = (*RANK_FIELDS, *frozen_fields), (*LOGGED_FIELDS, *frozen_fields)
         with self.guard("device"):
             self._device = device_of(accelerator, self._module)
+        self._gpu = gpu_compute(self._device, self._gpu_compute)  # None on CPU ranks (cuda_compute.py)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
-        self._sampled_due = True  # the next step's counter and timer are still to start
         self._instrument_list = self._all_instruments()  # (read at every step)
         forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
         with self.guard("parameter counts"):
@@ -350,7 +351,8 @@ class ShardingProfiler:
         self.frozen_models, self._grads, self._precision, self._route, self._walk = {}, None, None, None, {}
 
     def _all_instruments(self) -> tuple[Instrument, ...]:
-        return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
+        return (self._throughput, self._state, self._memory, self._precision_probe,
+                *((self._gpu_compute,) if self._device.type == "cuda" else ()), *self._sampled.instruments,
                 *self._loop_instruments)
 
     def instrument(self, name: str) -> Instrument:
@@ -371,6 +373,8 @@ class ShardingProfiler:
         self._pending = self._measure_rank(self._interval)  # guarded inside, collective; logged() completes it
         with self.guard("throughput"):
             self._interval.reset()
+            if self._gpu is not None:
+                self._gpu.reset()
         with self.guard("peak memory"):
             reset_peak(self._device)
 
@@ -412,8 +416,9 @@ class ShardingProfiler:
         with self.guard("throughput"):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds, tokens=as_float(totals.tokens),
-                        flops=as_float(totals.flops),  # compute: the training thread's CPU time, on CPU ranks only
-                        compute_seconds=as_float(totals.compute if self._device.type == "cpu" else None))
+                        flops=as_float(totals.flops),  # compute: CPU ranks' thread time; CUDA: cuda_compute
+                        compute_seconds=as_float(totals.compute if self._device.type == "cpu" else
+                                                 self._gpu_seconds(summary)))
             if summary:  # (the logs do not read the step times)
                 mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields() if summary else ())
@@ -463,36 +468,6 @@ class ShardingProfiler:
         self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
                             "params_total": self._flops_model.total_params,
                             "trainable_params": self._flops_model.trainable_total}
-
-    def _visible_module(self, model):
-        """The module whose parameters and forwards are counted: the model inside a known wrapper; for an object
-        the profiler does not know, the module it holds (`module` / `model`), warned about once."""
-        held = [model] + [getattr(model, a, None) for a in ("module", "model")]
-        inner = next((m for m in held if isinstance(m, torch.nn.Module)), None)
-        if inner is None:
-            raise TypeError(f"the model is a {type(model).__name__}, not a torch module, and holds none")
-        return unwrap(inner)
-
-    def _strategy(self, model) -> dict:
-        """The wrapper the loop built, else accelerate's state; "unknown" (warned once) when neither says."""
-        from accelerate.state import PartialState
-
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if isinstance(model, torch.nn.Module):
-            wrapped = wrapper_strategy(model)
-            if PartialState._shared_state:
-                configured = detect_strategy(self._module)  # TP meshes (FSDP2 over TP shards too) are read there
-                if wrapped is None or family(configured["strategy"]) in ("tp", family(wrapped["strategy"])):
-                    return configured
-            if wrapped is not None:
-                return wrapped
-            if world == 1:
-                return {"strategy": "single", "world_size": 1, "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1}}
-        self.warn_once("unknown wrapper", f"the model ({type(model).__name__}) is wrapped in nothing shardscope "
-                       "knows (DDP, FSDP, fully_shard, DeepSpeed, accelerate): strategy 'unknown', bytes counted "
-                       "from the parameters it exposes")
-        return {"strategy": "unknown", "world_size": world, "wrapper": type(model).__name__}
 
     def _watch_precision(self):
         """The configured precision: given, else the accelerator's, else what the tensors are at the start."""
@@ -559,6 +534,17 @@ class ShardingProfiler:
             torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
         getattr(self._interval, method)(*args, **kwargs)
         getattr(self._run, method)(*args, **kwargs)
+        if self._gpu is not None and self._gpu_compute.ok and method != "add_batch":
+            with self._gpu_compute:  # the step's CUDA events (no synchronisation of its own)
+                getattr(self._gpu, method)(*args, **kwargs)
+
+    def _gpu_seconds(self, summary: bool) -> float | None:
+        """A CUDA rank's compute seconds over the interval (or the run, `summary`) read so far; None without."""
+        with self._gpu_compute:
+            if self._gpu is not None and self._gpu_compute.ok:
+                self._gpu.collect(settle_s=1.0 if summary else 0.0)
+                return self._gpu.run if summary else self._gpu.interval
+        return None
 
     def _is_measure_step(self, step: int) -> bool:
         return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
