@@ -6,9 +6,13 @@ entries are dicts of the fields torch's flight recorder writes in its JSON form.
 replaced: the code under test reads only these two kinds of objects. What a run on a GPU would check is in the
 module's docstring.
 """
-import pytest
+import time
 
-from shardscope.measure.cuda_compute import LOST, PENDING, CudaCompute, Mark, TimingOff, oldest_kept, step_compute
+import pytest
+import torch
+
+from shardscope.measure.cuda_compute import (LOST, PENDING, CudaCompute, Mark, TimingOff, oldest_kept, ring_entries,
+                                             step_compute)
 
 
 class Event:
@@ -82,3 +86,20 @@ def test_steps_are_read_lazily_in_order_into_the_interval_and_the_run():
     timer.collect()
     assert (timer.interval, timer.run, len(timer.pending), timer.lost) == (
         pytest.approx(0.045), pytest.approx(0.135), 0, 0)
+
+
+def test_the_real_rings_entries_carry_the_fields_and_the_clock_read_here(tmp_path):
+    """torch's flight recorder in its JSON form: the newest entry last, created on `time.time_ns`'s clock (a mark's),
+    named by backend; gloo's CPU work is no GPU time, so a step over it keeps its whole span."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        before = time.time_ns()
+        torch.distributed.all_reduce(torch.ones(2))
+        after = time.time_ns()
+        entries = ring_entries()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert entries[-1]["profiling_name"] == "gloo:all_reduce" and before <= entries[-1]["time_created_ns"] <= after
+    span = (Mark(Event(0.0), before), Mark(Event(7.0), after + 1))
+    assert step_compute(*span, entries, oldest_kept(entries)) == pytest.approx(0.007)

@@ -111,7 +111,10 @@ def enable_timing() -> None:
         if "nccl" not in str(dist.get_backend()):
             raise RuntimeError(f"the {dist.get_backend()} backend puts no GPU time in torch's flight recorder "
                                "(NCCL does): GPU compute time left out")
-        dist.distributed_c10d._get_default_group()._enable_collectives_timing()
+        try:
+            dist.distributed_c10d._get_default_group()._enable_collectives_timing()
+        except RuntimeError:  # a gloo backend beside NCCL's (`cuda:nccl,cpu:gloo`) has no timing to turn on: a step
+            pass  # whose collectives come without durations says so at `collect` (TimingOff)
 
 
 def gpu_compute(device, instrument) -> CudaCompute | None:
