@@ -6,6 +6,7 @@ entries are dicts of the fields torch's flight recorder writes in its JSON form.
 replaced: the code under test reads only these two kinds of objects. What a run on a GPU would check is in the
 module's docstring.
 """
+import os
 import time
 
 import pytest
@@ -103,3 +104,16 @@ def test_the_real_rings_entries_carry_the_fields_and_the_clock_read_here(tmp_pat
     assert entries[-1]["profiling_name"] == "gloo:all_reduce" and before <= entries[-1]["time_created_ns"] <= after
     span = (Mark(Event(0.0), before), Mark(Event(7.0), after + 1))
     assert step_compute(*span, entries, oldest_kept(entries)) == pytest.approx(0.007)
+
+
+def test_a_users_timing_off_is_kept_and_said(monkeypatch):
+    """TORCH_NCCL_ENABLE_TIMING=0 set by the user: the profiler does not turn NCCL's timing back on; the figure is
+    refused with the reason (the profiler's instrument warns it once)."""
+    from shardscope.measure import collective_log
+    from shardscope.measure.cuda_compute import enable_timing
+
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "0")
+    collective_log.record_by_default()
+    assert os.environ["TORCH_NCCL_ENABLE_TIMING"] == "0"
+    with pytest.raises(RuntimeError, match="TORCH_NCCL_ENABLE_TIMING=0"):
+        enable_timing()

@@ -30,9 +30,12 @@ the sum of the compute kernels' times in a torch.profiler trace of the same step
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
+
+from .collective_log import TIMING
 
 PENDING, LOST = "pending", "lost"  # a step not readable yet; a step whose collectives the ring no longer holds
 MAX_PENDING = 1000  # steps kept unread at most (older ones are lost): a bound on the events held
@@ -104,9 +107,12 @@ def cuda_mark() -> Mark:
 
 def enable_timing() -> None:
     """NCCL timing on for the default process group where it was made before `TORCH_NCCL_ENABLE_TIMING` was set
-    (groups made later read the variable); nothing to do without one."""
+    (groups made later read the variable); nothing to do without one. A user's 0 is kept: no figure then."""
     import torch.distributed as dist
 
+    off = [f"{name}={os.environ[name]}" for name in TIMING if os.environ.get(name, "1").strip() in ("0", "")]
+    if off:
+        raise RuntimeError(f"{off[0]}: NCCL times no collective, so GPU compute time is left out")
     if dist.is_available() and dist.is_initialized():
         if "nccl" not in str(dist.get_backend()):
             raise RuntimeError(f"the {dist.get_backend()} backend puts no GPU time in torch's flight recorder "

@@ -9,8 +9,9 @@ counter and timer (`sampled_steps.SampledSteps`). Every hook goes in through the
 
 It reads the profiler's set-up (`_module`, `optimizer`, `frozen_models`, `_device`, the instruments, `_flops_model`,
 `_frozen_flops`, `_tp`, `_sp`, `_patch_size`, `_frozen_patch_sizes`, `every_n_steps`, `memory_step`,
-`last_step`, `global_step`, `detected`, `precision`, `_clock`: `step_clock.StepClock`) and owns the step state:
-`_counts`, `_grads`, `_walk`, `_step_peak`, `step_peak`, `_sampled_due`, `_plan_due`, `_adapter_layer`.
+`last_step`, `global_step`, `detected`, `precision`, `_sampled`, `_clock`: `step_clock.StepClock`), calls its `guard`
+and `_instruments`, and keeps the step state (its initial values set in `ShardingProfiler.__init__`): `_counts`,
+`_grads`, `_walk`, `_step_peak`, `step_peak`, `_sampled_due`, `_plan_due`, `_adapter_layer`.
 """
 from __future__ import annotations
 
