@@ -106,12 +106,16 @@ def test_the_real_rings_entries_carry_the_fields_and_the_clock_read_here(tmp_pat
     assert step_compute(*span, entries, oldest_kept(entries)) == pytest.approx(0.007)
 
 
-def test_a_users_timing_off_is_kept_and_said(monkeypatch):
-    """TORCH_NCCL_ENABLE_TIMING=0 set by the user: the profiler does not turn NCCL's timing back on; the figure is
+def test_nccl_timing_is_on_by_default_and_a_users_off_is_kept_and_said(monkeypatch):
+    """Unset, shardscope turns NCCL's timing on; TORCH_NCCL_ENABLE_TIMING=0 set by the user: the profiler does not turn NCCL's timing back on; the figure is
     refused with the reason (the profiler's instrument warns it once)."""
     from shardscope.measure import collective_log
     from shardscope.measure.cuda_compute import enable_timing
 
+    for name in collective_log.TIMING:
+        monkeypatch.delenv(name, raising=False)
+    collective_log.record_by_default()
+    assert os.environ["TORCH_NCCL_ENABLE_TIMING"] == "1"  # on where the user set neither name
     monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "0")
     collective_log.record_by_default()
     assert os.environ["TORCH_NCCL_ENABLE_TIMING"] == "0"
