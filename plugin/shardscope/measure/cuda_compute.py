@@ -16,8 +16,9 @@ that clock measures the thread that launches the kernels, not the kernels. There
 
 Stated biases (the same formula on every rank, so ranks compare): communication that overlaps compute (DDP's
 bucketed all-reduce during backward, FSDP's prefetched all-gathers) is subtracted as if the compute stream had
-waited for it, and collectives of two process groups running at once are both subtracted (capped at the span): on
-GPUs compute_s is a lower bound of the compute stream's busy time. Nothing is synchronised for it: events and
+waited for it, and collectives of two process groups running at once are both subtracted (capped at the span);
+while the GPU idles outside collectives (data loading, a launch-bound stretch) the span still counts. So compute_s
+is the step's time outside its collectives, not the kernels' busy time. Nothing is synchronised for it: events and
 durations are read at the next logging point (`collect`); a step whose end event has not completed or whose
 collectives the watchdog has not retired yet waits for a later one; a step the ring (bounded,
 `collective_log.ENTRIES`) no longer holds all the collectives of is left out (`lost`).
