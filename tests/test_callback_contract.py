@@ -215,7 +215,7 @@ def test_the_live_run_plan_plans_the_traced_peak_at_the_first_training_batch(lla
     profiler._device, profiler._plan_due = torch.device("cuda", 0), True
     profiler.detected = {"strategy": "ddp", "world_size": 1}
     profiler.begin_step()
-    anchored = profiler._interval.anchor  # where the step's time starts
+    anchored = profiler._clock.interval.anchor  # where the step's time starts
     ids = torch.zeros(2, 48, dtype=torch.long)
     llama.train()
     llama(input_ids=ids, labels=ids).loss.backward()
@@ -225,7 +225,7 @@ def test_the_live_run_plan_plans_the_traced_peak_at_the_first_training_batch(lla
                if r.strategy == "ddp")
     assert (plan["micro_batch"], plan["seq_len"], plan["activations_source"]) == (2, 48, "traced")
     assert plan["peak_bytes"] == row.peak_bytes and plan["fits"] is True
-    assert profiler._interval.anchor > anchored  # the step's time restarts after the plan
+    assert profiler._clock.interval.anchor > anchored  # the step's time restarts after the plan
     llama(input_ids=ids, labels=ids)
     assert "plan" not in profiler.detected  # once per run
     profiler.close()
@@ -271,12 +271,12 @@ def _broken(*args, **kwargs):
 # ("module:" where it is looked up, the profiler unless named; what to break) -> the warning that names it; each
 # piece the callback relies on
 FAULTS = {
-    "count_state": "model-state bytes", "held_gradients": "state_bytes disabled", "read_memory": "peak memory",
-    "reset_peak": "peak memory", "count_batch": "batch counting", "rates": "reported figures",
-    "start_gather": "cross-rank gather", "write_summary": "summary file", "StepPeak": "memory disabled",
-    "PrecisionWatch": "precision disabled", "gather_reports": "precision", "detect_strategy": "strategy",
+    "count_state": "model-state bytes", "step_hooks:held_gradients": "state_bytes disabled", "read_memory": "peak memory",
+    "reset_peak": "peak memory", "count_batch": "batch counting", "rank_figures:rates": "reported figures",
+    "start_gather": "cross-rank gather", "write_summary": "summary file", "step_hooks:StepPeak": "memory disabled",
+    "PrecisionWatch": "precision disabled", "gather_reports": "precision", "live_strategy": "strategy",
     "log_metrics": "metric logging", "callback:describe_flops": "parameter counts",
-    "ThroughputWindow.step_end": "throughput", "callback:ShardingProfilerCallback._run_before_reporters": "callback order",
+    "throughput:ThroughputWindow.step_end": "throughput", "callback:ShardingProfilerCallback._run_before_reporters": "callback order",
     "callback:frozen_models_of": "frozen models",
 }
 

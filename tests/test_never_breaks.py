@@ -24,11 +24,11 @@ FIELDS = {"memory": ("peak_tensor_bytes", "peak_breakdown", "peak_phase", "peak_
           "collectives": ("comm", "comm_sent_bytes_per_step", "comm_padded_tokens"), "step_time": ("time_breakdown",)}
 # (instrument, where it fails) -> "module:attribute" made to raise
 FAULTS = {
-    ("memory", "construction"): "measure.profiler:StepPeak",
+    ("memory", "construction"): "measure.step_hooks:StepPeak",
     ("memory", "hook"): "measure.peak:StepPeak._mark",
     ("memory", "tracker hook"): "mem_tracker:MemTracker._pre_fw_hook",
     ("memory", "gather"): "measure.profiler:peak_figures",
-    ("memory", "summary"): "measure.profiler:peak_reported",
+    ("memory", "summary"): "measure.rank_figures:peak_reported",
     ("collectives", "construction"): "measure.comm_count:CollectiveCounter",
     ("collectives", "hook"): "measure.comm_count:collective_size",
     ("collectives", "gather"): "measure.comm_count:to_fields",
@@ -37,10 +37,10 @@ FAULTS = {
     ("step_time", "hook"): "measure.step_time:StepTimer._mark",
     ("step_time", "gather"): "measure.step_time:to_fields",
     ("step_time", "summary"): "measure.step_time:from_fields",
-    ("throughput", "construction"): "measure.profiler:first_adapter_layer",
+    ("throughput", "construction"): "measure.step_hooks:first_adapter_layer",
     ("throughput", "hook"): "measure.profiler:ShardingProfiler._on_forward",
-    ("state_bytes", "construction"): "measure.profiler:base_optimizer",
-    ("state_bytes", "hook"): "measure.profiler:held_gradients",
+    ("state_bytes", "construction"): "measure.step_hooks:base_optimizer",
+    ("state_bytes", "hook"): "measure.step_hooks:held_gradients",
     ("precision", "construction"): "measure.profiler:PrecisionWatch",
     ("precision", "hook"): "measure.precision:ForwardProbe._record",
     ("batch_feed", "hook"): "measure.profiler:ShardingProfiler.add_batch",

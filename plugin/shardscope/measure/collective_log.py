@@ -13,7 +13,10 @@ training thread waits inside a collective.
 On NCCL, torch's own watchdog can dump the ring when a collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`, read at
 the process group's creation; it needs the ring on): `record_by_default` turns it on where unset, and
 `dump_into(folder)` points the dump (`TORCH_FR_DUMP_TEMP_FILE`, read when torch writes it) into the run's hang
-folder, where `shardscope hang` reads it as a weights-only pickle. Not exercised here: no NCCL on CPU.
+folder, where `shardscope hang` reads it as a weights-only pickle. `record_by_default` also turns NCCL's timing of
+each collective on where unset (`TORCH_NCCL_ENABLE_TIMING`: a start event beside the end event NCCL records anyway;
+torch notes that querying it can add to a watchdog hang): the ring's `duration_ms` is what a CUDA rank's compute
+time subtracts (`cuda_compute.py`). Not exercised here: no NCCL on CPU.
 
 Where the ring is empty (a backend that does not record, or a buffer set to 0), records carry no collective
 (`source` None) and the verdict rests on the ranks' stacks and steps.
@@ -31,14 +34,17 @@ KEEP = 32  # entries a record carries (the newest)
 
 
 DUMP_ON_TIMEOUT, DUMP_FILES = "TORCH_NCCL_DUMP_ON_TIMEOUT", ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+TIMING = ("TORCH_NCCL_ENABLE_TIMING", "NCCL_ENABLE_TIMING")  # current name first
 
 
 def record_by_default() -> None:
     """Turn torch's flight recorder on with a bounded ring where the user set neither variable (and NCCL's dump on
-    a timeout where the user left it unset)."""
+    a timeout and its collective timing where the user left them unset)."""
     if not any(name in os.environ for name in VARIABLES):
         os.environ[VARIABLES[0]] = str(ENTRIES)
     os.environ.setdefault(DUMP_ON_TIMEOUT, "1")
+    if not any(name in os.environ for name in TIMING):
+        os.environ[TIMING[0]] = "1"
 
 
 def ring_off() -> str | None:

@@ -5,8 +5,46 @@ from __future__ import annotations
 
 import os
 
-from ..strategy import num_nodes, sequence_split, tp_strategy
+from ..strategy import family, num_nodes, sequence_split, tp_strategy
 from ..units import as_int
+
+
+def visible_module(model):
+    """The module whose parameters and forwards are counted: the model inside a known wrapper; for an object the
+    profiler does not know, the module it holds (`module` / `model`)."""
+    import torch
+
+    from .step_counts import unwrap
+
+    held = [model] + [getattr(model, a, None) for a in ("module", "model")]
+    inner = next((m for m in held if isinstance(m, torch.nn.Module)), None)
+    if inner is None:
+        raise TypeError(f"the model is a {type(model).__name__}, not a torch module, and holds none")
+    return unwrap(inner)
+
+
+def live_strategy(model, module, warn_once) -> dict:
+    """The profiler's `detected`: the wrapper the loop built around `module` (`visible_module(model)`), else
+    accelerate's state; "unknown" (warned once) when neither says."""
+    import torch
+    from accelerate.state import PartialState
+
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if isinstance(model, torch.nn.Module):
+        wrapped = wrapper_strategy(model)
+        if PartialState._shared_state:
+            configured = detect_strategy(module)  # TP meshes (FSDP2 over TP shards too) are read there
+            if wrapped is None or family(configured["strategy"]) in ("tp", family(wrapped["strategy"])):
+                return configured
+        if wrapped is not None:
+            return wrapped
+        if world == 1:
+            return {"strategy": "single", "world_size": 1, "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1}}
+    warn_once("unknown wrapper", f"the model ({type(model).__name__}) is wrapped in nothing shardscope knows (DDP, "
+              "FSDP, fully_shard, DeepSpeed, accelerate): strategy 'unknown', bytes counted from the parameters it "
+              "exposes")
+    return {"strategy": "unknown", "world_size": world, "wrapper": type(model).__name__}
 
 
 def detect_strategy(model=None) -> dict:

@@ -3,57 +3,44 @@
 One owner for when and what to measure: model-state bytes (`state_bytes`), frozen models held beside the
 trained one, throughput (`throughput`), memory (`memory`, `peak`), precision (`precision`), the cross-rank
 gather and the summary file (`summary`). The Trainer callback (`callback.py`) only maps Trainer events onto it.
+
+Here: the loop's calls (`step`, `logged`, `close`, ...), the set-up and each measurement (this rank's figures, the
+gather started). By concern, the rest: what is sampled when, the hooks inside the user's step (`step_hooks.py`, the
+part of the class that runs there); the steps' clocks (`step_clock.py`); the fields exchanged and what each rank's
+report (`rank_figures.py`); the summary file's contents (`run_summary.py`).
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from .. import __version__
+from . import rank_figures, run_summary
 from .collective_timing import probe_links, probe_size
-from .guard import Guard, Instrument, MethodWrap, WarnOnce, instrument_statuses, never_raises, validate_arguments
-from .memory import device_of, memory_kind, read_memory, reset_peak
-from .peak import RANK_FIELDS as PEAK_FIELDS, SUMMARY_KEYS as PEAK_KEYS, StepPeak
-from .peak import figures as peak_figures, reported as peak_reported
-from .precision import PrecisionWatch, classify, effective_precision, gather_reports, run_verdict
-from .rank_gather import (Gathered, as_float, gather_objects, int_or_none, log_metrics, none_if_nan,
-                          process_rank, route, start_gather)
-from .sampled_steps import RANK_FIELDS as SAMPLED_FIELDS, SampledSteps  # issue 21
-from .stragglers import Windows, line as straggler_line, straggler
-from ..state_bytes import (base_optimizer, count_state, forget, gradient_bytes, held_gradients, state_walk,
-                           zero_optimizer)
-from ..strategy import family, num_nodes
-from ..summary import COMPONENTS, SUMMARY_FILE, write_summary
-from .detect import detect_strategy, wrapper_strategy, zero_buckets
-from .step_counts import StepCounts, count_batch, describe_flops, first_adapter_layer, patch_size, unwrap
-from .throughput import (FLOPS_CONVENTION, STEP_TIME_KEYS, FlopsModel, ThroughputWindow, WindowTotals, batch_counts,
-                         device_peak_flops, rates, sequence_share, split_degrees, step_time_summary)
+from .detect import live_strategy, visible_module, zero_buckets
+from .guard import Guard, Instrument, WarnOnce, never_raises, validate_arguments
+from .memory import device_of, read_memory, reset_peak
+from .peak import figures as peak_figures
+from .precision import PrecisionWatch, classify, effective_precision, gather_reports
+from .rank_gather import Gathered, as_float, gather_objects, log_metrics, process_rank, route, start_gather
+from .sampled_steps import SampledSteps  # issue 21
+from .step_counts import StepCounts, count_batch, describe_flops, patch_size, unwrap
+from .step_clock import StepClock
+from .step_hooks import StepHooks
+from .stragglers import Windows, line as straggler_line
+from .throughput import FlopsModel, device_peak_flops, sequence_share, split_degrees, step_time_summary
 from .watchdog import Watchdog
+from ..state_bytes import count_state, forget
+from ..summary import SUMMARY_FILE, write_summary
 
 logger = logging.getLogger("shardscope")
 
-# Per-rank figures exchanged with one all_gather per measurement (NaN = not measured on that rank); one
-# `frozen:<name>` field per frozen model follows them.
-RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "trainable_params_bytes",
-               "params_cpu_bytes", "grads_cpu_bytes", "optimizer_cpu_bytes", "peak_memory_bytes",
-               "samples", "tokens", "flops", "seconds", "compute_seconds", *(f"step_time_{k}" for k in STEP_TIME_KEYS),
-               "cpu_peak_rss_bytes", *PEAK_FIELDS, *SAMPLED_FIELDS)
-# ... of which the byte counts reported as they are (the peak's and the sampled steps' are reported apart)
-COUNTED_BYTES = tuple(k for k in RANK_FIELDS if k.endswith("_bytes") and not k.startswith(("peak_", "comm_")))
-LOGGED_BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")  # ... of which the logs reduce (`rank_gather.REDUCED`)
-# ... and all `_complete(summary=False)` reads: what a measurement for the logs sends (then each `frozen:<name>`)
-LOGGED_FIELDS = (*LOGGED_BYTES, "peak_memory_bytes", "peak_tensor_bytes", "samples", "tokens", "flops", "seconds",
-                 "compute_seconds")
 
-
-class ShardingProfiler:
+class ShardingProfiler(StepHooks):
     """Per-rank model-state bytes, peak memory and throughput of any training loop, reduced across ranks.
 
     Usage, after `accelerator.prepare(...)` (or torch DDP / `fully_shard` / FSDP1, or `deepspeed.initialize`):
@@ -116,33 +103,30 @@ class ShardingProfiler:
         self.summary_extra = dict(summary_extra or {})  # top-level summary keys the caller owns (the callback's fit)
         self.global_step = start_step  # optimizer steps taken (a resumed Trainer run starts past 0)
         self.warn_once, self._guards = WarnOnce(), {}  # _guards: one per figure (a Guard holds no state of its own)
-        # What the profiler installs into the loop, by instrument (guard.py): "ok" or why not, in the summary
-        self._throughput, self._state, self._memory, self._precision_probe = (
-            Instrument(name, self.warn_once) for name in ("throughput", "state_bytes", "memory", "precision"))
+        names = ("throughput", "state_bytes", "memory", "precision", "gpu compute")  # what it installs (guard.py)
+        self._throughput, self._state, self._memory, self._precision_probe, self._gpu_compute = (
+            Instrument(name, self.warn_once) for name in names)
         self._loop_instruments: list[Instrument] = []  # what the loop's adapter installs (the callback's batch feed)
-        # _pending: a measurement whose gather step(defer=True) started; _link_probe: `collective_timing.probe_links`
-        self._closed, self._pending, self._link_probe = False, None, None
-        clock = time.perf_counter
-        self._interval, self._run, self._counts = ThroughputWindow(clock), ThroughputWindow(clock), StepCounts()
+        # _pending: a measurement whose gather step(defer=True) started; _sampled_due: see `_begin_sampled`
+        self._closed, self._pending, self._sampled_due = False, None, True
         self._grads, self._step_peak, self.step_peak, self._adapter_layer = None, None, {}, None
+        self._counts = StepCounts()  # the step's samples, tokens and FLOPs
         self._walk, self._route = {}, None  # {step: that step's snapshot's state_walk}; rank_gather.route, read once
         self._patch_size, self._frozen_patch_sizes = None, {}  # vision models' (read once: a config read costs ~6 us)
-        self._precision, self._precision_ranks, self._windows_compute = None, [], Windows()  # (stragglers.py)
+        self._precision, self._windows_compute = None, Windows()  # (stragglers.py)
         self._device, self._peak, self._flops_model, self._frozen_flops = torch.device("cpu"), None, flops_model, {}
         self.detected, self.model_facts, self.locations, self.memory = {}, {}, {}, {}
         self.frozen_models, self.precision, self._module = {}, precision, model
         with self.guard("strategy"):
-            self._module = self._visible_module(model)
-            self.detected.update(self._strategy(model), **zero_buckets(optimizer))  # the buckets ZeRO allocates
+            self._module = visible_module(model)
+            self.detected.update(live_strategy(model, self._module, self.warn_once), **zero_buckets(optimizer))
         self._tp, self._sp = split_degrees(self.detected.get("mesh"))  # ranks sharing a batch / a sequence's tokens
         with self.guard("frozen models"):
             self.frozen_models = {str(name): unwrap(m) for name, m in (frozen_models or {}).items()}
-        frozen_fields = tuple(f"frozen:{name}" for name in self.frozen_models)
-        self._fields, self._log_fields = (*RANK_FIELDS, *frozen_fields), (*LOGGED_FIELDS, *frozen_fields)
         with self.guard("device"):
             self._device = device_of(accelerator, self._module)
+        self._clock = StepClock(self._device, self._gpu_compute)  # the steps' times (cuda_compute on a CUDA rank)
         self._sampled = SampledSteps(comm_step, time_step, time_every_n_steps, self._device, self.warn_once)
-        self._sampled_due = True  # the next step's counter and timer are still to start
         self._instrument_list = self._all_instruments()  # (read at every step)
         forget(self._module)  # state_bytes caches the module walk per model: a new run walks it afresh
         with self.guard("parameter counts"):
@@ -158,7 +142,7 @@ class ShardingProfiler:
             with self.guard("detected strategy log"):
                 logger.warning("shardscope detected: %s", json.dumps({**self.detected, **self.model_facts}))
         if not self._throughput.ok:  # no forward to anchor the first step's time on: start the clock now
-            self._windows("step_begin")
+            self._clock.mark("step_begin")
         self._begin()
         self._watchdog = Watchdog(output_dir, hang_after, self.instrument("watchdog"), self).start()  # hang records
 
@@ -167,9 +151,9 @@ class ShardingProfiler:
     def begin_step(self) -> None:
         """Optional: where a step's time starts (by default at its first training forward, or where the previous
         `step()` returned); the Trainer callback calls it at each step begin."""
-        if self._run.anchor is None:  # (the previous step's end anchored it unless it paused)
+        if self._clock.run.anchor is None:  # (the previous step's end anchored it unless it paused)
             with self.guard("throughput"):
-                self._windows("step_begin")
+                self._clock.mark("step_begin")
         if self._sampled_due:
             self._begin_sampled()
 
@@ -214,8 +198,8 @@ class ShardingProfiler:
         with self.guard("throughput"):
             counted = self._counts.close(samples, tokens, self._flops_model, self._tp)
             if not instrumented:
-                self._windows("add_batch", *counted)
-            self._windows("step_end", pause_after=pause, count=not instrumented)
+                self._clock.mark("add_batch", *counted)
+            self._clock.mark("step_end", pause_after=pause, count=not instrumented)
         self.global_step += 1
         self._watchdog.step_done(self.global_step, pause)
         if self._is_measure_step(self.global_step):
@@ -247,11 +231,11 @@ class ShardingProfiler:
         self._closed = True
         self._sampled.end(keep=False)  # a timer started for a step that never ran
         self._end_step_peak(keep=False)  # a step begun and never closed is not measured
-        ranks = self._complete_all(self._measure_rank(self._run))
+        ranks, link_probe, precision_ranks = self._complete_all(self._measure_rank(summary=True)), None, []
         with self.guard("link probe"):  # collectives on every rank (all have the same summary_file), for the summary
-            self._link_probe = probe_links(probe_size(ranks), self._device) if self.summary_file else None
+            link_probe = probe_links(probe_size(ranks), self._device) if self.summary_file else None
         with self.guard("precision"):  # one collective, reached on every rank
-            self._precision_ranks = gather_reports(self._precision)
+            precision_ranks = gather_reports(self._precision)
         extra, statuses = [{}] * len(ranks), [self._statuses()] * len(ranks)
         with self.guard("instruments"):  # one collective: every rank's instrument statuses and results
             gathered = gather_objects({"status": self._statuses(), "results": self._instruments("result")})
@@ -260,7 +244,11 @@ class ShardingProfiler:
         if process_rank() != 0 or not self.summary_file:
             return None
         with self.guard("summary file"):
-            summary = self._summary(ranks, extra) | {"instruments": instrument_statuses(statuses)}
+            summary = run_summary.contents(
+                ranks, extra, statuses, detected=self.detected, extra=self.summary_extra, model=self.model_facts,
+                frozen_flops=self._frozen_flops, device=self._device, precision=self.precision,
+                precision_ranks=precision_ranks, global_step=self.global_step, locations=self.locations,
+                windows=self._windows_compute, link_probe=link_probe, memory=self.memory)
             path = write_summary(self.output_dir / self.summary_file, summary)
             logger.warning("shardscope summary written to %s%s", path,
                            "; " + straggler_line(summary["straggler"]) if straggler_line(summary["straggler"]) else "")
@@ -275,71 +263,7 @@ class ShardingProfiler:
             self._watchdog.failed(error)
         self.close()
 
-    # --- Counting ----------------------------------------------------------------------------------------------
-    def _install_hooks(self):
-        """Forward hooks tell training forwards from those that do not train; a step hook snapshots gradients."""
-        self._throughput.hook(self._module.register_forward_pre_hook, self._on_forward, with_kwargs=True)
-        for name, module in self.frozen_models.items():
-            self._throughput.hook(module.register_forward_pre_hook, functools.partial(self._on_frozen_forward, name),
-                                  with_kwargs=True)
-        self._adapter_layer = first_adapter_layer(self._module)
-
-        def snapshot_gradients(*_):  # on the first step, steps that measure and the last one (when known)
-            upcoming = self.global_step + 1
-            measuring = self._is_measure_step(upcoming) or upcoming == self.last_step
-            if self._grads is None or measuring:
-                walk = state_walk(self._module, self.optimizer)  # read once: the step's count reuses it
-                self._grads = gradient_bytes(held_gradients(self._module, self.optimizer, walk))
-                self._walk = {upcoming: walk} if measuring else {}
-
-        with self._state:
-            zero, base = zero_optimizer(self.optimizer), base_optimizer(self.optimizer)
-            if zero is not None:  # DeepSpeed ZeRO optimizers have no step hooks: wrap this instance's step
-                MethodWrap(self._state, zero, "step", snapshot_gradients)
-            elif base is not None:
-                self._state.hook(base.register_step_pre_hook, snapshot_gradients)
-
-    def _on_forward(self, module, args, kwargs):
-        if not module.training:  # evaluation
-            return
-        if self._step_peak is not None or self._sampled.active:  # an instrumented step is not throughput
-            if self._sampled.active and torch.is_grad_enabled():  # the counted step's padded tokens
-                with self.guard("batch counting"):
-                    samples, _, seq_len = batch_counts(args, kwargs)
-                    self._sampled.add_batch(samples, seq_len)
-            return
-        if self._plan_due and torch.is_grad_enabled():
-            self._plan_due = False
-            with self.guard("plan for the live run"):
-                self._plan_live_run({"input_ids": args[0], **kwargs} if args else kwargs)
-            self._windows("restart")  # the plan's seconds are not the step's
-        if self._sampled_due:  # deferred by a pause: starts before the first training forward at the latest
-            self._begin_sampled()
-        with self.guard("batch counting"):
-            adapters_off = self._adapter_layer is not None and self._adapter_layer.disable_adapters
-            training = torch.is_grad_enabled() and not adapters_off
-            if training:
-                if self._run.anchor is None:  # (begin_step anchored it, most often)
-                    self._windows("step_begin")  # the first training forward anchors the step's time
-                if self._counts.given:  # the loop hands its batches over (the callback does): nothing to count
-                    return
-            samples, tokens, seq_len = batch_counts(args, kwargs, self._patch_size)  # module is self._module
-            if training:
-                flops = tokens * (self._flops_model.per_token(seq_len * self._sp) / self._tp) \
-                    if tokens is not None and self._flops_model else None
-                self._counts.saw_training(sequence_share(samples, self._sp), tokens, flops)
-            elif tokens is not None and self._flops_model:  # a reference / generation pass of the trained model
-                self._counts.inference_flops += tokens * (self._flops_model.forward_per_token(seq_len) / self._tp)
-
-    def _on_frozen_forward(self, name, module, args, kwargs):
-        if not self._module.training or self._step_peak is not None or self._sampled.active:
-            return
-        with self.guard("batch counting"):
-            _, tokens, seq_len = batch_counts(args, kwargs, self._frozen_patch_sizes.get(name))
-            flops_model = self._frozen_flops.get(name)
-            if tokens is not None and flops_model is not None:
-                self._counts.inference_flops += tokens * (flops_model.forward_per_token(seq_len) / self._tp)
-
+    # --- Instruments -------------------------------------------------------------------------------------------
     def _release(self):
         """Leave nothing behind that a run without the profiler would not have: every hook, wrapped method and
         dispatch mode out, no reference to the model, the optimizer, their tensors or the process group."""
@@ -350,7 +274,8 @@ class ShardingProfiler:
         self.frozen_models, self._grads, self._precision, self._route, self._walk = {}, None, None, None, {}
 
     def _all_instruments(self) -> tuple[Instrument, ...]:
-        return (self._throughput, self._state, self._memory, self._precision_probe, *self._sampled.instruments,
+        return (self._throughput, self._state, self._memory, self._precision_probe,
+                *((self._gpu_compute,) if self._device.type == "cuda" else ()), *self._sampled.instruments,
                 *self._loop_instruments)
 
     def instrument(self, name: str) -> Instrument:
@@ -368,9 +293,9 @@ class ShardingProfiler:
 
     # --- Measuring ---------------------------------------------------------------------------------------------
     def _measure_and_log(self) -> None:
-        self._pending = self._measure_rank(self._interval)  # guarded inside, collective; logged() completes it
+        self._pending = self._measure_rank(summary=False)  # guarded inside, collective; logged() completes it
         with self.guard("throughput"):
-            self._interval.reset()
+            self._clock.reset_interval()
         with self.guard("peak memory"):
             reset_peak(self._device)
 
@@ -379,12 +304,18 @@ class ShardingProfiler:
         ranks = [gathered.local]
         with self.guard("cross-rank gather"):
             ranks = gathered.result()
-        return [self._complete_or_empty(rank, summary) for rank in ranks]
+        return [self._reported(rank, summary) for rank in ranks]
 
-    def _measure_rank(self, window: ThroughputWindow) -> Gathered:
-        """This rank's figures, the exchange with every rank started (a collective: called on all ranks)."""
-        summary = window is self._run  # the whole run's window: the summary's measurement
-        fields = self._fields if summary else self._log_fields
+    def _reported(self, rank: dict, summary: bool) -> dict:
+        with self.guard("reported figures"):
+            return rank_figures.complete(rank, summary, self.frozen_models, self._peak, self._sampled, self._memory)
+        return rank_figures.empty()
+
+    def _measure_rank(self, summary: bool) -> Gathered:
+        """This rank's figures over the run (`summary`) or the logging interval, the exchange with every rank started
+        (a collective: called on all ranks)."""
+        window = self._clock.run if summary else self._clock.interval
+        fields = rank_figures.fields(self.frozen_models, summary)
         mine = dict.fromkeys(fields, math.nan)  # (a logging step's: what its gather sends, and a few unsent)
         with self.guard("model-state bytes"):
             walk = None if summary else self._walk.pop(self.global_step, None)  # this step's snapshot's walk
@@ -412,8 +343,7 @@ class ShardingProfiler:
         with self.guard("throughput"):
             totals = window.totals()
             mine.update(samples=totals.samples, seconds=totals.seconds, tokens=as_float(totals.tokens),
-                        flops=as_float(totals.flops),  # compute: the training thread's CPU time, on CPU ranks only
-                        compute_seconds=as_float(totals.compute if self._device.type == "cpu" else None))
+                        flops=as_float(totals.flops), compute_seconds=as_float(self._clock.compute_seconds(summary)))
             if summary:  # (the logs do not read the step times)
                 mine.update({f"step_time_{k}": as_float(v) for k, v in step_time_summary(window.durations).items()})
         mine.update(self._sampled.fields() if summary else ())
@@ -421,37 +351,6 @@ class ShardingProfiler:
             self._route = route(self._device, self._route)
             return start_gather(mine, self.global_step, self._route, fields)
         return Gathered(mine, self.global_step, ranks=[mine])
-
-    def _complete_or_empty(self, rank: dict, summary: bool) -> dict:
-        with self.guard("reported figures"):
-            return self._complete(rank, summary)
-        return {key: None for key in (*COMPONENTS, "peak_memory_bytes")} | {"throughput": {}}
-
-    def _complete(self, rank: dict, summary: bool = True) -> dict:
-        """Turn one rank's raw counts into reported figures (`summary=False`: those the logs reduce, no more)."""
-        out = {k: int_or_none(rank[k]) for k in (COUNTED_BYTES if summary else LOGGED_BYTES)}
-        out["frozen_models"] = {name: int_or_none(rank[f"frozen:{name}"]) for name in self.frozen_models}
-        frozen = [v for v in out["frozen_models"].values() if v is not None]
-        out["frozen_models_bytes"] = sum(frozen) if len(frozen) == len(self.frozen_models) else None
-        out["peak_memory_bytes"] = int_or_none(rank["peak_memory_bytes"])
-        if summary:
-            out.update(dict.fromkeys(PEAK_KEYS))  # None unless measured
-            with self._memory:
-                out.update(peak_reported(rank))
-        else:  # (one number, read as the others are)
-            out["peak_tensor_bytes"] = int_or_none(rank["peak_tensor_bytes"])
-        totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
-                              0.0 if math.isnan(rank["seconds"]) else rank["seconds"],
-                              none_if_nan(rank["compute_seconds"]))
-        out["throughput"] = rates(totals, self._peak)
-        if summary:
-            out["throughput"].update(samples=int_or_none(totals.samples), tokens=int_or_none(totals.tokens),
-                                     seconds=totals.seconds, compute_seconds=totals.compute,
-                                     flops_convention=FLOPS_CONVENTION)
-            step_time = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
-            out["step_time_s"] = {**step_time, "steps": int(step_time["steps"] or 0)}
-            out.update(self._sampled.complete(rank))
-        return out
 
     # --- Set-up ------------------------------------------------------------------------------------------------
     def _describe_models(self):
@@ -463,36 +362,6 @@ class ShardingProfiler:
         self.model_facts = {"name_or_path": getattr(getattr(self._module, "config", None), "_name_or_path", None),
                             "params_total": self._flops_model.total_params,
                             "trainable_params": self._flops_model.trainable_total}
-
-    def _visible_module(self, model):
-        """The module whose parameters and forwards are counted: the model inside a known wrapper; for an object
-        the profiler does not know, the module it holds (`module` / `model`), warned about once."""
-        held = [model] + [getattr(model, a, None) for a in ("module", "model")]
-        inner = next((m for m in held if isinstance(m, torch.nn.Module)), None)
-        if inner is None:
-            raise TypeError(f"the model is a {type(model).__name__}, not a torch module, and holds none")
-        return unwrap(inner)
-
-    def _strategy(self, model) -> dict:
-        """The wrapper the loop built, else accelerate's state; "unknown" (warned once) when neither says."""
-        from accelerate.state import PartialState
-
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if isinstance(model, torch.nn.Module):
-            wrapped = wrapper_strategy(model)
-            if PartialState._shared_state:
-                configured = detect_strategy(self._module)  # TP meshes (FSDP2 over TP shards too) are read there
-                if wrapped is None or family(configured["strategy"]) in ("tp", family(wrapped["strategy"])):
-                    return configured
-            if wrapped is not None:
-                return wrapped
-            if world == 1:
-                return {"strategy": "single", "world_size": 1, "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1}}
-        self.warn_once("unknown wrapper", f"the model ({type(model).__name__}) is wrapped in nothing shardscope "
-                       "knows (DDP, FSDP, fully_shard, DeepSpeed, accelerate): strategy 'unknown', bytes counted "
-                       "from the parameters it exposes")
-        return {"strategy": "unknown", "world_size": world, "wrapper": type(model).__name__}
 
     def _watch_precision(self):
         """The configured precision: given, else the accelerator's, else what the tensors are at the start."""
@@ -506,45 +375,6 @@ class ShardingProfiler:
         if process_rank() == 0:
             logger.warning("shardscope precision: %s", json.dumps(self._precision.report()))
 
-    def _plan_live_run(self, inputs: dict):
-        """Warn (rank 0) when the planner's peak for this run at the first training batch's shape does not fit this
-        GPU (`plan_for_live_run`, traced as `fit` traces). Saved in the summary as `preflight_plan`."""
-        plan = self.plan_for_live_run(self._module, self.detected.get("strategy"), self.detected.get("mesh"),
-                                      self.detected.get("world_size", 1), num_nodes(), self.precision,
-                                      torch.cuda.get_device_properties(self._device).total_memory, inputs)
-        if plan is not None:
-            self.detected["plan"] = plan
-        if plan and plan["fits"] is False and process_rank() == 0:
-            logger.warning("shardscope plan for this run: %s", plan["warning"])
-
-    # --- Helpers -----------------------------------------------------------------------------------------------
-    def _begin(self, sampled: bool = True):
-        """Start the next step's instruments (and, on the memory step, the tensor tracker; on the sampled steps,
-        the collective counter and the timer, unless `sampled` is False: then at the next begin_step)."""
-        upcoming = self.global_step + 1
-        self._sampled_due = True
-        if self.instruments:
-            self._instruments("start", upcoming)
-        if self.memory_step is not None and upcoming == self.memory_step and self._memory.ok:
-            with self._memory:
-                self._step_peak = StepPeak(self._module, self.optimizer, self._memory, self.model).__enter__()
-        if sampled:  # after the tracker: dispatch modes leave in reverse order (the counter first, in step())
-            self._begin_sampled()
-
-    def _end_step_peak(self, keep: bool) -> None:
-        """Stop the memory step's tracker (also after its instrument failed: its dispatch mode must leave)."""
-        peak, self._step_peak = self._step_peak, None
-        if peak is not None:
-            with self._memory:
-                peak.__exit__(None, None, None)
-                if keep and self._memory.ok:
-                    self.step_peak = peak.result()
-
-    def _begin_sampled(self):
-        if self._sampled_due and not self._closed:
-            self._sampled_due = False
-            self._sampled.begin(self.global_step + 1, self.last_step, self._module, self.optimizer)
-
     def _instruments(self, method: str, *args) -> dict:
         """Call `method` on every instrument, each guarded; {name: what it returned}."""
         out = {}
@@ -553,43 +383,6 @@ class ShardingProfiler:
             with self.guard(f"instrument {name}"):
                 out[name] = getattr(instrument, method)(*args)
         return out
-
-    def _windows(self, method, *args, **kwargs):  # both windows: this interval's and the whole run's
-        if method == "step_end" and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)  # kernels are async: close the window on real time
-        getattr(self._interval, method)(*args, **kwargs)
-        getattr(self._run, method)(*args, **kwargs)
-
-    def _is_measure_step(self, step: int) -> bool:
-        return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
-
-    def _summary(self, ranks: list[dict], instruments: list[dict]) -> dict:
-        device = torch.cuda.get_device_name(self._device) if self._device.type == "cuda" else self._device.type
-        precision = self._precision_ranks or [{}] * len(ranks)
-        return {
-            "shardscope_version": __version__,
-            "strategy": self.detected.get("strategy"),
-            "strategy_detail": {k: v for k, v in self.detected.items()
-                                if k not in ("strategy", "world_size", "plan", "mesh")},
-            "mesh": self.detected.get("mesh"),
-            "preflight_plan": self.detected.get("plan"),
-            **self.summary_extra,
-            "world_size": self.detected.get("world_size", len(ranks)),
-            "num_nodes": num_nodes(),
-            "model": self.model_facts,
-            "frozen_models": {name: {"params_total": fm.total_params} for name, fm in self._frozen_flops.items()},
-            "device": device,
-            "precision": self.precision,
-            "precision_verdict": run_verdict(self._precision_ranks),
-            "global_step": self.global_step,
-            "state_locations": self.locations,
-            "straggler": straggler(ranks, self._windows_compute),
-            "link_probe": self._link_probe,
-            "memory_details_rank0": self.memory,
-            "ranks": [{"rank": i, **r, "memory_kind": memory_kind(self._device, self.memory, r), **(extra or {}),
-                       **{k: v for k, v in p.items() if k != "precision_verdict"}}
-                      for i, (r, p, extra) in enumerate(zip(ranks, precision, instruments))],
-        }
 
     def guard(self, what: str) -> Guard:
         """Measuring never stops training: a failure inside is warned about once and left out."""

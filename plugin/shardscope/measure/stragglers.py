@@ -3,8 +3,8 @@
 Under DDP (and every strategy whose steps end in a collective) a slow rank does not show in wall time: the others
 wait for it inside the collective, so every rank's step lasts as long as the slowest's. What differs is the time
 computing: on CPU ranks the training thread's CPU time (`throughput.ThroughputWindow.compute`; a wait inside a
-collective blocks without using CPU). On CUDA devices that clock measures the launching thread, not the kernels:
-there `compute_s` is left out (None) and only the timed step's breakdown speaks.
+collective blocks without using CPU); on CUDA ranks each step's GPU time less its NCCL collectives' GPU time
+(`cuda_compute.py`; read lazily, so a step may count in a later logged window than it ran in).
 
 Per logged window (every `every_n_steps` steps, the figures the profiler gathers anyway) a rank whose compute
 exceeds the median of all ranks' by more than `SLOWER` is slow in that window; a rank slow in more than half of

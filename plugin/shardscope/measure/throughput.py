@@ -60,7 +60,7 @@ class WindowTotals:
     tokens: float | None
     flops: float | None
     seconds: float
-    compute: float | None = None  # CPU seconds of the training thread over the same steps (`ThroughputWindow`)
+    compute: float | None = None  # compute seconds over the same steps (CPU: `ThroughputWindow`; CUDA: cuda_compute)
 
 
 class ThroughputWindow:
