@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,15 @@ os.environ.setdefault("SHARDSCOPE_CACHE", tempfile.mkdtemp(prefix="shardscope-sp
 # `pytest -m "not launch"` (the fast subset) never waits on a launch.
 LAUNCHING_FIXTURES = {"strategy_runs", "strategy_plans", "runs", "recipe_runs", "comparison", "trained", "loop_runs",
                       "fsdp2_run", "sp_runs", "hang_runs"}
+
+
+@pytest.fixture(autouse=True)
+def no_excepthook_outlives_its_test():
+    """A profiler a test leaves open keeps its watchdog's sys.excepthook, which writes a record into that profiler's
+    output_dir (".": the checkout) when a later test calls the hook: put the test's own back."""
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
 
 
 # Launching fixtures defined here (loop_runs, recipe_runs: in tests/loop_runs.py, tests/recipe_runs.py),

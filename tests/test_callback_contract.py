@@ -151,7 +151,7 @@ def test_the_live_run_plan_warns_with_the_planners_advice_when_the_strategy_will
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu_bytes))
-    profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
+    profiler = ShardingProfiler(llama, None, output_dir=tmp_path, summary_file=None, memory_step=None)
     profiler._device = torch.device("cuda", 0)
     profiler.detected = {"strategy": "ddp", "world_size": 1}
     ids = torch.zeros(1, 32, dtype=torch.long)
@@ -178,7 +178,7 @@ def test_the_live_run_plan_plans_a_tensor_parallel_run_on_its_mesh(llama, monkey
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None)
+    profiler = ShardingProfiler(llama, None, output_dir=tmp_path, summary_file=None, memory_step=None)
     profiler._device = torch.device("cuda", 0)
     profiler.detected = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
     profiler._plan_live_run({})  # no batch: model states and buffers
