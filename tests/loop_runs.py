@@ -1,13 +1,15 @@
 """The loop workers' launches, shared by test_profile_loops.py and test_loop_shapes.py (tests/conftest.py registers
-the fixture and keeps both files on one xdist worker): per accelerate config, one launch runs
-tests/workers/train_trl.py (folder `trl`), then tests/workers/loop_shapes.py (folder `shapes`), one after the other
-(tests/workers/several_runs.py), so the launch's start-up is paid once for both.
+the fixture and keeps both files on one xdist worker): per accelerate config, tests/workers/train_trl.py (folder
+`CONFIG/trl`), then tests/workers/loop_shapes.py (folder `CONFIG/shapes`), one after the other in one launch
+(tests/workers/several_runs.py), so the launch's start-up is paid once for both; the DeepSpeed configs share one
+launch, each run in its config's launch environment (several_runs.py --launch_config).
 """
 import pytest
 
 from launch import ROOT, accelerate_launch
 
 WORKERS = ROOT / "tests" / "workers"
+ACCELERATE = ROOT / "accelerate_configs"
 TRL_STEPS = 12  # train_trl.py: 12 optimizer steps of 2 samples (pairs, for DPO) per rank
 SHAPES = ("sft", "dpo", "dpo_lora", "grpo", "reward", "twice", "checkpointing_reentrant", "checkpointing",
           "compiled", "dinov2", "accelerate_loop", "fsdp2_loop")
@@ -17,19 +19,22 @@ SHAPE_CONFIGS = ("ddp", "zero2", "zero3")
 SHAPES_OF = {config: SHAPES if config == "ddp" else SHAPES[:-1] for config in SHAPE_CONFIGS}
 # The TRL runs (the Accelerate loop, SFT, DPO; LoRA-DPO under DDP) first: they time their Trainer's set-up.
 TRL_CONFIGS = ("ddp", "zero3")
+DEEPSPEED = ("zero3", "zero2")  # one launch (under the first): ZeRO-3's TRL runs time their Trainer's set-up first
 
 
 def runs_of(config: str, assets: dict) -> list:
-    """The several_runs.py arguments of `config`'s launch: `--run NAME SCRIPT ARGS...` per worker."""
+    """The several_runs.py arguments of `config`'s runs: `[--launch_config YAML] --run CONFIG/NAME SCRIPT ARGS...`."""
     trl = ["--steps", TRL_STEPS, "--loop", *(["--lora"] if config == "ddp" else [])]
     shapes = ["--shapes", *SHAPES_OF[config], "--model", assets["model"], "--dinov2", assets["dinov2"]]
-    return [*(["--run", "trl", WORKERS / "train_trl.py", *trl] if config in TRL_CONFIGS else []),
-            *(["--run", "shapes", WORKERS / "loop_shapes.py", *shapes] if config in SHAPE_CONFIGS else [])]
+    launched = ["--launch_config", ACCELERATE / f"{config}.yaml"] if config in DEEPSPEED else []
+    return [*([*launched, "--run", f"{config}/trl", WORKERS / "train_trl.py", *trl] if config in TRL_CONFIGS else []),
+            *([*launched, "--run", f"{config}/shapes", WORKERS / "loop_shapes.py", *shapes]
+              if config in SHAPE_CONFIGS else [])]
 
 
 @pytest.fixture(scope="session")
 def loop_runs(tmp_path_factory):
-    """`loop_runs(config)`: the folder of the launch under accelerate_configs/<config>.yaml, launched once."""
+    """`loop_runs(config)`: the folder of `config`'s runs (accelerate_configs/<config>.yaml), launched once."""
     from shardscope.recipes.tiny import make_dinov2, make_sft_assets
 
     cache, root = {}, tmp_path_factory.mktemp("loop_assets")
@@ -40,10 +45,11 @@ def loop_runs(tmp_path_factory):
 
     def run(config):
         if config not in cache:
-            out = tmp_path_factory.mktemp(f"loops-{config}")
-            accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", WORKERS / "several_runs.py",
-                              runs_of(config, assets), out).check()
-            cache[config] = out
+            together = DEEPSPEED if config in DEEPSPEED else (config,)
+            out = tmp_path_factory.mktemp(f"loops-{together[0]}")
+            accelerate_launch(ACCELERATE / f"{together[0]}.yaml", WORKERS / "several_runs.py",
+                              [arg for c in together for arg in runs_of(c, assets)], out).check()
+            cache.update({c: out / c for c in together})
         return cache[config]
 
     return run

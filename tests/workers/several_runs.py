@@ -64,6 +64,7 @@ def launched_with(config: str, record: Path) -> None:
 
 
 def run_one(script: str, args: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)  # a NAME may hold a folder: CONFIG/NAME
     AcceleratorState._reset_state()
     # The last run's garbage collected, what is left is frozen (never scanned again): the full collections each
     # Trainer starts (accelerate's free_memory, DeepSpeed's) then scan this run's objects only.
@@ -92,6 +93,7 @@ def main():
     rank = os.environ.get("RANK", "0")
     for name, script, args, config in runs:
         if config:
+            (output_dir / "logs" / name).parent.mkdir(parents=True, exist_ok=True)
             launched_with(config, output_dir / "logs" / f"{name}.launch_env.rank{rank}.json")
         run_one(script, [*args, "--output_dir", str(output_dir / name)], output_dir / "logs" / f"{name}.rank{rank}.log")
     end_of_run()
