@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from launch import ROOT, shardscope_cli as shardscope
+from launch import shardscope_cli as shardscope
 
 pytestmark = pytest.mark.launch
 SEQ = 96  # recipes/llama/demo_tiny.yaml's max_seq_length: the search plans what the runs train

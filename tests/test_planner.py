@@ -15,7 +15,7 @@ from shardscope.plan import formulas, mesh, planner
 from shardscope.model import spec as specs
 from shardscope.errors import UsageError
 from shardscope.plan.formulas import strategy_row
-from shardscope.plan.mesh import LibraryKnobs, Setup, setup_for_mesh
+from shardscope.plan.mesh import LibraryKnobs, Setup
 from shardscope.model.spec import ModelSpec, model_spec
 from shardscope.plan.planner import estimate
 from shardscope.strategy import STRATEGIES, TP_STRATEGIES

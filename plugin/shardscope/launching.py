@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UsageError
 from .summary import SUMMARY_FILE
 
 LOG_FILE = "launch.log"

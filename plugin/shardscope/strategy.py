@@ -116,8 +116,6 @@ def strategy_of_config(kind: str, raw: dict, read=None) -> str | None:
 def num_nodes() -> int:
     """Nodes in the run, from the launcher's environment: world size / local world size (torchrun and
     accelerate set LOCAL_WORLD_SIZE; the `deepspeed` launcher sets LOCAL_SIZE instead)."""
-    import os
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 0)
     return max(1, int(os.environ.get("WORLD_SIZE", 1)) // local) if local else 1
 

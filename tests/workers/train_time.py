@@ -13,7 +13,6 @@ import gc
 import json
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
 from shardscope import ShardingProfilerCallback
