@@ -19,7 +19,7 @@ setup(
         "deepspeed": ["deepspeed>=0.15"],
         "peft": ["peft>=0.13"],
         "recipes": ["datasets>=2.20", "pillow", "matplotlib"],
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis", "datasets>=2.20", "pillow", "matplotlib", "tokenizers", "trl==1.16.0"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis", "datasets>=2.20", "pillow", "matplotlib", "tokenizers", "trl==1.16.0", "pyflakes"],
     },
     entry_points={"console_scripts": ["shardscope=shardscope.cli:main"]},
 )
