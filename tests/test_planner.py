@@ -546,6 +546,20 @@ def test_tp_rows_shard_each_tensor_as_the_plan_says_and_fsdp_splits_the_tp_shard
     assert hsdp.mesh == {"dp_replicate": 3, "dp_shard": S, "tp": t} and hsdp.params_bytes == fsdp_tp.params_bytes
 
 
+def test_zero3_keeps_gathered_only_what_its_reuse_distance_reaches():
+    """stage3_max_reuse_distance D (a run's, read by the profiler): backward re-gathers r = max(0, 1 - D/(2G)) of
+    the G gathered elements, and what it does not re-gather stays gathered from forward, (1 - r) G beyond the layer
+    in use. At a D below the largest layer nothing is kept and r is nearly 1."""
+    spec, setup = model_spec("llama-2-7b"), Setup(gpus_per_node=2)  # bf16-mixed: 2-byte parameters
+    G = sum(d * r for d, r, _ in formulas.counts(spec, setup).tensors if d * r > 10 * spec.hidden_size)
+    for D in (10 ** 9, 10 ** 5):
+        row = strategy_row("zero3", spec, setup, knobs=LibraryKnobs(zero3_max_reuse_distance=D))
+        r = max(0.0, 1 - D / (2 * G))
+        assert row.buffers_detail["kept_gathered"] == max(0, int((1 - r) * G) - spec.largest_layer_params) * 2
+        assert abs(row.comm["param_all_gather"] - 0.5 * ((1 + r) * G + spec.params_total - G) * 2) <= 2, D
+    assert row.buffers_detail["kept_gathered"] == 0
+
+
 def test_comm_per_step_is_the_documented_ring_formula():
     spec = model_spec("llama-2-70b")
     setup = Setup(gpus_per_node=8, nodes=2, tp_size=8)  # bf16-mixed: e = 2, FSDP2 of transformers in fp32 (p = 4)
