@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import tempfile
@@ -135,14 +136,14 @@ def strategy_model_for(config: str) -> str:
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
 # accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
 # test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); every single-node DeepSpeed
-# JSON under one `deepspeed` launch, every single-node FSDP JSON under one `torchrun` (their configs are script
-# arguments).
+# JSON under one `deepspeed` launch with test_peak_runs' small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS), every
+# single-node FSDP JSON under one `torchrun` (their configs are script arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
 
 
 def shared_launches() -> list[tuple]:
     from peak_spec import RUNS as PEAK_RUNS
-    from peak_spec import peak_flags
+    from peak_spec import SMALL_BUCKET_RUNS, peak_flags, small_bucket_flags
     from precision_checks import PRECISION_RUNS, precision_flags
     from shardscope.configs import shipped_configs
 
@@ -153,9 +154,10 @@ def shared_launches() -> list[tuple]:
     launches = [((c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
                  *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else []), *beside(c)) for c in AGREEING]
     launches += [((c, "shard_llama", 0, 1, ()), *beside(c)) for c in PRECISION_RUNS if c not in AGREEING]
+    small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
-                              if c.kind == kind and not c.multinode))
+                              if c.kind == kind and not c.multinode) + (small_buckets if kind == "deepspeed" else ()))
     return launches
 
 
@@ -184,7 +186,8 @@ def strategy_runs(strategy_model, tmp_path_factory):
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum, flags = key
-            suffix = "".join(map(str, flags)).replace("-", "_")
+            suffix = "".join(map(str, flags)).replace("-", "_")  # a long one (an inline JSON) by its digest
+            suffix = suffix if len(suffix) < 120 else "-" + hashlib.sha1(suffix.encode()).hexdigest()[:12]
             names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}{suffix}"
             args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
                      "--gradient_accumulation_steps", grad_accum,
