@@ -389,6 +389,23 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
     assert err.count("\n") == 0 and str(path) in err and "key 'ranks[0].peak_step'" in err
 
 
+def test_compare_plans_a_zero3_run_with_its_reuse_distance(tiny_llama, tmp_path):
+    """The run's stage3_max_reuse_distance (the profiler records it): below a layer, backward gathers every layer
+    again and nothing stays gathered from forward beyond the layer in use; plan_vs_run plans that, not the 1e9
+    default."""
+    spec, base = model_spec(str(tiny_llama)), Setup(gpus_per_node=2, precision="fp32")
+    knobs = LibraryKnobs(bucket_elements=10 ** 3, zero3_persistence_threshold=10)
+    near = strategy_row("zero3", spec, base, knobs=replace(knobs, zero3_max_reuse_distance=10))
+    far = strategy_row("zero3", spec, base, knobs=knobs)
+    assert near.buffers_detail["kept_gathered"] == 0 < far.buffers_detail["kept_gathered"]
+    live = {"zero_stage": 3, "reduce_bucket_size": 10 ** 3, "stage3_param_persistence_threshold": 10,
+            "stage3_max_reuse_distance": 10}
+    measured = {k: getattr(near, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+    result = plan_vs_run(_summary(tmp_path, tiny_llama, "zero3", measured, strategy_detail=live))
+    assert result["planned_total_bytes"] == near.peak_bytes < far.peak_bytes
+    assert result["planned_comm"] == near.comm != far.comm
+
+
 def test_compare_plans_a_zero3_run_with_its_live_bucket_and_threshold(tiny_llama, tmp_path):
     """An accelerate yaml with an inline DeepSpeed config leaves DeepSpeed's own defaults (reduce bucket 5e8 elements,
     persistence threshold 1e5), not the Trainer's "auto" (hidden^2, 10 x hidden): plan_vs_run plans with what the
