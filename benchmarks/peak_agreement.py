@@ -6,7 +6,9 @@
 
 Each run is `accelerate launch` of tests/workers/train_tiny.py (a Trainer with the profiling callback) under a
 shipped config, through `shardscope compare`'s own launcher (`launching.launch_command`, log in launch.log), on a
-4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, 3 steps; the callback measures step 3.
+4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, 3 steps; the callback measures step 3. The
+`*_small_buckets` runs are the `deepspeed` launcher's, with a DeepSpeed JSON written into OUT (small buckets, 4 x 256
+tokens: activations are most of their peak; the shipped ZeRO configs' peak is mostly DeepSpeed's reduce bucket).
 FSDP runs need tests/cpu_shim (accelerate never runs FSDP on CPU by itself), put on PYTHONPATH here. The table
 is `report`'s peak section (`peak_section.markdown_lines`: planned from `planner.plan_vs_run`, the same plan
 as `plan --compare`), written to benchmarks/results/peak_agreement.md (with peak_agreement.png), which
@@ -16,6 +18,7 @@ on the command line (a folder of them works too) are read as they are; the table
 script works, not a result).
 """
 import argparse
+import json
 import os
 import platform
 import sys
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # peak_spec: the small-bucket ZeRO config
+from peak_spec import SMALL_BUCKET_BATCH, SMALL_BUCKET_RUNS, SMALL_BUCKETS, small_bucket_config  # noqa: E402
 from render_docs import stamped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +47,11 @@ RUNS = [(config, precision, ckpt) for config, precisions in (("ddp", ("fp32", "b
                                                              ("fsdp_full_shard", ("fp32", "bf16")),
                                                              ("zero2", ("fp32",)), ("zero3", ("fp32",)))
         for precision in precisions for ckpt in (False, True)]
+# ZeRO with every bucket DeepSpeed sizes far below a layer (tests/peak_spec.py SMALL_BUCKETS; the shipped JSON's other
+# settings), at SMALL_BUCKET_BATCH rows per rank: activations are most of the peak, where the shipped configs'
+# default reduce bucket is. Launched with the `deepspeed` launcher and the config written into OUT.
+SMALL = {f"{config[3:]}_small_buckets": config for config in SMALL_BUCKET_RUNS}
+RUNS += [(name, "fp32", False) for name in SMALL]
 
 
 def run_name(config: str, precision: str, ckpt: bool) -> str:
@@ -52,6 +62,7 @@ def launch_all(out: Path, only: list[str], small: bool = False) -> list[Path]:
     from shardscope.fit.configs import resolve_config
     from shardscope.launching import launch, launch_command
     from shardscope.recipes.tiny import make_causal_lm
+    from shardscope.safe_io import atomic_write_text
 
     os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                       PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "cpu_shim"), str(ROOT / "plugin")]))
@@ -63,14 +74,21 @@ def launch_all(out: Path, only: list[str], small: bool = False) -> list[Path]:
         name = run_name(config, precision, ckpt)
         if only and name not in only:
             continue
-        args = ["--model", model, "--seq_len", 32 if small else SEQ, "--samples", 12, "--per_device_train_batch_size", BATCH,
-                "--max_steps", 3, "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-                *(["--gradient_checkpointing"] if ckpt else []), *(["--bf16"] if precision == "bf16" else [])]
-        launcher = ["--num_processes", "2"] + ([] if config.startswith("zero") else ["--mixed_precision", "no"])
+        batch = SMALL_BUCKET_BATCH if config in SMALL else BATCH
+        args = ["--model", model, "--seq_len", 32 if small else SEQ, "--samples", 6 * batch,
+                "--per_device_train_batch_size", batch, "--max_steps", 3, "--report_to", "none", "--save_strategy",
+                "no", *(["--gradient_checkpointing"] if ckpt else []), *(["--bf16"] if precision == "bf16" else [])]
         run_dir = out / name
         (run_dir / "shardscope_summary.json").unlink(missing_ok=True)  # never report a previous run's summary
-        cmd = launch_command("accelerate", str(WORKER), resolve_config(config, "accelerate"), list(map(str, args)),
-                             run_dir, launcher_args=launcher)
+        if config in SMALL:
+            ds_config = out / f"{config}.json"
+            atomic_write_text(ds_config, json.dumps(small_bucket_config(SMALL[config]), indent=1), "DeepSpeed config")
+            cmd = launch_command("deepspeed", str(WORKER), ds_config, list(map(str, args)), run_dir, num_processes=2,
+                                 launcher_args=["--master_addr", "127.0.0.1"])
+        else:
+            launcher = ["--num_processes", "2"] + ([] if config.startswith("zero") else ["--mixed_precision", "no"])
+            cmd = launch_command("accelerate", str(WORKER), resolve_config(config, "accelerate"),
+                                 list(map(str, [*args, "--use_cpu"])), run_dir, launcher_args=launcher)
         code, seconds = launch(cmd, run_dir)
         print(f"{name}: exit {code} after {seconds:.0f} s", flush=True)
         run_dirs.append(run_dir)
@@ -94,8 +112,21 @@ def table(run_dirs: list[Path], command: str, small: bool = False) -> tuple[str,
               f"(hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, {model['num_attention_heads']} "
               f"heads / {model['num_key_value_heads']} KV heads, MLP {model['intermediate_size']}, vocab "
               f"{model['vocab_size']}), {BATCH} x {seq} tokens per rank, AdamW, shipped accelerate configs (FSDP "
-              "through tests/cpu_shim). Command: `" + command + "`.", ""]
-    return "\n".join(header + lines + (["Runs without a measured peak:", *failed, ""] if failed else [])), rows
+              "through tests/cpu_shim). The `*_small_buckets` runs: the shipped DeepSpeed JSON with DeepSpeed's "
+              "bucket and window sizes set small (tests/peak_spec.py, in elements: "
+              + ", ".join(f"`{key}` {value:,}" for key, value in SMALL_BUCKETS.items())
+              + f"; the stage3_ ones for ZeRO-3, all-gather for ZeRO-2) at {SMALL_BUCKET_BATCH} x {seq} tokens per "
+              "rank, through the `deepspeed` launcher. Command: `" + command + "`.", ""]
+    shares = [f"{r['run']} {share(r['peak']['measured']):.1%}" for r in rows if r.get("peak")]
+    share_line = ["Activations' share of the measured peak (activations / `peak_tensor_bytes`, the rank shown): "
+                  + ", ".join(shares) + ".", ""] if shares else []
+    failed_lines = ["Runs without a measured peak:", *failed, ""] if failed else []
+    return "\n".join(header + lines + share_line + failed_lines), rows
+
+
+def share(measured: dict) -> float:
+    """Activations' share of a measured peak."""
+    return measured["peak_breakdown"]["activations"] / measured["peak_tensor_bytes"]
 
 
 def main(argv=None):

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import sys
@@ -146,7 +147,8 @@ def strategy_model_for(config: str) -> str:
 # accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
 # test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); the single-node accelerate
 # configs of one family (DeepSpeed; FSDP) under one `accelerate launch`, each run in its own config's launch
-# environment (several_runs.py --launch_config); every single-node DeepSpeed JSON under one `deepspeed` launch, every
+# environment (several_runs.py --launch_config); every single-node DeepSpeed JSON under one `deepspeed` launch with
+# test_peak_runs' small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS), every
 # single-node FSDP JSON under one `torchrun` (their configs are script arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
 
@@ -167,7 +169,7 @@ def accelerate_families() -> dict[str, list[str]]:
 
 def shared_launches() -> list[tuple]:
     from peak_spec import RUNS as PEAK_RUNS
-    from peak_spec import peak_flags
+    from peak_spec import SMALL_BUCKET_RUNS, peak_flags, small_bucket_flags
     from precision_checks import PRECISION_RUNS, precision_flags
     from shardscope.fit.configs import shipped_configs
 
@@ -180,9 +182,10 @@ def shared_launches() -> list[tuple]:
 
     launches = [tuple(run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c))
                 for family in accelerate_families().values()]
+    small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
-                              if c.kind == kind and not c.multinode))
+                              if c.kind == kind and not c.multinode) + (small_buckets if kind == "deepspeed" else ()))
     return launches
 
 
@@ -212,7 +215,8 @@ def strategy_runs(strategy_model, tmp_path_factory):
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum, flags = key
-            suffix = "".join(map(str, flags)).replace("-", "_")
+            suffix = "".join(map(str, flags)).replace("-", "_")  # a long one (an inline JSON) by its digest
+            suffix = suffix if len(suffix) < 120 else "-" + hashlib.sha1(suffix.encode()).hexdigest()[:12]
             names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}{suffix}"
             args += ["--launch_config", config.path] if several_configs else []
             args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,

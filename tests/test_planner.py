@@ -389,6 +389,23 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
     assert err.count("\n") == 0 and str(path) in err and "key 'ranks[0].peak_step'" in err
 
 
+def test_compare_plans_a_zero3_run_with_its_reuse_distance(tiny_llama, tmp_path):
+    """The run's stage3_max_reuse_distance (the profiler records it): below a layer, backward gathers every layer
+    again and nothing stays gathered from forward beyond the layer in use; plan_vs_run plans that, not the 1e9
+    default."""
+    spec, base = model_spec(str(tiny_llama)), Setup(gpus_per_node=2, precision="fp32")
+    knobs = LibraryKnobs(bucket_elements=10 ** 3, zero3_persistence_threshold=10)
+    near = strategy_row("zero3", spec, base, knobs=replace(knobs, zero3_max_reuse_distance=10))
+    far = strategy_row("zero3", spec, base, knobs=knobs)
+    assert near.buffers_detail["kept_gathered"] == 0 < far.buffers_detail["kept_gathered"]
+    live = {"zero_stage": 3, "reduce_bucket_size": 10 ** 3, "stage3_param_persistence_threshold": 10,
+            "stage3_max_reuse_distance": 10}
+    measured = {k: getattr(near, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+    result = plan_vs_run(_summary(tmp_path, tiny_llama, "zero3", measured, strategy_detail=live))
+    assert result["planned_total_bytes"] == near.peak_bytes < far.peak_bytes
+    assert result["planned_comm"] == near.comm != far.comm
+
+
 def test_compare_plans_a_zero3_run_with_its_live_bucket_and_threshold(tiny_llama, tmp_path):
     """An accelerate yaml with an inline DeepSpeed config leaves DeepSpeed's own defaults (reduce bucket 5e8 elements,
     persistence threshold 1e5), not the Trainer's "auto" (hidden^2, 10 x hidden): plan_vs_run plans with what the
@@ -544,6 +561,20 @@ def test_tp_rows_shard_each_tensor_as_the_plan_says_and_fsdp_splits_the_tp_shard
     assert fsdp_tp.buffers_detail == {"gathered_units": 2 * -(-unit // t) * 4, "unit_grad": -(-unit // t) * 4}
     hsdp = strategy_row("hsdp_tp", spec, Setup(gpus_per_node=t * S, nodes=3, precision="fp32", tp_size=t))
     assert hsdp.mesh == {"dp_replicate": 3, "dp_shard": S, "tp": t} and hsdp.params_bytes == fsdp_tp.params_bytes
+
+
+def test_zero3_keeps_gathered_only_what_its_reuse_distance_reaches():
+    """stage3_max_reuse_distance D (a run's, read by the profiler): backward re-gathers r = max(0, 1 - D/(2G)) of
+    the G gathered elements, and what it does not re-gather stays gathered from forward, (1 - r) G beyond the layer
+    in use. At a D below the largest layer nothing is kept and r is nearly 1."""
+    spec, setup = model_spec("llama-2-7b"), Setup(gpus_per_node=2)  # bf16-mixed: 2-byte parameters
+    G = sum(d * r for d, r, _ in formulas.counts(spec, setup).tensors if d * r > 10 * spec.hidden_size)
+    for D in (10 ** 9, 10 ** 5):
+        row = strategy_row("zero3", spec, setup, knobs=LibraryKnobs(zero3_max_reuse_distance=D))
+        r = max(0.0, 1 - D / (2 * G))
+        assert row.buffers_detail["kept_gathered"] == max(0, int((1 - r) * G) - spec.largest_layer_params) * 2
+        assert abs(row.comm["param_all_gather"] - 0.5 * ((1 + r) * G + spec.params_total - G) * 2) <= 2, D
+    assert row.buffers_detail["kept_gathered"] == 0
 
 
 def test_comm_per_step_is_the_documented_ring_formula():

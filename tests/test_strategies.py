@@ -115,6 +115,7 @@ def test_config_shards_as_promised(config, strategy_runs, parameter_shapes):
         if strategy.startswith("zero3"):  # read from the live ZeRO-3 optimizer, as the engine's config resolved them
             assert detail["prefetch_bucket_size"] == independent[0]["prefetch_bucket_size"] > 0
             assert detail["stage3_param_persistence_threshold"] == independent[0]["persistence_threshold"] > 0
+            assert detail["stage3_max_reuse_distance"] == independent[0]["max_reuse_distance"] > 0
 
 
 @pytest.mark.launch

@@ -29,8 +29,9 @@ FIELDS = {
     "strategy": "the planner's strategy name (ddp, zero3, fsdp_full_shard, tp, ...) or 'single'",
     "strategy_detail": "what the strategy was read from (ZeRO stage, offload, FSDP version, ...); under ZeRO "
                        "`reduce_bucket_size` (elements), ZeRO-1/2 `overlap_comm` and `allgather_bucket_size`, ZeRO-3 "
-                       "`prefetch_bucket_size` and `stage3_param_persistence_threshold`, as the run's ZeRO optimizer "
-                       "was built with them (plan_vs_run plans with those its Setup takes); with a long-sequence "
+                       "`prefetch_bucket_size`, `stage3_param_persistence_threshold` and `stage3_max_reuse_distance`, "
+                       "as the run's ZeRO optimizer was built with them (plan_vs_run plans with those its Setup "
+                       "takes); with a long-sequence "
                        "split `sequence_parallel` {kind: cp or sp, degree, backend, group: the ranks sharing this "
                        "rank's sequences}",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split, plus cp or sp (the sequence split's degree) "

@@ -6,7 +6,8 @@ counted here through each library's own accessors (element counts of ZeRO-3 part
 shards, FSDP1 flat parameters, ZeRO master partitions, torch optimizer state), not by the profiler's
 storage walk, so the test compares two different ways of counting the same live objects. Under DeepSpeed it
 also writes what the engine's config says of its buckets (`zero_reduce_bucket_size()`, `zero_overlap_comm()`,
-`zero_allgather_bucket_size()`, `zero_prefetch_bucket_size()`, `zero_param_persistence_threshold()`); under DDP, the bytes its reducer's buckets
+`zero_allgather_bucket_size()`, `zero_prefetch_bucket_size()`, `zero_param_persistence_threshold()`,
+`zero_max_reuse_distance()`); under DDP, the bytes its reducer's buckets
 hold (`ddp_bucket_bytes`: each trainable parameter's gradient once, in the parameter's dtype).
 """
 import json
@@ -105,7 +106,8 @@ class IndependentCount(TrainerCallback):
             counts.update(reduce_bucket_size=engine.zero_reduce_bucket_size(), overlap_comm=engine.zero_overlap_comm(),
                           allgather_bucket_size=engine.zero_allgather_bucket_size(),
                           prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
-                          persistence_threshold=engine.zero_param_persistence_threshold())
+                          persistence_threshold=engine.zero_param_persistence_threshold(),
+                          max_reuse_distance=engine.zero_max_reuse_distance())
         if type(engine).__name__ == "DistributedDataParallel":  # its buckets hold each trainable gradient once
             counts["ddp_bucket_bytes"] = sum(nbytes(p) for p in engine.module.parameters() if p.requires_grad)
         Path(args.output_dir, f"independent_count_rank{rank}.json").write_text(json.dumps(counts))

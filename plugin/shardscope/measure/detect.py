@@ -117,6 +117,7 @@ def wrapper_strategy(model) -> dict | None:
                    "offload_optimizer": offload}
         if stage == 3:
             details["stage3_param_persistence_threshold"] = model.zero_param_persistence_threshold()
+            details["stage3_max_reuse_distance"] = model.zero_max_reuse_distance()
         return {"world_size": world, "mesh": _mesh(1, world, 1), "wrapper": name, **details}
     if name == "DistributedDataParallel":
         return {"strategy": "ddp", "world_size": world, "mesh": _mesh(world, 1, 1), "wrapper": name}
@@ -174,10 +175,12 @@ def _deepspeed_details(plugin) -> dict:
     name = f"zero{stage}" + ("_offload" if offload_optimizer not in ("none", None) else "")
     details = {"strategy": name, "zero_stage": stage, "offload_optimizer": offload_optimizer,
                "offload_param": offload_param}
-    if stage == 3:  # the effective value, DeepSpeed's default included: it decides what is not sharded
+    if stage == 3:  # effective values, DeepSpeed's defaults included: what is not sharded, what stays gathered
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-        details["stage3_param_persistence_threshold"] = DeepSpeedZeroConfig(**zero).param_persistence_threshold
+        settings = DeepSpeedZeroConfig(**zero)
+        details["stage3_param_persistence_threshold"] = settings.param_persistence_threshold
+        details["stage3_max_reuse_distance"] = settings.max_reuse_distance
     return details
 
 

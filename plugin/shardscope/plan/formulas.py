@@ -550,14 +550,12 @@ def _zero3_threshold(spec: ModelSpec, knobs: LibraryKnobs) -> int:
     return threshold if threshold is not None else 10 * spec.hidden_size
 
 
-ZERO3_REUSE_DISTANCE = 10 ** 9  # DeepSpeed's stage3_max_reuse_distance default (elements)
-
-
 def _zero3_gathered(spec: ModelSpec, knobs: LibraryKnobs, c: Counts) -> tuple[int, float]:
     """ZeRO-3's G, elements gathered to compute (all but the persistent tensors), and r, the fraction backward
-    re-gathers: modelled r = max(0, 1 - D/(2G)) with D = stage3_max_reuse_distance (see `strategy_row`)."""
+    re-gathers: modelled r = max(0, 1 - D/(2G)) with D = stage3_max_reuse_distance (`knobs`; DeepSpeed's 1e9 unless
+    the run says otherwise): a tensor released after its forward is gathered again in backward."""
     gathered = c.total - sum(d * r for d, r, _ in c.tensors if d * r <= _zero3_threshold(spec, knobs))
-    return gathered, max(0.0, 1 - ZERO3_REUSE_DISTANCE / (2 * gathered)) if gathered else 0.0
+    return gathered, max(0.0, 1 - knobs.zero3_max_reuse_distance / (2 * gathered)) if gathered else 0.0
 
 
 def _ring(k: int) -> float:

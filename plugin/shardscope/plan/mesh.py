@@ -84,6 +84,7 @@ class LibraryKnobs:
     zero_overlap_comm: bool | None = None  # DeepSpeed overlap_comm; None: its default (ZeRO-3 only)
     zero3_persistence_threshold: int | None = None  # None: 10 * hidden (Trainer "auto")
     zero_sub_group_size: int = 10 ** 9     # DeepSpeed zero_optimization.sub_group_size: ZeRO-3's fp32 grads per step
+    zero3_max_reuse_distance: int = 10 ** 9  # DeepSpeed stage3_max_reuse_distance: what ZeRO-3 keeps gathered
     zero3_offload: str = "all"             # what zero3_offload moves to CPU: "all", "params" or "optimizer"
     zero_param_groups: int = 2             # Trainer: decay / no-decay groups
     fsdp_version: int = 2                  # 2: per-tensor shards (shipped default); 1: flat params
