@@ -94,7 +94,7 @@ def _knobs_of_run(summary: dict, strategy: str, knobs: LibraryKnobs) -> LibraryK
     detail = summary.get("strategy_detail") or {}
     if strategy.startswith("zero3") and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
         knobs = replace(knobs, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
-    if strategy.startswith("zero3") and _count_or_none(detail.get("stage3_max_reuse_distance")) is not None:
+    if strategy.startswith("zero3") and count_or_none(detail.get("stage3_max_reuse_distance")) is not None:
         knobs = replace(knobs, zero3_max_reuse_distance=int(detail["stage3_max_reuse_distance"]))
     if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
         knobs = replace(knobs, fsdp_version=int(detail["fsdp_version"]))
