@@ -107,8 +107,8 @@ def vs_import(repeats: int, out: str | None, quick: bool = False, before: str | 
             times[arm].append(timed(cmd, arm_env))
     base = [statistics.median(t[i] for t in times["import torch, transformers"]) for i in (0, 1)]
     lines = [f"`plan --dry-run` against the imports, {repeats} runs each, interleaved, medians (load average "
-             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU(s), shared with other jobs: CPU s is the steadier "
-             f"figure)", "",
+             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU(s); on a machine shared with other jobs CPU s is the "
+             f"steadier figure)", "",
              "| command | wall s | CPU s | wall / import | CPU / import |", "| --- | --- | --- | --- | --- |"]
     for arm, runs in times.items():
         wall, cpu = (statistics.median(t[i] for t in runs) for i in (0, 1))
