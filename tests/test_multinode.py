@@ -116,36 +116,51 @@ def _bad_launch(tmp_path, **kwargs):
     return accelerate_multinode_launch(find_config("ddp_multinode").path, HELLO, ["--help"], tmp_path, **kwargs)
 
 
-@pytest.mark.launch
-def test_port_in_use_fails_at_once_with_a_clear_error(tmp_path):
+@pytest.fixture(scope="module")
+def bad_launches(tmp_path_factory):
+    """The three bad launches at once (each mostly waits: on a refused port, a rendezvous timeout, the helper's
+    timeout): {case: run}, and the ports they were given."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
-        run = _bad_launch(tmp_path, main_process_port=port, machine_ranks=[0], timeout=30)
+        # The main node's address answers nothing: a loopback port no process listens on (tests send traffic to
+        # loopback only). Without a rendezvous timeout the node waits for its main node for 10 minutes (torch's
+        # static rendezvous default); --rdzv_conf timeout=3 bounds it. Without one at all, the helper's timeout
+        # kills the launcher's whole session (agent and anything it started).
+        ports = {"port_in_use": busy.getsockname()[1], "unreachable": free_port()}
+        cases = {"port_in_use": dict(main_process_port=ports["port_in_use"], machine_ranks=[0], timeout=30),
+                 "unreachable": dict(main_process_ip="127.0.0.1", main_process_port=ports["unreachable"],
+                                     machine_ranks=[1], launcher_flags=["--rdzv_conf", "timeout=3"], timeout=40),
+                 "no_main_node": dict(machine_ranks=[1], timeout=8)}
+        with ThreadPoolExecutor(len(cases)) as pool:
+            started = {case: pool.submit(_bad_launch, tmp_path_factory.mktemp(case), **kwargs)
+                       for case, kwargs in cases.items()}
+            return {case: future.result() for case, future in started.items()}, ports
+
+
+@pytest.mark.launch
+def test_port_in_use_fails_at_once_with_a_clear_error(bad_launches):
+    runs, ports = bad_launches
+    run = runs["port_in_use"]
     assert not run.timed_out and run.returncodes == [1], run.outputs
-    assert f"port `{port}`, but another process is utilizing it" in run.outputs[0]
+    assert f"port `{ports['port_in_use']}`, but another process is utilizing it" in run.outputs[0]
     assert run.survivors() == []
 
 
 @pytest.mark.launch
-def test_unreachable_main_address_fails_within_the_rendezvous_timeout(tmp_path):
-    # The main node's address answers nothing: a loopback port no process listens on (tests send traffic to
-    # loopback only). Without a rendezvous timeout the node waits for its main node for 10 minutes (torch's
-    # static rendezvous default); --rdzv_conf timeout=3 bounds it.
-    port = free_port()
-    run = _bad_launch(tmp_path, main_process_ip="127.0.0.1", main_process_port=port, machine_ranks=[1],
-                      launcher_flags=["--rdzv_conf", "timeout=3"], timeout=40)
+def test_unreachable_main_address_fails_within_the_rendezvous_timeout(bad_launches):
+    runs, ports = bad_launches
+    run = runs["unreachable"]
     assert not run.timed_out and run.returncodes == [1], run.outputs
-    assert f"timed out after 3000ms while trying to connect to (127.0.0.1, {port})" in run.outputs[0]
+    assert f"timed out after 3000ms while trying to connect to (127.0.0.1, {ports['unreachable']})" in run.outputs[0]
     assert run.survivors() == []
 
 
 @pytest.mark.launch
-def test_node_without_its_main_node_is_killed_on_timeout(tmp_path):
-    # No rendezvous timeout: the launcher would wait for minutes. The helper's timeout kills the launcher's
-    # whole session (agent and anything it started): nothing may survive.
-    run = _bad_launch(tmp_path, machine_ranks=[1], timeout=8)
+def test_node_without_its_main_node_is_killed_on_timeout(bad_launches):
+    run = bad_launches[0]["no_main_node"]
     assert run.timed_out
     assert run.processes, "the launcher was tracked"
     assert run.survivors() == []
