@@ -73,6 +73,23 @@ def accelerate_launch(config_file, script, script_args, output_dir, num_processe
                 timeout)
 
 
+def accelerate_launch_together(runs, output_dir, num_processes=2) -> dict[str, Run]:
+    """Runs `(name, accelerate yaml, script, args)` one after another in one `accelerate launch` under the first run's
+    yaml (tests/workers/several_runs.py: one start-up for all); a run whose yaml is not the one before it gets its
+    own yaml's launch environment (several_runs.py --launch_config), so only yamls of one family (DeepSpeed; FSDP)
+    go together. Returns each run's `Run`: the launch's output, then that run's rank logs, and its folder."""
+    args, before = [], runs[0][1]
+    for name, config, script, script_args in runs:
+        args += [*(["--launch_config", config] if config != before else []), "--run", name, script, *script_args]
+        before = config
+    launched = accelerate_launch(runs[0][1], ROOT / "tests" / "workers" / "several_runs.py", args, output_dir,
+                                 num_processes=num_processes)
+    logs = Path(output_dir) / "logs"
+    return {name: Run(launched.cmd, launched.returncode,
+                      launched.output + "".join(log.read_text() for log in sorted(logs.glob(f"{name}.rank*.log"))),
+                      Path(output_dir) / name) for name, *_ in runs}
+
+
 def deepspeed_launch(script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(num_processes), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), *map(str, script_args), "--output_dir", str(output_dir)]

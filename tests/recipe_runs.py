@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from launch import ROOT, Run, accelerate_launch, deepspeed_launch
+from launch import ROOT, Run, accelerate_launch, accelerate_launch_together, deepspeed_launch
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
 IMAGE = ROOT / "recipes" / "image_classification.py"
@@ -57,9 +58,30 @@ IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
 }
 
 
-# test_resume_world_size's uninterrupted 2-rank runs (kind "world", named by their shipped config): per-device batch
-# WORLD_GLOBAL / 2 and a checkpoint at SAVE_AT; its resumes at other world sizes are launches of their own.
+# test_resume_world_size's uninterrupted 2-rank runs (kind "world"): per-device batch WORLD_GLOBAL / 2 and a
+# checkpoint at SAVE_AT, under the shipped yaml WORLD_CONFIGS names with its fsdp_config overrides (FSDP2 saving
+# SHARDED_STATE_DICT, i.e. DCP: written into a yaml of its own, `world_config`); its resumes at other world sizes are
+# launches of their own.
 WORLD_GLOBAL = 8
+WORLD_CONFIGS = {"zero2": ("zero2", {}), "zero3": ("zero3", {}),
+                 "fsdp2": ("fsdp_full_shard", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"})}
+
+
+@pytest.fixture(scope="session")
+def world_config(tmp_path_factory):
+    """`world_config(name)`: the accelerate yaml of a WORLD_CONFIGS run: the shipped one, or a copy with overrides."""
+    folder = tmp_path_factory.mktemp("world_configs")
+
+    def path(name: str) -> Path:
+        config, overrides = WORLD_CONFIGS[name]
+        if not overrides:
+            return ACC / f"{config}.yaml"
+        data = yaml.safe_load((ACC / f"{config}.yaml").read_text())
+        data["fsdp_config"].update(overrides)
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(data))
+        return folder / f"{name}.yaml"
+
+    return path
 
 
 def world_args(assets, ranks, *extra):
@@ -70,57 +92,47 @@ def world_args(assets, ranks, *extra):
 
 
 # Runs under the same shipped config and launcher flags train one after another in one launched process
-# (tests/workers/several_runs.py): one launch instead of one each; the DeepSpeed configs' runs share one, each in
-# its own config's launch environment (several_runs.py --launch_config). Resumes stay launches of their own (a
-# fresh process resumes), as do runs with launcher flags of their own and the `deepspeed` launcher's run.
+# (tests/workers/several_runs.py): one launch instead of one each; the configs of one family (DeepSpeed; FSDP) share
+# one, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes stay launches of
+# their own (a fresh process resumes), as do runs with launcher flags of their own and the `deepspeed` launcher's run.
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
     "ddp": [("sft", "ddp"), ("image", "ddp")],
-    "fsdp_full_shard": [("sft", "fsdp"), ("sft", "lora_fsdp")],
+    "fsdp_full_shard": [("sft", "fsdp"), ("sft", "lora_fsdp"), ("world", "fsdp2")],
     # ZeRO-2 first, as in their own launches: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's
     # saved model reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not
     # affected)
     "deepspeed": [("sft", "zero2"), ("image", "zero2"), ("world", "zero2"),
                   ("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen"), ("world", "zero3")],
 }
-SEVERAL = ROOT / "tests" / "workers" / "several_runs.py"
 
 
 @pytest.fixture(scope="session")
-def recipe_runs(tmp_path_factory, sft_assets, image_assets):
+def recipe_runs(tmp_path_factory, sft_assets, image_assets, world_config):
     """`recipe_runs(kind, name)` launches a run (with the others of its SHARED_LAUNCHES entry) the first time it is
     asked for and returns the cached `Run`."""
     cache: dict[tuple[str, str], Run] = {}
 
-    def command(kind: str, name: str) -> tuple[str, Path, list, list]:
-        """(config, recipe, recipe arguments, launcher flags) of an sft, image or world run."""
+    def command(kind: str, name: str) -> tuple[Path, Path, list, list]:
+        """(accelerate yaml, recipe, recipe arguments, launcher flags) of an sft, image or world run."""
         if kind == "world":
-            return name, SFT, world_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps",
-                                                     SAVE_AT), []
+            return world_config(name), SFT, world_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps",
+                                                        SAVE_AT), []
         if kind == "sft":
             _, config, extra = SFT_RUNS[name]
-            return config, SFT, sft_args(sft_assets, *extra), SFT_LAUNCHER_ARGS.get(name, [])
+            return ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), SFT_LAUNCHER_ARGS.get(name, [])
         config, extra, launcher_args = IMAGE_RUNS[name]
-        return config, IMAGE, ["--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path",
-                               image_assets["model"], "--dataset", image_assets["data"], "--save_final_logits",
-                               "true", *extra], launcher_args
-
-    def launch_shared(launch: str) -> None:
-        out = tmp_path_factory.mktemp(f"shared_{launch}")
-        args, first = [], command(*SHARED_LAUNCHES[launch][0])[0]
-        for kind, name in SHARED_LAUNCHES[launch]:
-            config, script, recipe_args, _ = command(kind, name)
-            args += [*(["--launch_config", ACC / f"{config}.yaml"] if config != first else []),
-                     "--run", f"{kind}_{name}", script, *recipe_args]
-        launched = accelerate_launch(ACC / f"{first}.yaml", SEVERAL, args, out)
-        for kind, name in SHARED_LAUNCHES[launch]:  # each run's output: the launcher's and its ranks' own
-            ranks = "".join(log.read_text() for log in sorted((out / "logs").glob(f"{kind}_{name}.rank*.log")))
-            cache[(kind, name)] = Run(launched.cmd, launched.returncode, launched.output + ranks, out / f"{kind}_{name}")
+        return ACC / f"{config}.yaml", IMAGE, ["--config", ROOT / "recipes/dinov2/demo_tiny.yaml",
+                                               "--model_name_or_path", image_assets["model"], "--dataset",
+                                               image_assets["data"], "--save_final_logits", "true", *extra], \
+            launcher_args
 
     def get(kind: str, name: str) -> Run:
         if (kind, name) not in cache:
             shared = next((c for c, members in SHARED_LAUNCHES.items() if (kind, name) in members), None)
             if shared:
-                launch_shared(shared)
+                runs = [(f"{k}_{n}", *command(k, n)[:3]) for k, n in SHARED_LAUNCHES[shared]]
+                launched = accelerate_launch_together(runs, tmp_path_factory.mktemp(f"shared_{shared}"))
+                cache.update({(k, n): launched[f"{k}_{n}"] for k, n in SHARED_LAUNCHES[shared]})
             elif kind == "sft" and SFT_RUNS[name][0] == "deepspeed":
                 out = tmp_path_factory.mktemp(f"{kind}_{name}")
                 cache[(kind, name)] = deepspeed_launch(SFT, sft_args(
@@ -130,7 +142,7 @@ def recipe_runs(tmp_path_factory, sft_assets, image_assets):
                 config, script, args, launcher_args = command("sft" if resume else kind, name)
                 if resume:
                     args = [*args, "--resume_from_checkpoint", get("sft", name).output_dir / f"checkpoint-{SAVE_AT}"]
-                cache[(kind, name)] = accelerate_launch(ACC / f"{config}.yaml", script, args,
+                cache[(kind, name)] = accelerate_launch(config, script, args,
                                                         tmp_path_factory.mktemp(f"{kind}_{name}"),
                                                         launcher_args=launcher_args)
         return cache[(kind, name)].check()

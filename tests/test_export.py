@@ -1,5 +1,5 @@
-"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-3 full and
-ZeRO-3 LoRA in one launch, ZeRO-2 full, FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the
+"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-2 full, ZeRO-3 full
+and ZeRO-3 LoRA in one launch; FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the
 exported folder must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on
 every rank's wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about
 a seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from launch import ROOT, accelerate_launch, cpu_env
+from launch import ROOT, accelerate_launch_together, cpu_env
 from shardscope.cli import main
 from shardscope.errors import UsageError
 from shardscope.checkpoint.export import export
@@ -32,38 +32,44 @@ import export_memory  # noqa: E402  (benchmarks/export_memory.py, measured here 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
 RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
+    "zero2": ("zero2.yaml", {}, 0),  # one mp_rank_00_model_states.pt; optimizer states hold fragment_address
     "zero3": ("zero3.yaml", {}, 0),
     "zero3_lora": ("zero3.yaml", {}, 4),
-    "zero2": ("zero2.yaml", {}, 0),  # one mp_rank_00_model_states.pt; optimizer states hold fragment_address
     "fsdp_sharded": ("fsdp_full_shard.yaml", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
 }
 
 
 @pytest.fixture(scope="module")
 def trained(strategy_model, tmp_path_factory):
-    """Launch each run once, lazily, in one launch with the runs of the same config (zero3 and zero3_lora, one after
-    another: tests/workers/several_runs.py): returns (checkpoint-3 folder, reference logits file)."""
+    """Launch each run once, lazily, in one launch with the runs of its family (the ZeRO runs, ZeRO-2 first, one
+    after another: launch.accelerate_launch_together): returns (checkpoint-3 folder, reference logits file)."""
     done = {}
+
+    def family(name):
+        return RUNS[name][0].startswith("zero")
 
     def get(name):
         if name not in done:
-            config, fsdp, _ = RUNS[name]
-            together = [other for other, (c, f, _) in RUNS.items() if (c, f) == (config, fsdp)]
+            together = [other for other in RUNS if family(other) == family(name)]
             out = tmp_path_factory.mktemp(name)
-            config_file = ROOT / "accelerate_configs" / config
-            if fsdp:  # the shipped yaml with the state dict type overridden
-                data = yaml.safe_load(config_file.read_text())
-                data["fsdp_config"].update(fsdp)
-                config_file = out.parent / f"{name}.yaml"
-                config_file.write_text(yaml.safe_dump(data))
             args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
                     "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
-            runs = [arg for run in together for arg in ["--run", run, WORKER, *args, "--lora_r", RUNS[run][2],
-                                                        "--logits_out", out / run / "logits.pt"]]
-            for run in together:  # rank 0 saves the logits there
-                (out / run).mkdir()
-            accelerate_launch(config_file, ROOT / "tests" / "workers" / "several_runs.py", runs, out).check()
-            done.update({run: (out / run / "checkpoint-3", out / run / "logits.pt") for run in together})
+            runs = []
+            for run in together:
+                config, fsdp, lora_r = RUNS[run]
+                config_file = ROOT / "accelerate_configs" / config
+                if fsdp:  # the shipped yaml with the state dict type overridden
+                    data = yaml.safe_load(config_file.read_text())
+                    data["fsdp_config"].update(fsdp)
+                    config_file = out / f"{run}.yaml"
+                    config_file.write_text(yaml.safe_dump(data))
+                (out / run).mkdir()  # rank 0 saves the logits there
+                runs.append((run, config_file, WORKER,
+                             [*args, "--lora_r", lora_r, "--logits_out", out / run / "logits.pt"]))
+            launched = accelerate_launch_together(runs, out)
+            for run in together:
+                launched[run].check()
+                done[run] = out / run / "checkpoint-3", out / run / "logits.pt"
         return done[name]
 
     return get

@@ -1,12 +1,13 @@
 """The SFT recipe resumes at another world size with the same global batch (issue 34), on CPU ranks over gloo.
 
 For ZeRO-2, ZeRO-3 and FSDP2 (SHARDED_STATE_DICT, i.e. DCP) a 2-rank run trains STEPS steps and saves
-checkpoint-SAVE_AT (the ZeRO runs in test_recipes' launches of their configs, tests/recipe_runs.py; FSDP2's a launch
-of its own); `shardscope reshard` turns it into a checkpoint for any world size (DeepSpeed's universal format; DCP
-checked and copied); the resumes are separate launches at the same global batch (WORLD_GLOBAL = ranks x per-device
-batch): each strategy on 1 rank and on 4 (seven launches of this file's own). The two DeepSpeed stages
-load the universal format by different code (stage3.py's own loader vs the ZeRO-1/2 fragment mapping), and DCP's
-resharding plans differ when the saved chunks must be split (4 ranks) or joined (1 rank): each way is run.
+checkpoint-SAVE_AT (in test_recipes' launches of their families, tests/recipe_runs.py); `shardscope reshard` turns it
+into a checkpoint for any world size (DeepSpeed's universal format; DCP checked and copied); the resumes are launches
+at the same global batch (WORLD_GLOBAL = ranks x per-device batch): each strategy on 1 rank and on 4, the two ZeRO
+stages one after the other in one launch per world size (each a fresh Trainer resuming from files: four launches of
+this file's own). The two DeepSpeed stages load the universal format by different code (stage3.py's own loader vs the
+ZeRO-1/2 fragment mapping), and DCP's resharding plans differ when the saved chunks must be split (4 ranks) or joined
+(1 rank): each way is run.
 
 Checks: each resumed run really ran at its world size and strategy; its losses for steps SAVE_AT+1..STEPS equal
 the uninterrupted 2-rank run's (TOLERANCE); the Adam moments it holds at train begin (gathered on every rank by
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import ROOT, accelerate_launch
+from launch import ROOT, accelerate_launch_together
 from recipe_checks import losses, run_lines
 from recipe_runs import SAVE_AT, SFT, STEPS, world_args
 from shardscope.cli import main
@@ -29,39 +30,41 @@ PROBE = ROOT / "tests" / "workers" / "resume_probe.py"
 # fp32 throughout: a different world size sums gradients over ranks in a different order, so losses may differ
 # in the last bits (measured: at most 1.4e-7 relative over steps 7-12); that, with margin, is the tolerance.
 TOLERANCE = dict(rel=1e-5, abs=1e-6)
-STRATEGIES = {  # name -> (shipped accelerate config, launcher flags, distributed_type, wrapper)
-    "zero2": ("zero2", [], "DEEPSPEED", "DeepSpeedEngine"),
-    "zero3": ("zero3", [], "DEEPSPEED", "DeepSpeedEngine"),
-    "fsdp2": ("fsdp_full_shard", ["--fsdp_state_dict_type", "SHARDED_STATE_DICT"], "FSDP", "FSDPLlamaForCausalLM"),
+STRATEGIES = {  # name (tests/recipe_runs.py WORLD_CONFIGS) -> (distributed_type, wrapper)
+    "zero2": ("DEEPSPEED", "DeepSpeedEngine"),
+    "zero3": ("DEEPSPEED", "DeepSpeedEngine"),
+    "fsdp2": ("FSDP", "FSDPLlamaForCausalLM"),
 }
 RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 
 
 @pytest.fixture(scope="module")
-def resumed(sft_assets, recipe_runs, tmp_path_factory):
-    """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once.
-    An uninterrupted run without launcher flags of its own (ZeRO-2, ZeRO-3) trains in test_recipes' launch of its
-    config (tests/recipe_runs.py); FSDP2's is a launch of its own."""
+def resumed(sft_assets, recipe_runs, world_config, tmp_path_factory):
+    """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once; the
+    resumes of one family at one world size in one launch (launch.accelerate_launch_together)."""
     cache = {}
 
-    def get(name, ranks):
-        config, flags, _, _ = STRATEGIES[name]
-        yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
+    def resharded(name):
         if name not in cache:
-            full = recipe_runs("world", name) if not flags else accelerate_launch(
-                yaml, SFT, world_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps", SAVE_AT),
-                tmp_path_factory.mktemp(f"{name}_full"), launcher_args=flags).check()
+            full = recipe_runs("world", name)
             anywhere = tmp_path_factory.mktemp(f"{name}_resharded") / "checkpoint"
             assert main(["reshard", str(full.output_dir / f"checkpoint-{SAVE_AT}"), str(anywhere)]) == 0
             cache[name] = full, anywhere
+        return cache[name]
+
+    def get(name, ranks):
         if (name, ranks) not in cache:
-            full, anywhere = cache[name]
-            out = tmp_path_factory.mktemp(f"{name}_resume{ranks}")
-            args = ["--moments_out", out / "moments.pt", SFT,
-                    *world_args(sft_assets, ranks, "--resume_from_checkpoint", anywhere)]
-            cache[(name, ranks)] = accelerate_launch(yaml, PROBE, args, out, num_processes=ranks,
-                                                     launcher_args=flags).check()
-        return (*cache[name], cache[(name, ranks)])
+            family = [other for other, (kind, _) in STRATEGIES.items() if kind == STRATEGIES[name][0]]
+            out = tmp_path_factory.mktemp(f"{STRATEGIES[name][0].lower()}_resume{ranks}")
+            runs = []
+            for other in family:
+                (out / other).mkdir()  # the probe's file goes into the run's folder before the Trainer makes it
+                runs.append((other, world_config(other), PROBE, [
+                    "--moments_out", out / other / "moments.pt", SFT,
+                    *world_args(sft_assets, ranks, "--resume_from_checkpoint", resharded(other)[1])]))
+            launched = accelerate_launch_together(runs, out, num_processes=ranks)
+            cache.update({(other, ranks): launched[other].check() for other in family})
+        return (*resharded(name), cache[(name, ranks)])
 
     return get
 
@@ -69,7 +72,7 @@ def resumed(sft_assets, recipe_runs, tmp_path_factory):
 @pytest.mark.parametrize("name, ranks", RESUMES)
 def test_resume_at_another_world_size_continues_the_run(resumed, name, ranks):
     full, _, resume = resumed(name, ranks)
-    _, _, kind, wrapper = STRATEGIES[name]
+    kind, wrapper = STRATEGIES[name]
     lines = run_lines(resume)
     assert sorted(int(line["rank"]) for line in lines) == list(range(ranks)), resume.output[-3000:]
     assert {(line["world_size"], line["distributed_type"], line["wrapped"]) for line in lines} == {

@@ -5,7 +5,8 @@ moments through the library's own accessors, and rank 0 saves them with torch.sa
 
     accelerate launch ... tests/workers/resume_probe.py --moments_out m.pt recipes/causal_lm_sft.py ARGS...
 
-The recipe runs unchanged (runpy, as `__main__`); only `RecipeTrainer.__init__` gains the callback.
+The recipe runs unchanged (runpy, as `__main__`); only `RecipeTrainer.__init__` gains the callback, for this run
+(several resumes may run one after another in one launch: tests/workers/several_runs.py).
 """
 import runpy
 import sys
@@ -53,7 +54,10 @@ def main():
 
     training.RecipeTrainer.__init__ = init_with_probe
     sys.argv = [recipe, *rest]
-    runpy.run_path(recipe, run_name="__main__")
+    try:
+        runpy.run_path(recipe, run_name="__main__")
+    finally:  # a later run in the same process (tests/workers/several_runs.py) gets the recipe as it was
+        training.RecipeTrainer.__init__ = init
 
 
 if __name__ == "__main__":
