@@ -146,7 +146,7 @@ def strategy_model_for(config: str) -> str:
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
 # accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
 # test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); the single-node accelerate
-# configs of one family (DeepSpeed; FSDP) under one `accelerate launch`, each run in its own config's launch
+# configs of one family (DeepSpeed; DDP then FSDP) under one `accelerate launch`, each run in its own config's launch
 # environment (several_runs.py --launch_config); every single-node DeepSpeed JSON under one `deepspeed` launch with
 # test_peak_runs' small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS), every
 # single-node FSDP JSON under one `torchrun` (their configs are script arguments).
@@ -180,8 +180,12 @@ def shared_launches() -> list[tuple]:
         return [*own, *((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
                 *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
 
-    launches = [tuple(run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c))
-                for family in accelerate_families().values()]
+    def in_order(family):
+        return [run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c)]
+
+    families = accelerate_families()  # DDP's runs before FSDP's in one launch (several_runs.py); DeepSpeed's apart
+    launches = [tuple(in_order(families.pop("MULTI_GPU")) + in_order(families.pop("FSDP"))),
+                *(tuple(in_order(family)) for family in families.values())]
     small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()

@@ -92,12 +92,11 @@ def world_args(assets, ranks, *extra):
 
 
 # Runs under the same shipped config and launcher flags train one after another in one launched process
-# (tests/workers/several_runs.py): one launch instead of one each; the configs of one family (DeepSpeed; FSDP) share
-# one, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes stay launches of
+# (tests/workers/several_runs.py): one launch instead of one each; DDP's then FSDP's configs share one, DeepSpeed's
+# another, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes stay launches of
 # their own (a fresh process resumes), as do runs with launcher flags of their own and the `deepspeed` launcher's run.
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
-    "ddp": [("sft", "ddp"), ("image", "ddp")],
-    "fsdp_full_shard": [("sft", "fsdp"), ("sft", "lora_fsdp"), ("world", "fsdp2")],
+    "torch": [("sft", "ddp"), ("image", "ddp"), ("sft", "fsdp"), ("sft", "lora_fsdp"), ("world", "fsdp2")],
     # ZeRO-2 first, as in their own launches: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's
     # saved model reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not
     # affected)
