@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from loop_runs import loop_runs  # noqa: F401  (shared launching fixtures, each defined beside its launches' spec)
-from recipe_runs import image_assets, recipe_runs, world_config  # noqa: F401
+from recipe_runs import accelerate_yaml, image_assets, recipe_runs  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -47,39 +47,39 @@ SFT_RUNS = {  # name -> (launcher, config, extra args)
 # The launcher's precision agrees with the recipe's --bf16 (the CPU overrides say "no"; the recipe's doctor
 # check refuses a launcher and Trainer that disagree).
 SFT_LAUNCHER_ARGS = {"fsdp1": ["--mixed_precision", "bf16"]}
-IMAGE_RUNS = {  # name: (config, recipe args, launcher args)
-    "ddp": ("ddp", [], []),
+IMAGE_RUNS = {  # name: (config, its fsdp_config overrides, recipe args)
+    "ddp": ("ddp", {}, []),
     # in bf16: ZeRO's 16-bit weights beside an fp32 master; it saves the 16-bit model it computes with
-    "zero2": ("zero2", ["--bf16", "true"], []),
+    "zero2": ("zero2", {}, ["--bf16", "true"]),
     # accelerate 1.15's FSDP2 auto-wrap from `_no_split_modules` wraps Dinov2Embeddings, then shards its
     # patch embeddings a second time ("value was None" in DeviceMesh): name the layer class instead.
-    "fsdp": ("fsdp_full_shard", [], ["--fsdp_transformer_layer_cls_to_wrap", "Dinov2Layer"]),
-    "zero3_frozen": ("zero3", ["--freeze_backbone", "true", "--learning_rate", "1e-2"], []),
+    "fsdp": ("fsdp_full_shard", {"fsdp_transformer_layer_cls_to_wrap": "Dinov2Layer"}, []),
+    "zero3_frozen": ("zero3", {}, ["--freeze_backbone", "true", "--learning_rate", "1e-2"]),
 }
 
 
 # test_resume_world_size's uninterrupted 2-rank runs (kind "world"): per-device batch WORLD_GLOBAL / 2 and a
 # checkpoint at SAVE_AT, under the shipped yaml WORLD_CONFIGS names with its fsdp_config overrides (FSDP2 saving
-# SHARDED_STATE_DICT, i.e. DCP: written into a yaml of its own, `world_config`); its resumes at other world sizes are
-# launches of their own.
+# SHARDED_STATE_DICT, i.e. DCP); its resumes at other world sizes are launches of their own.
 WORLD_GLOBAL = 8
 WORLD_CONFIGS = {"zero2": ("zero2", {}), "zero3": ("zero3", {}),
                  "fsdp2": ("fsdp_full_shard", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"})}
 
 
 @pytest.fixture(scope="session")
-def world_config(tmp_path_factory):
-    """`world_config(name)`: the accelerate yaml of a WORLD_CONFIGS run: the shipped one, or a copy with overrides."""
-    folder = tmp_path_factory.mktemp("world_configs")
+def accelerate_yaml(tmp_path_factory):
+    """`accelerate_yaml(config, overrides)`: the shipped accelerate yaml, or a copy with its fsdp_config `overrides`
+    (what a launcher flag would set, in a file: a run with it can share a launch)."""
+    folder = tmp_path_factory.mktemp("accelerate_yamls")
 
-    def path(name: str) -> Path:
-        config, overrides = WORLD_CONFIGS[name]
+    def path(config: str, overrides: dict) -> Path:
         if not overrides:
             return ACC / f"{config}.yaml"
         data = yaml.safe_load((ACC / f"{config}.yaml").read_text())
         data["fsdp_config"].update(overrides)
-        (folder / f"{name}.yaml").write_text(yaml.safe_dump(data))
-        return folder / f"{name}.yaml"
+        derived = folder / f"{config}-{'-'.join(f'{k}={v}' for k, v in sorted(overrides.items()))}.yaml"
+        derived.write_text(yaml.safe_dump(data))
+        return derived
 
     return path
 
@@ -91,39 +91,43 @@ def world_args(assets, ranks, *extra):
             *extra]
 
 
-# Runs under the same shipped config and launcher flags train one after another in one launched process
-# (tests/workers/several_runs.py): one launch instead of one each; DDP's then FSDP's configs share one, DeepSpeed's
-# another, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes stay launches of
-# their own (a fresh process resumes), as do runs with launcher flags of their own and the `deepspeed` launcher's run.
+# Runs train one after another in one launched process (tests/workers/several_runs.py): one launch instead of one
+# each; DDP's then FSDP's configs share one, DeepSpeed's another, each run in its own config's launch environment
+# (launch.accelerate_launch_together). Resumes come after the runs they resume, in launches of their own; runs with
+# launcher flags of their own and the `deepspeed` launcher's run are launches of their own.
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
-    "torch": [("sft", "ddp"), ("image", "ddp"), ("sft", "fsdp"), ("sft", "lora_fsdp"), ("world", "fsdp2")],
+    "torch": [("sft", "ddp"), ("image", "ddp"), ("sft", "fsdp"), ("sft", "lora_fsdp"), ("image", "fsdp"),
+              ("world", "fsdp2")],
     # ZeRO-2 first, as in their own launches: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's
     # saved model reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not
     # affected)
     "deepspeed": [("sft", "zero2"), ("image", "zero2"), ("world", "zero2"),
                   ("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen"), ("world", "zero3")],
+    # each resume a fresh Trainer reading the checkpoint files; ZeRO-3's and bf16 FSDP1's (its launcher flag) apart
+    "resume_torch": [("resume", "ddp"), ("resume", "fsdp")],
 }
 
 
 @pytest.fixture(scope="session")
-def recipe_runs(tmp_path_factory, sft_assets, image_assets, world_config):
+def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml):
     """`recipe_runs(kind, name)` launches a run (with the others of its SHARED_LAUNCHES entry) the first time it is
-    asked for and returns the cached `Run`."""
+    asked for and returns the cached `Run`; a resume starts from the sft run's step-SAVE_AT checkpoint."""
     cache: dict[tuple[str, str], Run] = {}
 
     def command(kind: str, name: str) -> tuple[Path, Path, list, list]:
-        """(accelerate yaml, recipe, recipe arguments, launcher flags) of an sft, image or world run."""
+        """(accelerate yaml, recipe, recipe arguments, launcher flags) of an sft, resume, image or world run."""
         if kind == "world":
-            return world_config(name), SFT, world_args(sft_assets, 2, "--save_strategy", "steps", "--save_steps",
-                                                        SAVE_AT), []
-        if kind == "sft":
+            return accelerate_yaml(*WORLD_CONFIGS[name]), SFT, world_args(
+                sft_assets, 2, "--save_strategy", "steps", "--save_steps", SAVE_AT), []
+        if kind in ("sft", "resume"):
             _, config, extra = SFT_RUNS[name]
+            if kind == "resume":
+                extra = [*extra, "--resume_from_checkpoint", get("sft", name).output_dir / f"checkpoint-{SAVE_AT}"]
             return ACC / f"{config}.yaml", SFT, sft_args(sft_assets, *extra), SFT_LAUNCHER_ARGS.get(name, [])
-        config, extra, launcher_args = IMAGE_RUNS[name]
-        return ACC / f"{config}.yaml", IMAGE, ["--config", ROOT / "recipes/dinov2/demo_tiny.yaml",
-                                               "--model_name_or_path", image_assets["model"], "--dataset",
-                                               image_assets["data"], "--save_final_logits", "true", *extra], \
-            launcher_args
+        config, overrides, extra = IMAGE_RUNS[name]
+        return accelerate_yaml(config, overrides), IMAGE, [
+            "--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path", image_assets["model"],
+            "--dataset", image_assets["data"], "--save_final_logits", "true", *extra], []
 
     def get(kind: str, name: str) -> Run:
         if (kind, name) not in cache:
@@ -136,13 +140,9 @@ def recipe_runs(tmp_path_factory, sft_assets, image_assets, world_config):
                 out = tmp_path_factory.mktemp(f"{kind}_{name}")
                 cache[(kind, name)] = deepspeed_launch(SFT, sft_args(
                     sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json", *SFT_RUNS[name][2]), out)
-            else:  # its own launch; a resume starts from the uninterrupted run's step-SAVE_AT checkpoint
-                resume = kind == "resume"
-                config, script, args, launcher_args = command("sft" if resume else kind, name)
-                if resume:
-                    args = [*args, "--resume_from_checkpoint", get("sft", name).output_dir / f"checkpoint-{SAVE_AT}"]
-                cache[(kind, name)] = accelerate_launch(config, script, args,
-                                                        tmp_path_factory.mktemp(f"{kind}_{name}"),
+            else:  # a launch of its own
+                config, script, args, launcher_args = command(kind, name)
+                cache[(kind, name)] = accelerate_launch(config, script, args, tmp_path_factory.mktemp(f"{kind}_{name}"),
                                                         launcher_args=launcher_args)
         return cache[(kind, name)].check()
 

@@ -21,7 +21,7 @@ import torch
 
 from launch import ROOT, accelerate_launch_together
 from recipe_checks import losses, run_lines
-from recipe_runs import SAVE_AT, SFT, STEPS, world_args
+from recipe_runs import SAVE_AT, SFT, STEPS, WORLD_CONFIGS, world_args
 from shardscope.cli import main
 
 pytestmark = pytest.mark.launch
@@ -39,7 +39,7 @@ RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 
 
 @pytest.fixture(scope="module")
-def resumed(sft_assets, recipe_runs, world_config, tmp_path_factory):
+def resumed(sft_assets, recipe_runs, accelerate_yaml, tmp_path_factory):
     """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once; the
     resumes of one family at one world size in one launch (launch.accelerate_launch_together)."""
     cache = {}
@@ -59,7 +59,7 @@ def resumed(sft_assets, recipe_runs, world_config, tmp_path_factory):
             runs = []
             for other in family:
                 (out / other).mkdir()  # the probe's file goes into the run's folder before the Trainer makes it
-                runs.append((other, world_config(other), PROBE, [
+                runs.append((other, accelerate_yaml(*WORLD_CONFIGS[other]), PROBE, [
                     "--moments_out", out / other / "moments.pt", SFT,
                     *world_args(sft_assets, ranks, "--resume_from_checkpoint", resharded(other)[1])]))
             launched = accelerate_launch_together(runs, out, num_processes=ranks)

@@ -57,9 +57,10 @@ def launched_with(config: str, record: Path) -> None:
     from launch import accelerate_cpu_overrides
     from shardscope.fit.configs import launch_args, launch_env
 
+    # the launcher passes its own environment on: computed from this one without the launch's (or a run's) variables
+    before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(LAUNCH_ENV)}
     exported = launch_env(launch_args(config, *accelerate_cpu_overrides(config, int(os.environ["WORLD_SIZE"]))))
     exported = {k: v for k, v in exported.items() if k.startswith(LAUNCH_ENV)}
-    before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(LAUNCH_ENV)}
     os.environ.update(exported, **{k: v for k, v in before.items() if k == "ACCELERATE_USE_CPU"})  # the tests' own
     record.write_text(json.dumps({"launched": before, "computed": exported}))
 
