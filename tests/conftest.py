@@ -146,7 +146,7 @@ def strategy_model_for(config: str) -> str:
 # launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
 # accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
 # test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); the single-node accelerate
-# configs of one family (DeepSpeed; DDP then FSDP) under one `accelerate launch`, each run in its own config's launch
+# configs (DDP's, FSDP's, then DeepSpeed's) under one `accelerate launch`, each run in its own config's launch
 # environment (several_runs.py --launch_config); every single-node DeepSpeed JSON under one `deepspeed` launch with
 # test_peak_runs' small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS), every
 # single-node FSDP JSON under one `torchrun` (their configs are script arguments).
@@ -183,9 +183,9 @@ def shared_launches() -> list[tuple]:
     def in_order(family):
         return [run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c)]
 
-    families = accelerate_families()  # DDP's runs before FSDP's in one launch (several_runs.py); DeepSpeed's apart
-    launches = [tuple(in_order(families.pop("MULTI_GPU")) + in_order(families.pop("FSDP"))),
-                *(tuple(in_order(family)) for family in families.values())]
+    families = accelerate_families()  # one launch: DDP's runs, FSDP's, then DeepSpeed's (several_runs.py)
+    launches = [tuple(run for name in ("MULTI_GPU", "FSDP", "DEEPSPEED") for run in in_order(families.pop(name)))]
+    assert not families, f"a family of accelerate configs no launch trains: {families}"
     small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
@@ -215,7 +215,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
         shipped = {key: find_config(key[0]) for key in keys}
         kinds = {s.kind for s in shipped.values()}
         assert len(kinds) == 1, keys
-        several_configs = kinds == {"accelerate"} and len({k[0] for k in keys}) > 1  # one family (shared_launches)
+        several_configs = kinds == {"accelerate"} and len({k[0] for k in keys}) > 1  # shared_launches' first
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum, flags = key

@@ -76,8 +76,8 @@ def accelerate_launch(config_file, script, script_args, output_dir, num_processe
 def accelerate_launch_together(runs, output_dir, num_processes=2) -> dict[str, Run]:
     """Runs `(name, accelerate yaml, script, args)` one after another in one `accelerate launch` under the first run's
     yaml (tests/workers/several_runs.py: one start-up for all); a run whose yaml is not the one before it gets its
-    own yaml's launch environment (several_runs.py --launch_config): DeepSpeed yamls together, or DDP's then FSDP's
-    (several_runs.py says why). Returns each run's `Run`: the launch's output, then that run's rank logs, and its folder."""
+    own yaml's launch environment (several_runs.py --launch_config; DDP's and FSDP's runs before DeepSpeed's).
+    Returns each run's `Run`: the launch's output, then that run's rank logs, and its folder."""
     args, before = [], runs[0][1]
     for name, config, script, script_args in runs:
         args += [*(["--launch_config", config] if config != before else []), "--run", name, script, *script_args]

@@ -92,19 +92,16 @@ def world_args(assets, ranks, *extra):
 
 
 # Runs train one after another in one launched process (tests/workers/several_runs.py): one launch instead of one
-# each; DDP's then FSDP's configs share one, DeepSpeed's another, each run in its own config's launch environment
-# (launch.accelerate_launch_together). Resumes come after the runs they resume, in launches of their own; runs with
+# each, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes come after the runs they resume, in launches of their own; runs with
 # launcher flags of their own and the `deepspeed` launcher's run are launches of their own.
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
-    "torch": [("sft", "ddp"), ("image", "ddp"), ("sft", "fsdp"), ("sft", "lora_fsdp"), ("image", "fsdp"),
-              ("world", "fsdp2")],
-    # ZeRO-2 first, as in their own launches: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's
-    # saved model reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not
-    # affected)
-    "deepspeed": [("sft", "zero2"), ("image", "zero2"), ("world", "zero2"),
-                  ("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen"), ("world", "zero3")],
-    # each resume a fresh Trainer reading the checkpoint files; ZeRO-3's and bf16 FSDP1's (its launcher flag) apart
-    "resume_torch": [("resume", "ddp"), ("resume", "fsdp")],
+    # ZeRO-2 before ZeRO-3: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's saved model
+    # reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not affected)
+    "runs": [("sft", "ddp"), ("image", "ddp"), ("sft", "fsdp"), ("sft", "lora_fsdp"), ("image", "fsdp"),
+             ("world", "fsdp2"), ("sft", "zero2"), ("image", "zero2"), ("world", "zero2"),
+             ("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen"), ("world", "zero3")],
+    # each resume a fresh Trainer reading the checkpoint files; bf16 FSDP1's apart (its launcher flag)
+    "resumes": [("resume", "ddp"), ("resume", "fsdp"), ("resume", "zero3")],
 }
 
 

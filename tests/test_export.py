@@ -1,5 +1,5 @@
-"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama (ZeRO-2 full, ZeRO-3 full
-and ZeRO-3 LoRA in one launch; FSDP2 full shard with SHARDED_STATE_DICT) save `checkpoint-3`; the
+"""`shardscope export` on real sharded checkpoints: four 2-rank CPU runs of the tiny Llama in one launch (FSDP2 full
+shard with SHARDED_STATE_DICT, ZeRO-2 full, ZeRO-3 full and ZeRO-3 LoRA) save `checkpoint-3`; the
 exported folder must reload with `from_pretrained` and give the trained model's logits (dumped by the worker on
 every rank's wrapped model after training). Full models are exported with a tight `--max-shard-size` (TIGHT: about
 a seventh of the model), so they are written as many shards plus the index, each within the limit; the weights
@@ -31,27 +31,24 @@ import export_memory  # noqa: E402  (benchmarks/export_memory.py, measured here 
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
-RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank)
+RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank), in launch order
+    "fsdp_sharded": ("fsdp_full_shard.yaml", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
     "zero2": ("zero2.yaml", {}, 0),  # one mp_rank_00_model_states.pt; optimizer states hold fragment_address
     "zero3": ("zero3.yaml", {}, 0),
     "zero3_lora": ("zero3.yaml", {}, 4),
-    "fsdp_sharded": ("fsdp_full_shard.yaml", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
 }
 
 
 @pytest.fixture(scope="module")
 def trained(strategy_model, tmp_path_factory):
-    """Launch each run once, lazily, in one launch with the runs of its family (the ZeRO runs, ZeRO-2 first, one
-    after another: launch.accelerate_launch_together): returns (checkpoint-3 folder, reference logits file)."""
+    """Launch the runs once, one after another in one launch (launch.accelerate_launch_together): returns a run's
+    (checkpoint-3 folder, reference logits file)."""
     done = {}
-
-    def family(name):
-        return RUNS[name][0].startswith("zero")
 
     def get(name):
         if name not in done:
-            together = [other for other in RUNS if family(other) == family(name)]
-            out = tmp_path_factory.mktemp(name)
+            together = list(RUNS)
+            out = tmp_path_factory.mktemp("export_runs")
             args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
                     "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
             runs = []

@@ -3,9 +3,9 @@
 For ZeRO-2, ZeRO-3 and FSDP2 (SHARDED_STATE_DICT, i.e. DCP) a 2-rank run trains STEPS steps and saves
 checkpoint-SAVE_AT (in test_recipes' launches of their families, tests/recipe_runs.py); `shardscope reshard` turns it
 into a checkpoint for any world size (DeepSpeed's universal format; DCP checked and copied); the resumes are launches
-at the same global batch (WORLD_GLOBAL = ranks x per-device batch): each strategy on 1 rank and on 4, the two ZeRO
-stages one after the other in one launch per world size (each a fresh Trainer resuming from files: four launches of
-this file's own). The two DeepSpeed stages load the universal format by different code (stage3.py's own loader vs the
+at the same global batch (WORLD_GLOBAL = ranks x per-device batch): each strategy on 1 rank and on 4, the three
+one after the other in one launch per world size (each a fresh Trainer resuming from files: two launches of this
+file's own). The two DeepSpeed stages load the universal format by different code (stage3.py's own loader vs the
 ZeRO-1/2 fragment mapping), and DCP's resharding plans differ when the saved chunks must be split (4 ranks) or joined
 (1 rank): each way is run.
 
@@ -30,10 +30,10 @@ PROBE = ROOT / "tests" / "workers" / "resume_probe.py"
 # fp32 throughout: a different world size sums gradients over ranks in a different order, so losses may differ
 # in the last bits (measured: at most 1.4e-7 relative over steps 7-12); that, with margin, is the tolerance.
 TOLERANCE = dict(rel=1e-5, abs=1e-6)
-STRATEGIES = {  # name (tests/recipe_runs.py WORLD_CONFIGS) -> (distributed_type, wrapper)
+STRATEGIES = {  # name (tests/recipe_runs.py WORLD_CONFIGS) -> (distributed_type, wrapper), in launch order
+    "fsdp2": ("FSDP", "FSDPLlamaForCausalLM"),
     "zero2": ("DEEPSPEED", "DeepSpeedEngine"),
     "zero3": ("DEEPSPEED", "DeepSpeedEngine"),
-    "fsdp2": ("FSDP", "FSDPLlamaForCausalLM"),
 }
 RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 
@@ -41,7 +41,7 @@ RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 @pytest.fixture(scope="module")
 def resumed(sft_assets, recipe_runs, accelerate_yaml, tmp_path_factory):
     """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once; the
-    resumes of one family at one world size in one launch (launch.accelerate_launch_together)."""
+    resumes at one world size in one launch (launch.accelerate_launch_together)."""
     cache = {}
 
     def resharded(name):
@@ -54,16 +54,15 @@ def resumed(sft_assets, recipe_runs, accelerate_yaml, tmp_path_factory):
 
     def get(name, ranks):
         if (name, ranks) not in cache:
-            family = [other for other, (kind, _) in STRATEGIES.items() if kind == STRATEGIES[name][0]]
-            out = tmp_path_factory.mktemp(f"{STRATEGIES[name][0].lower()}_resume{ranks}")
+            out = tmp_path_factory.mktemp(f"resume{ranks}")
             runs = []
-            for other in family:
+            for other in STRATEGIES:
                 (out / other).mkdir()  # the probe's file goes into the run's folder before the Trainer makes it
                 runs.append((other, accelerate_yaml(*WORLD_CONFIGS[other]), PROBE, [
                     "--moments_out", out / other / "moments.pt", SFT,
                     *world_args(sft_assets, ranks, "--resume_from_checkpoint", resharded(other)[1])]))
             launched = accelerate_launch_together(runs, out, num_processes=ranks)
-            cache.update({(other, ranks): launched[other].check() for other in family})
+            cache.update({(other, ranks): launched[other].check() for other in STRATEGIES})
         return (*resharded(name), cache[(name, ranks)])
 
     return get

@@ -13,9 +13,10 @@ left is frozen (gc.freeze); `end_of_run`
 `--launch_config YAML` before a run: the run gets the environment `accelerate launch --config_file YAML` (with the
 tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code (shardscope.fit.configs.launch_env),
 in place of the launch's: accelerate, the Trainer and DeepSpeed build that config's plugin from it as in a launch of
-their own. The process group and accelerate's PartialState stay, so runs share a launch by family: DeepSpeed's
-configs together, and DDP's then FSDP's (an FSDP run turns the kept state into FSDP's; seen the other way, a DDP run
-after ZeRO-3 in one process trained under DeepSpeed). Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
+their own. The process group and accelerate's PartialState stay (a run of another family builds its own
+AcceleratorState over them: seen, ZeRO-3 then DDP then FSDP in one launch, each holding its own strategy's bytes;
+resetting PartialState as well made the DDP run train under DeepSpeed). The tests put DDP's and FSDP's runs before
+DeepSpeed's. Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
 hold the computed one equal to what the launcher exported (tests/conftest.py does, for the launcher's own config).
 """
 import gc
