@@ -16,7 +16,7 @@ in place of the launch's: accelerate, the Trainer and DeepSpeed build that confi
 their own. The process group and accelerate's PartialState stay (a run of another family builds its own
 AcceleratorState over them: seen, ZeRO-3 then DDP then FSDP in one launch, each holding its own strategy's bytes;
 resetting PartialState as well made the DDP run train under DeepSpeed). The tests put DDP's and FSDP's runs before
-DeepSpeed's. Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
+DeepSpeed's, and keep the loop shapes' DeepSpeed runs apart (tests/loop_runs.py says why). Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
 hold the computed one equal to what the launcher exported (tests/conftest.py does, for the launcher's own config).
 """
 import gc
