@@ -7,17 +7,18 @@ imports, process group) is paid once:
 Each script runs unchanged as `__main__` (runpy) with its ARGS and `--output_dir OUT/NAME`; what each rank
 prints meanwhile (file descriptors 1 and 2: libraries' output too) goes to `OUT/logs/NAME.rank{R}.log`. Before
 each run accelerate's state is reset, so every Trainer builds its own (the process group stays), and the heap
-left is frozen (gc.freeze); `end_of_run`
-(which ends the process group, and on gloo the process) runs once, after the last run.
+left is frozen (gc.freeze); `end_of_run` (which ends the process group, and on gloo the process) runs once, after
+the last run.
 
 `--launch_config YAML` before a run: the run gets the environment `accelerate launch --config_file YAML` (with the
-tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code (shardscope.fit.configs.launch_env),
-in place of the launch's: accelerate, the Trainer and DeepSpeed build that config's plugin from it as in a launch of
-their own. The process group and accelerate's PartialState stay (a run of another family builds its own
-AcceleratorState over them: seen, ZeRO-3 then DDP then FSDP in one launch, each holding its own strategy's bytes;
-resetting PartialState as well made the DDP run train under DeepSpeed). The tests put DDP's and FSDP's runs before
-DeepSpeed's, and keep the loop shapes' DeepSpeed runs apart (tests/loop_runs.py says why). Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can
-hold the computed one equal to what the launcher exported (tests/conftest.py does, for the launcher's own config).
+tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code
+(shardscope.fit.configs.launch_env), in place of the launch's: accelerate, the Trainer and DeepSpeed build that
+config's plugin from it as in a launch of their own. The process group and accelerate's PartialState stay (a run of
+another family builds its own AcceleratorState over them: seen, ZeRO-3 then DDP then FSDP in one launch, each holding
+its own strategy's bytes; resetting PartialState as well made the DDP run train under DeepSpeed). The tests put DDP's
+and FSDP's runs before DeepSpeed's, and keep the loop shapes' DeepSpeed runs apart (tests/loop_runs.py says why).
+Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can hold the computed
+one equal to what the launcher exported (tests/conftest.py does, for the launcher's own config).
 """
 import gc
 import json
