@@ -215,7 +215,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
         shipped = {key: find_config(key[0]) for key in keys}
         kinds = {s.kind for s in shipped.values()}
         assert len(kinds) == 1, keys
-        several_configs = kinds == {"accelerate"} and len({k[0] for k in keys}) > 1  # shared_launches' first
+        several_configs = kinds == {"accelerate"} and len({k[0] for k in keys}) > 1  # the configs' launch
         out, args, names = tmp_path_factory.mktemp("launch"), [], {}
         for key, config in shipped.items():
             _, model, lora_r, grad_accum, flags = key

@@ -92,8 +92,9 @@ def world_args(assets, ranks, *extra):
 
 
 # Runs train one after another in one launched process (tests/workers/several_runs.py): one launch instead of one
-# each, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes come after the runs they resume, in launches of their own; runs with
-# launcher flags of their own and the `deepspeed` launcher's run are launches of their own.
+# each, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes come after the
+# runs they resume, in a launch of their own; runs with launcher flags of their own (a shared launch has one set of
+# flags) and the `deepspeed` launcher's run are launches of their own.
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
     # ZeRO-2 before ZeRO-3: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's saved model
     # reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not affected)
@@ -130,7 +131,11 @@ def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml):
         if (kind, name) not in cache:
             shared = next((c for c, members in SHARED_LAUNCHES.items() if (kind, name) in members), None)
             if shared:
-                runs = [(f"{k}_{n}", *command(k, n)[:3]) for k, n in SHARED_LAUNCHES[shared]]
+                runs = []
+                for k, n in SHARED_LAUNCHES[shared]:
+                    config, script, args, launcher_args = command(k, n)
+                    assert not launcher_args, f"{k} {n}: launcher flags of its own, not in a shared launch"
+                    runs.append((f"{k}_{n}", config, script, args))
                 launched = accelerate_launch_together(runs, tmp_path_factory.mktemp(f"shared_{shared}"))
                 cache.update({(k, n): launched[f"{k}_{n}"] for k, n in SHARED_LAUNCHES[shared]})
             elif kind == "sft" and SFT_RUNS[name][0] == "deepspeed":

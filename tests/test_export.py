@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from launch import ROOT, accelerate_launch_together, cpu_env
 from shardscope.cli import main
@@ -31,41 +30,32 @@ import export_memory  # noqa: E402  (benchmarks/export_memory.py, measured here 
 
 WORKER = ROOT / "tests" / "workers" / "train_tiny.py"
 TIGHT = 500_000  # bytes per shard: the tiny Llama's largest tensor is 409,600 (64 x 1600 fp32), the model ~3.5 MB
-RUNS = {  # name -> (shipped accelerate yaml, fsdp_config overrides, LoRA rank), in launch order
-    "fsdp_sharded": ("fsdp_full_shard.yaml", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
-    "zero2": ("zero2.yaml", {}, 0),  # one mp_rank_00_model_states.pt; optimizer states hold fragment_address
-    "zero3": ("zero3.yaml", {}, 0),
-    "zero3_lora": ("zero3.yaml", {}, 4),
+RUNS = {  # name -> (shipped accelerate config, fsdp_config overrides, LoRA rank), in launch order
+    "fsdp_sharded": ("fsdp_full_shard", {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, 0),
+    "zero2": ("zero2", {}, 0),  # one mp_rank_00_model_states.pt; optimizer states hold fragment_address
+    "zero3": ("zero3", {}, 0),
+    "zero3_lora": ("zero3", {}, 4),
 }
 
 
 @pytest.fixture(scope="module")
-def trained(strategy_model, tmp_path_factory):
-    """Launch the runs once, one after another in one launch (launch.accelerate_launch_together): returns a run's
-    (checkpoint-3 folder, reference logits file)."""
+def trained(strategy_model, accelerate_yaml, tmp_path_factory):
+    """Launch the runs once, lazily, one after another in one launch (launch.accelerate_launch_together): returns a
+    run's (checkpoint-3 folder, reference logits file)."""
     done = {}
 
     def get(name):
-        if name not in done:
-            together = list(RUNS)
+        if not done:
             out = tmp_path_factory.mktemp("export_runs")
             args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
                     "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
             runs = []
-            for run in together:
-                config, fsdp, lora_r = RUNS[run]
-                config_file = ROOT / "accelerate_configs" / config
-                if fsdp:  # the shipped yaml with the state dict type overridden
-                    data = yaml.safe_load(config_file.read_text())
-                    data["fsdp_config"].update(fsdp)
-                    config_file = out / f"{run}.yaml"
-                    config_file.write_text(yaml.safe_dump(data))
+            for run, (config, overrides, lora_r) in RUNS.items():
                 (out / run).mkdir()  # rank 0 saves the logits there
-                runs.append((run, config_file, WORKER,
+                runs.append((run, accelerate_yaml(config, overrides), WORKER,
                              [*args, "--lora_r", lora_r, "--logits_out", out / run / "logits.pt"]))
-            launched = accelerate_launch_together(runs, out)
-            for run in together:
-                launched[run].check()
+            for run, launched in accelerate_launch_together(runs, out).items():
+                launched.check()
                 done[run] = out / run / "checkpoint-3", out / run / "logits.pt"
         return done[name]
 

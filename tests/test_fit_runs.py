@@ -12,13 +12,12 @@ import re
 
 import pytest
 
-from launch import ROOT, Run, accelerate_launch
+from launch import ROOT, accelerate_launch_together
 from recipe_checks import losses
 
 pytestmark = pytest.mark.launch
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
-SEVERAL = ROOT / "tests" / "workers" / "several_runs.py"  # both runs in one launch, one after another
 RANKS, GLOBAL, NAIVE_MICRO, STEPS, SEQ = 2, 16, 8, 4, 96
 HEADROOM = 0.10  # fit_training_args' default
 # Losses of the two runs: the same samples per optimizer step in the same order, fp32; only the micro-batch
@@ -80,13 +79,11 @@ def launched(fit_case, sft_assets, tmp_path_factory):
               "--gradient_accumulation_steps", 1]
     args = {"fitted": [*common, "--auto_fit", "true", "--fit_memory_budget", f"{fit_case['budget']}B"],
             "naive": common}
-    out = tmp_path_factory.mktemp("fit_runs")
-    launched = accelerate_launch(ROOT / "accelerate_configs" / "ddp.yaml", SEVERAL,
-                                 [arg for name in args for arg in ("--run", name, SFT, *args[name])], out).check()
-    runs = {}
-    for name in args:  # each run's output: the launcher's and its ranks' own
-        ranks = "".join(log.read_text() for log in sorted((out / "logs").glob(f"{name}.rank*.log")))
-        runs[name] = Run(launched.cmd, launched.returncode, launched.output + ranks, out / name)
+    ddp = ROOT / "accelerate_configs" / "ddp.yaml"
+    runs = accelerate_launch_together([(name, ddp, SFT, args[name]) for name in args],
+                                      tmp_path_factory.mktemp("fit_runs"))
+    for run in runs.values():
+        run.check()
     summaries = {name: json.loads((run.output_dir / "shardscope_summary.json").read_text())
                  for name, run in runs.items()}
     return {**runs, "summaries": summaries}
