@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # two checkouts on one machine do not rebuild over each other's cache.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean gpu-check
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ test: install
 
 demo: install
 	bash scripts/demo.sh
+
+# On a machine with one CUDA GPU (the venv's torch a CUDA build): benchmarks/results/gpu_check.md in ~4 min.
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) demo_out

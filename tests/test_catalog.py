@@ -28,6 +28,7 @@ PUBLISHED = {
     "llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9,        # hub pages (safetensors)
     "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9,                               # hub pages
     "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 405e9,  # hub pages; 405B: the card
+    "llama-3.2-1b": 1.24e9,                                                    # hub page (safetensors: 1.24B)
     "mistral-7b": 7.24e9,                                                      # hub page (Mistral: "7.3B")
     "mixtral-8x7b": 46.7e9,                                                    # Mistral's announcement: 46.7B total
     "qwen2.5-0.5b": 0.49e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-3b": 3.09e9,     # Qwen2.5 model cards
