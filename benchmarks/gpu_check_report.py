@@ -78,8 +78,9 @@ def rank0(row: dict) -> dict:
 
 
 def memory_table(raw: dict) -> list[str]:
-    lines = ["| run | planned peak | measured peak (step) | error | step 1 | max reserved | phase planned |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | planned peak | measured peak (step) | error | step 1 | max reserved | phase planned | "
+             "measured: forward + backward / optimizer step | allocated before the model |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for _, row in runs(raw):
         plan = planned(raw, row)
         peak, step = steady_peak(row)
@@ -87,8 +88,17 @@ def memory_table(raw: dict) -> list[str]:
         reserved = max((p["reserved"] for p in row["peaks"].values()), default=None)
         lines.append(f"| {label(row)} | {gb(plan.get('peak_bytes'))} | {gb(peak)} ({step}) | "
                      f"{pct(plan.get('peak_bytes'), peak)} | {gb(first)} | {gb(reserved)} | "
-                     f"{plan.get('peak_phase', '-')} |")
+                     f"{plan.get('peak_phase', '-')} | {phases(row)} | {gb(row['base_allocated'])} |")
     return lines
+
+
+def phases(row: dict) -> str:
+    """The largest allocator peaks of steps 2 on before and during the optimizer step (the Trainer's
+    on_pre_optimizer_step between them)."""
+    steps = [p for s, p in by_step(row["peaks"]).items() if s >= 2 and p.get("forward_backward") is not None]
+    if not steps:
+        return "-"
+    return f"{gb(max(p['forward_backward'] for p in steps))} / {gb(max(p['optimizer_step'] for p in steps))}"
 
 
 def outside_table(raw: dict) -> list[str]:
@@ -102,7 +112,7 @@ def outside_table(raw: dict) -> list[str]:
         used = row.get("device_used_end")
         outside = None if used is None or header.get("device_used_before") is None else \
             used - header["device_used_before"] - row["reserved_end"]
-        reserved = max((p["reserved"] for p in peaks.values()), default=0)
+        reserved = max((p["reserved"] for p in peaks.values()), default=0) - row["base_allocated"]
         need = None if outside is None or not plan else reserved + outside - plan["peak_bytes"]
         room = None if not setup.get("gpu_memory_bytes") else setup["gpu_memory_bytes"] * setup["headroom"]
         verdict = "" if need is None or room is None else (" (within)" if need <= room else " (exceeds)")
@@ -181,14 +191,15 @@ def recompute_lines(raw: dict) -> list[str]:
 
 
 def compute_table(raw: dict) -> list[str]:
-    lines = ["| run | callback's compute_seconds | CUDA events, same steps | difference | steps (callback / here) |",
-             "|---|---|---|---|---|"]
+    lines = ["| run | callback's compute_seconds | CUDA events less NCCL's durations, same steps | difference | "
+             "NCCL durations subtracted | steps (callback / here) |", "|---|---|---|---|---|---|"]
     for _, row in runs(raw):
         rank, spans = rank0(row), window(row)
+        comm = sum(v for step, v in by_step(row.get("comm_ms") or {}).items() if step not in INSTRUMENTED) / 1000
         compute = (rank.get("throughput") or {}).get("compute_seconds")
-        total = sum(spans) if spans else None
+        total = sum(spans) - comm if spans else None
         lines.append(f"| {label(row)} | {seconds(compute)} | {seconds(total)} | {pct(compute, total)} | "
-                     f"{(rank.get('step_time_s') or {}).get('steps', '-')} / {len(spans)} |")
+                     f"{seconds(comm)} | {(rank.get('step_time_s') or {}).get('steps', '-')} / {len(spans)} |")
     return lines
 
 
@@ -231,14 +242,17 @@ def flight_recorder_lines(raw: dict) -> list[str]:
     fr = found[0]
     if "error" in fr:
         return [f"Failed: `{fr['error']}`"]
-    out = [f"- dumpers on this torch: pickle {fr.get('pickle_dumper')}, JSON {fr.get('json_dumper')}",
-           f"- ring entries: {fr.get('entries')} ({fr.get('completed')} completed, {fr.get('with_duration')} with an "
-           f"NCCL duration); kinds: {', '.join(fr.get('kinds') or []) or '-'}"]
+    out = [f"- {name}: {d['entries']} entries, {d['with_duration']} with an NCCL duration; kinds: "
+           f"{', '.join(d['kinds']) or '-'}" for name, d in (fr.get("dumpers") or {}).items()]
+    read = fr.get("shardscope_entries") or {}
+    out.append(f"- read by shardscope (`collective_log.ring_entries`, what cuda_compute and the hang records use): "
+               f"{read.get('entries')} entries, {read.get('with_duration')} with a duration; a hang record's "
+               f"collectives: {json.dumps(fr.get('recent'))}")
     for record in fr.get("records") or []:
         seen = record.get("collectives") or {}
-        out.append(f"- `shardscope hang`'s reader: event {record.get('event')}, rank {record.get('rank')}, source "
-                   f"{seen.get('source')}, last completed {json.dumps(seen.get('last_completed'))}, pending "
-                   f"{len(seen.get('pending') or [])}")
+        out.append(f"- `shardscope hang`'s reader, the ring dumped by {fr.get('pickle_dumper')} as on a timeout: "
+                   f"event {record.get('event')}, rank {record.get('rank')}, source {seen.get('source')}, last "
+                   f"completed {json.dumps(seen.get('last_completed'))}, pending {len(seen.get('pending') or [])}")
     if fr.get("unreadable"):
         out.append(f"- unreadable: {json.dumps(fr['unreadable'])}")
     return out
@@ -267,7 +281,7 @@ def report(raw: dict, checks, two_gpus) -> str:
         f"Generated by `benchmarks/gpu_check.py` on {raw['date']} at commit {raw['commit'][:12]}: {gpu['name']} "
         f"({gpu['memory_bytes'] / 2 ** 30:.1f} GiB), driver {gpu['driver']}, torch {v['torch']} (CUDA {v['cuda']}), "
         f"transformers {v['transformers']}, accelerate {v['accelerate']}, deepspeed {v['deepspeed']}, Python "
-        f"{v['python']}. The llama-3.2-1b config with random weights, bf16 mixed precision, AdamW, {raw['steps']} "
+        f"{v['python']}. The llama-3.2-1b config with random weights, bf16 mixed precision, the Trainer's default AdamW, {raw['steps']} "
         f"steps per setting, random tokens (no padding). Plans took {raw.get('plan_seconds')} s, the whole check "
         f"{raw.get('seconds')} s. Error = (predicted - measured) / measured. GB = 1e9 bytes.", ""]
     sections = [

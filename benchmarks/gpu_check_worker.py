@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class Probe:
 
     def __init__(self, base_allocated: int):
         self.base, self.events, self.peaks, self.restart_pending = base_allocated, {}, {}, True
+        self.clock = {}  # step -> [begin, end] on the flight recorder's CPU clock (time.time_ns)
+        self.before = {}  # step -> the allocator's peak before the optimizer step
 
     def hook(self):
         from transformers import TrainerCallback
@@ -70,6 +73,9 @@ class Probe:
             def on_step_begin(self, args, state, control, **kwargs):
                 probe.begin(state.global_step + 1)
 
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                probe.before_update(state.global_step + 1)
+
             def on_step_end(self, args, state, control, **kwargs):
                 probe.end(state.global_step)
 
@@ -79,16 +85,41 @@ class Probe:
         if self.restart_pending and 1 in self.events and torch.is_grad_enabled():
             self.restart_pending = False
             self.events[1][0] = mark()
+            self.clock[1][0] = time.time_ns()
 
     def begin(self, step: int) -> None:
         torch.cuda.reset_peak_memory_stats()
         self.events[step] = [mark(), None]
+        self.clock[step] = [time.time_ns(), None]
+
+    def before_update(self, step: int) -> None:
+        """The Trainer is about to step the optimizer: the peak so far is forward and backward's (under DeepSpeed
+        the engine has stepped inside backward already), and the optimizer step's starts from here."""
+        self.before[step] = torch.cuda.max_memory_allocated() - self.base
+        torch.cuda.reset_peak_memory_stats()
 
     def end(self, step: int) -> None:
         if step in self.events:
             self.events[step][1] = mark()
-        self.peaks[step] = {"allocated": torch.cuda.max_memory_allocated() - self.base,
+            self.clock[step][1] = time.time_ns()
+        after = torch.cuda.max_memory_allocated() - self.base
+        before = self.before.get(step)
+        self.peaks[step] = {"allocated": max(after, before or 0), "forward_backward": before,
+                            "optimizer_step": None if before is None else after,
                             "reserved": torch.cuda.max_memory_reserved()}
+
+    def comm_ms(self) -> dict:
+        """Per step, the NCCL durations of the collectives created inside it, read from torch's rings here (the
+        flight recorder; {} without a process group)."""
+        import torch.distributed as dist
+
+        from shardscope.measure.collective_log import ring_entries
+
+        if not dist.is_initialized():
+            return {}
+        entries = [e for e in ring_entries() if str(e.get("profiling_name", "")).startswith("nccl:")]
+        return {step: sum(float(e.get("duration_ms") or 0) for e in entries if b <= e.get("time_created_ns", -1) < end)
+                for step, (b, end) in self.clock.items() if end is not None}
 
     def spans_s(self) -> dict:
         torch.cuda.synchronize()
@@ -126,7 +157,7 @@ def training_args(strategy: str, out: Path, micro_batch: int, steps: int, checkp
     return TrainingArguments(output_dir=str(out), per_device_train_batch_size=micro_batch, max_steps=steps,
                              learning_rate=1e-5, bf16=True, gradient_checkpointing=checkpointing,
                              logging_steps=steps, save_strategy="no", report_to=[], disable_tqdm=True,
-                             dataloader_num_workers=0, optim="adamw_torch", seed=0, **extra)
+                             dataloader_num_workers=0, seed=0, **extra)  # the Trainer's default optimizer
 
 
 def build_model(config, strategy: str):
@@ -161,9 +192,9 @@ def run_setting(strategy: str, setting: dict, out: Path, steps: int) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=TokenRows(mb * steps, seq, config.vocab_size),
                       callbacks=[callback, probe.hook()])
     trainer.train()
-    spans = probe.spans_s()
+    spans, comm = probe.spans_s(), probe.comm_ms()
     summary = json.loads((folder / "shardscope_summary.json").read_text())
-    row = {"strategy": strategy, **setting, "steps": steps, "base_allocated": base, "spans_s": spans,
+    row = {"strategy": strategy, **setting, "steps": steps, "base_allocated": base, "spans_s": spans, "comm_ms": comm,
            "peaks": probe.peaks, "device_used_end": device_used(), "reserved_end": torch.cuda.memory_reserved(),
            "summary": summary}
     del trainer, model, callback
@@ -173,23 +204,28 @@ def run_setting(strategy: str, setting: dict, out: Path, steps: int) -> dict:
 
 
 def flight_recorder(folder: Path) -> dict:
-    """This process's ring, dumped as torch does on a timeout (a pickle named for the rank) and read by
-    `shardscope hang`'s reader; the JSON form's entries beside it (their kinds and NCCL durations)."""
+    """This process's rings as each dumper returns them; what shardscope reads of them (`collective_log`'s
+    `ring_entries` and `recent`, a hang record's collectives); and the ring dumped as torch does on a timeout (a
+    pickle named for the rank) read by `shardscope hang`'s reader."""
     from torch._C import _distributed_c10d as c10d
 
     from shardscope import hang
+    from shardscope.measure import collective_log
 
-    names = [n for n in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, n)]
-    json_names = [n for n in ("_dump_fr_trace_json", "_dump_nccl_trace_json") if hasattr(c10d, n)]
-    out = {"pickle_dumper": names[:1], "json_dumper": json_names[:1]}
-    if json_names:
-        entries = json.loads(getattr(c10d, json_names[0])(True, False)).get("entries") or []
-        out.update(entries=len(entries), kinds=sorted({str(e.get("profiling_name")) for e in entries}),
-                   with_duration=sum("duration_ms" in e for e in entries),
-                   completed=sum(e.get("state") == "completed" for e in entries))
-    if names:
+    out = {"dumpers": {}}
+    for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        if hasattr(c10d, name):
+            entries = json.loads(getattr(c10d, name)(True, False)).get("entries") or []
+            out["dumpers"][name] = {"entries": len(entries), "with_duration": sum("duration_ms" in e for e in entries),
+                                    "kinds": sorted({str(e.get("profiling_name")) for e in entries})}
+    read = collective_log.ring_entries()
+    out["shardscope_entries"] = {"entries": len(read), "with_duration": sum("duration_ms" in e for e in read)}
+    out["recent"] = collective_log.recent()
+    pickled = next((n for n in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, n)), None)
+    out["pickle_dumper"] = pickled
+    if pickled:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "torch_fr_rank_0").write_bytes(getattr(c10d, names[0])(True, False, False))
+        (folder / "torch_fr_rank_0").write_bytes(getattr(c10d, pickled)(True, False, False))
         records, unreadable = hang.read_folder(folder)
         out.update(records=[{"event": r.get("event"), "rank": r.get("rank"), "collectives": r.get("collectives")}
                             for r in records], unreadable=unreadable)

@@ -6,6 +6,7 @@ entries are dicts of the fields torch's flight recorder writes in its JSON form.
 replaced: the code under test reads only these two kinds of objects. What a run on a GPU would check is in the
 module's docstring.
 """
+import json
 import os
 import time
 
@@ -121,3 +122,24 @@ def test_nccl_timing_is_on_by_default_and_a_users_off_is_kept_and_said(monkeypat
     assert os.environ["TORCH_NCCL_ENABLE_TIMING"] == "0"
     with pytest.raises(RuntimeError, match="TORCH_NCCL_ENABLE_TIMING=0"):
         enable_timing()
+
+
+def test_the_rings_of_nccl_and_of_the_other_backends_are_both_read():
+    """A CUDA build keeps NCCL's entries in a ring of its own (`_dump_nccl_trace_json`; seen on an H200, torch 2.11:
+    the other dumper held none of an FSDP2 run's collectives): both are read, oldest first, an entry both return
+    once. A stand-in for torch's c10d module: the NCCL dumper exists only in CUDA builds."""
+    from types import SimpleNamespace
+
+    from shardscope.measure.collective_log import ring_entries
+
+    def dumper(entries):
+        return lambda collectives, only_active: json.dumps({"entries": entries}).encode()
+
+    nccl = [{"profiling_name": "nccl:all_gather", "record_id": 0, "time_created_ns": 30, "process_group": ["0", ""]},
+            {"profiling_name": "nccl:reduce_scatter", "record_id": 1, "time_created_ns": 50,
+             "process_group": ["0", ""]}]
+    gloo = [{"profiling_name": "gloo:all_reduce", "record_id": 0, "time_created_ns": 40, "process_group": ["1", ""]}]
+    both = SimpleNamespace(_dump_nccl_trace_json=dumper(nccl), _dump_fr_trace_json=dumper(gloo + nccl[:1]))
+    assert [e["profiling_name"] for e in ring_entries(both)] == [
+        "nccl:all_gather", "gloo:all_reduce", "nccl:reduce_scatter"]
+    assert ring_entries(SimpleNamespace(_dump_fr_trace_json=dumper(gloo))) == gloo  # a CPU build: one ring

@@ -7,8 +7,13 @@ completed. The ring's size is read once, when the first process group is created
 torch; older releases default to 0 (off). `record_by_default` sets the new name to `ENTRIES` where the user set
 neither, so the recorder is on whatever the release; it must run before the process group exists: at the import
 of the profiler (and so of the callback) and at the recipes' start; a process group created before that keeps its
-setting. `recent()` reads the ring in its JSON form (`_dump_fr_trace_json`, no pickle) from any thread, while the
-training thread waits inside a collective.
+setting. `ring_entries()` reads the rings in their JSON form (no pickle) from any thread, while the training thread
+waits inside a collective; `recent()` is what a hang record carries of them.
+
+Two rings: a CUDA build keeps ProcessGroupNCCL's entries in a ring of their own, dumped by `_dump_nccl_trace_json`;
+`_dump_fr_trace_json` dumps the other backends' (gloo's). Seen on an H200 with torch 2.11 (benchmarks/results/
+gpu_check.md): after an FSDP2 run over NCCL the second held no entry and the first every all-gather and
+reduce-scatter. `ring_entries` reads every ring this build has, so NCCL's collectives are never missed.
 
 On NCCL, torch's own watchdog can dump the ring when a collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`, read at
 the process group's creation; it needs the ring on): `record_by_default` turns it on where unset, and
@@ -65,10 +70,27 @@ def dump_into(folder) -> None:
         os.environ[DUMP_FILES[0]] = str(folder / "torch_fr_rank_")
 
 
-def recent(keep: int = KEEP) -> dict:
-    """{source, last_completed, pending} from the newest `keep` entries of torch's ring (source None: empty)."""
-    from torch._C import _distributed_c10d
+DUMPERS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")  # NCCL's ring (CUDA builds), the other backends'
 
-    dump = json.loads(_distributed_c10d._dump_fr_trace_json(True, False))
-    entries = [fr_entry(e) for e in (dump.get("entries") or [])[-keep:]]
+
+def ring_entries(c10d=None) -> list[dict]:
+    """Every entry of torch's flight-recorder rings, in their JSON form, oldest first (by creation time); an entry
+    two dumpers both return (a build where one name aliases the other) once. `c10d`: torch's `_distributed_c10d`."""
+    if c10d is None:
+        from torch._C import _distributed_c10d as c10d
+    entries, seen = [], set()
+    for name in DUMPERS:
+        dump = getattr(c10d, name, None)
+        for entry in (json.loads(dump(True, False)).get("entries") or []) if dump else []:
+            key = (entry.get("profiling_name"), entry.get("record_id"), entry.get("time_created_ns"),
+                   str(entry.get("process_group")))
+            if key not in seen:
+                seen.add(key)
+                entries.append(entry)
+    return sorted(entries, key=lambda e: e.get("time_created_ns", 0))
+
+
+def recent(keep: int = KEEP) -> dict:
+    """{source, last_completed, pending} from the newest `keep` entries of torch's rings (source None: empty)."""
+    entries = [fr_entry(e) for e in ring_entries()[-keep:]]
     return collective_summary(entries, FR_SOURCE)

@@ -30,12 +30,12 @@ the sum of the compute kernels' times in a torch.profiler trace of the same step
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from . import collective_log
 from .collective_log import TIMING
 
 PENDING, LOST = "pending", "lost"  # a step not readable yet; a step whose collectives the ring no longer holds
@@ -88,14 +88,13 @@ def step_compute(begin: Mark, end: Mark, entries: list[dict], kept_since: int | 
 
 
 def ring_entries() -> list[dict]:
-    """The flight recorder's entries, oldest first, in its JSON form (no pickle; no stack traces); none on a process
-    without a process group (one GPU: a step's compute is its span)."""
+    """The flight recorder's entries, oldest first (`collective_log.ring_entries`: NCCL's ring and the others');
+    none on a process without a process group (one GPU: a step's compute is its span)."""
     import torch.distributed as dist
-    from torch._C import _distributed_c10d
 
     if not (dist.is_available() and dist.is_initialized()):
         return []
-    return json.loads(_distributed_c10d._dump_fr_trace_json(True, False)).get("entries") or []
+    return collective_log.ring_entries()
 
 
 def cuda_mark() -> Mark:
@@ -177,7 +176,7 @@ class CudaCompute:
         if not self.pending:
             return
         entries = self.entries()
-        kept_since = oldest_kept(entries)
+        kept_since = oldest_kept([e for e in entries if on_gpu(e)])  # record ids count within NCCL's own ring
         while self.pending:
             result = step_compute(*self.pending[0], entries, kept_since)
             if result is PENDING:
