@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py              # ~4 min on one H100/H200 (make gpu-check)
     python benchmarks/gpu_check.py --dry-run    # what each check runs and compares (no GPU needed)
     python benchmarks/gpu_check.py --from-raw RAW.json   # the report again from a run's raw figures (no GPU)
+    python benchmarks/gpu_check.py --from-raw RAW.json --replan   # ... with this tree's plans beside the run's
 
 The llama-3.2-1b config (shipped, random weights), bf16 mixed precision, AdamW, random token ids (no padding), 10
 optimizer steps per setting: micro-batch x sequence 2 x 1024 and 4 x 2048, each with and without activation
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugin"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_check_report import report  # noqa: E402
+from gpu_check_report import OPTIMIZER, report  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "gpu_check_worker.py"
 MODEL = "llama-3.2-1b"
@@ -67,14 +68,17 @@ CHECKS = (
 TWO_GPUS = (
     ("torch context parallelism (fsdp_cp.yaml): losses vs one GPU, counted ring traffic, peak",
      "benchmarks/context_parallel_gpu.sh"),
-    ("NCCL bus bandwidth per collective kind (the time model's link figures)",
-     "torchrun --nproc_per_node 2 -m shardscope preflight --json (its link probe) on a 2-GPU node"),
-    ("DDP vs FSDP overlap: the time model's exposed communication against a measured step",
-     "shardscope calibrate on 2 GPUs, then benchmarks/time_prediction.py over the calibrated runs"),
+    ("NCCL bus bandwidth per collective kind inside a node (the time model's link figures)",
+     "shardscope preflight --output-dir OUT (on a node with 2+ GPUs; its preflight.json feeds plan --calibrate)"),
+    ("DDP vs FSDP overlap: the time model's exposed communication against measured steps",
+     "shardscope calibrate --model llama-3.2-1b --gpus 2 --global-batch 16 --recipe recipes/llama/demo_tiny.yaml, "
+     "then shardscope plan --calibrate OUT/calibration.json"),
     ("a straggler's compute_s on 2 ranks (cuda_compute's docstring: rank 1 runs an extra matmul of known length)",
-     "torchrun --nproc_per_node 2 with the recipe and a slowed rank; shardscope report on its summary"),
+     "torchrun --nproc_per_node 2 on a script with ShardingProfilerCallback whose rank 1 runs the extra matmul; "
+     "shardscope report OUT"),
     ("NCCL's dump on a real collective timeout read by shardscope hang",
-     "a 2-rank run whose rank 1 stops before a collective, TORCH_NCCL_DUMP_ON_TIMEOUT=1; shardscope hang OUT"),
+     "a 2-rank run whose rank 1 stops before a collective (TORCH_NCCL_DUMP_ON_TIMEOUT=1 is set by the callback); "
+     "shardscope hang OUT"),
 )
 
 
@@ -189,7 +193,7 @@ def measure(args) -> dict:
     started, gpu = time.monotonic(), gpu_facts()
     sha, dirty = commit(args.commit)
     raw = {"gpu": gpu, "versions": versions(), "commit": sha, "dirty": dirty, "date": time.strftime("%Y-%m-%d"),
-           "settings": SETTINGS, "steps": args.steps, "strategies": {k: v[0] for k, v in STRATEGIES.items()}}
+           "settings": SETTINGS, "steps": args.steps, "optimizer": OPTIMIZER, "strategies": {k: v[0] for k, v in STRATEGIES.items()}}
     with ThreadPoolExecutor(len(SETTINGS)) as pool:
         planned = list(pool.map(lambda s: plan(s, planner_gpu(gpu["name"])), SETTINGS))
     raw["plans"] = {setting_key(s): p for s, p in zip(SETTINGS, planned)}
@@ -203,6 +207,16 @@ def measure(args) -> dict:
         write_json(args.raw, raw)  # what finished is kept, whatever comes next
     raw["seconds"] = round(time.monotonic() - started, 1)
     return raw
+
+
+def replan(raw: dict) -> dict:
+    """The run's settings planned again by this tree here: {commit, versions, plans}."""
+    gpu = planner_gpu(raw["gpu"]["name"])
+    with ThreadPoolExecutor(2) as pool:
+        plans = list(pool.map(lambda s: plan(s, gpu), raw["settings"]))
+    sha, dirty = commit(None)
+    return {"commit": sha, "dirty": dirty, "versions": versions(), "plans": dict(zip(map(setting_key, raw["settings"]),
+                                                                                    plans))}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -229,6 +243,9 @@ def parse(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print what each check runs and compares, and exit")
     parser.add_argument("--from-raw", type=Path, metavar="RAW", help="write the report from a run's raw figures")
+    parser.add_argument("--replan", action="store_true",
+                        help="with --from-raw: plan each setting again with this tree (on this machine's CPU) and show "
+                             "it beside the plans made on the GPU machine; the runs stay the measurement")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.md")
     parser.add_argument("--raw", type=Path, help="the raw figures (JSON; default: beside --out, gpu_check.json)")
     parser.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "shardscope_gpu_check")
@@ -248,7 +265,11 @@ def main(argv=None) -> int:
     if args.from_raw:
         from shardscope.safe_io import load_json
 
-        write_report(load_json(args.from_raw, "gpu_check raw figures", 64 * 2 ** 20), args.out)
+        raw = load_json(args.from_raw, "gpu_check raw figures", 64 * 2 ** 20)
+        if args.replan:
+            raw["replanned"] = replan(raw)
+            write_json(args.raw, raw)
+        write_report(raw, args.out)
         print(f"gpu_check: wrote {args.out}")
         return 0
     import torch

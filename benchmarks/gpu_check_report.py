@@ -14,6 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUMENTED = (3, 4)
 MEMORY_STEP, TIME_STEP = 3, 4
+LEFT_BEHIND = ("Allocated before the model: what the earlier settings of the same process left allocated (each "
+               "process runs its strategy's four settings one after another); every measured peak is taken less it. "
+               "DeepSpeed keeps each ZeRO-3 engine alive after its Trainer is gone, with or without the callback (seen "
+               "on CPU too), so each later ZeRO-3 setting starts with the earlier ones' states allocated.")
+OPTIMIZER = "the Trainer's default optimizer (adamw_torch_fused on torch 2.8 and later)"
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 
 
@@ -49,10 +54,12 @@ def key(row: dict) -> str:
     return f"{row['micro_batch']}x{row['seq_len']}{'-ckpt' if row['checkpointing'] else ''}"
 
 
-def planned(raw: dict, row: dict) -> dict:
-    """The plan's row for this run's strategy and setting ({} where the plan failed)."""
+def planned(raw: dict, row: dict, plans: dict | None = None) -> dict:
+    """The plan's row for this run's strategy and setting ({} where the plan failed); `plans`: other plans of the
+    same settings (`replanned`), else the GPU machine's."""
     name = raw["strategies"][row["strategy"]]
-    return next((r for r in raw["plans"].get(key(row), {}).get("rows", []) if r["strategy"] == name), {})
+    plans = raw["plans"] if plans is None else plans
+    return next((r for r in plans.get(key(row), {}).get("rows", []) if r["strategy"] == name), {})
 
 
 def by_step(mapping: dict) -> dict:
@@ -78,17 +85,37 @@ def rank0(row: dict) -> dict:
 
 
 def memory_table(raw: dict) -> list[str]:
-    lines = ["| run | planned peak | measured peak (step) | error | step 1 | max reserved | phase planned | "
-             "measured: forward + backward / optimizer step | allocated before the model |",
+    lines = ["| run | planned peak (activations) | measured peak (step) | error | step 1 | max reserved | phase planned "
+             "| measured: forward + backward / optimizer step | allocated before the model |",
              "|---|---|---|---|---|---|---|---|---|"]
     for _, row in runs(raw):
         plan = planned(raw, row)
         peak, step = steady_peak(row)
         first = by_step(row["peaks"]).get(1, {}).get("allocated")
         reserved = max((p["reserved"] for p in row["peaks"].values()), default=None)
-        lines.append(f"| {label(row)} | {gb(plan.get('peak_bytes'))} | {gb(peak)} ({step}) | "
+        lines.append(f"| {label(row)} | {gb(plan.get('peak_bytes'))} ({plan.get('activations_source', '-')}) | "
+                     f"{gb(peak)} ({step}) | "
                      f"{pct(plan.get('peak_bytes'), peak)} | {gb(first)} | {gb(reserved)} | "
                      f"{plan.get('peak_phase', '-')} | {phases(row)} | {gb(row['base_allocated'])} |")
+    return lines
+
+
+def replanned_table(raw: dict) -> list[str]:
+    """This tree's plans of the same settings beside the same measurements: a development set (the planner was
+    changed after these runs were seen), not an out-of-sample figure."""
+    again = raw.get("replanned")
+    if not again:
+        return []
+    v = again["versions"]
+    lines = [f"The same runs against the planner at commit {again['commit'][:12]}"
+             f"{' with uncommitted changes' if again.get('dirty') else ''}, planned on a CPU with torch {v['torch']}, "
+             f"transformers {v['transformers']}: the planner was changed after these runs were seen, so this is a "
+             "development set, not an out-of-sample figure.", "",
+             "| run | planned peak | measured peak | error | activations |", "|---|---|---|---|---|"]
+    for _, row in runs(raw):
+        plan, (peak, _) = planned(raw, row, again["plans"]), steady_peak(row)
+        lines.append(f"| {label(row)} | {gb(plan.get('peak_bytes'))} | {gb(peak)} | {pct(plan.get('peak_bytes'), peak)} "
+                     f"| {plan.get('activations_source', '-')} |")
     return lines
 
 
@@ -274,6 +301,40 @@ def failure_lines(raw: dict) -> list[str]:
     return out or ["None."]
 
 
+def spread(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:+.1%}" if abs(high - low) < 5e-4 else f"{low:+.1%} to {high:+.1%}"
+
+
+def error(predicted, measured) -> float | None:
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
+def summary_lines(raw: dict) -> list[str]:
+    """One line per check, each a range over the runs of a strategy (errors as in the tables below)."""
+    out = []
+    for strategy in raw["strategies"]:
+        mine = [r for _, r in runs(raw) if r["strategy"] == strategy]
+        if not mine:
+            continue
+        here = (raw.get("replanned") or {}).get("plans")
+        plans = [error(planned(raw, r).get("peak_bytes"), steady_peak(r)[0]) for r in mine]
+        again = [error(planned(raw, r, here).get("peak_bytes"), steady_peak(r)[0]) for r in mine] if here else []
+        callback = [error(rank0(r).get("peak_tensor_bytes"), by_step(r["peaks"]).get(MEMORY_STEP, {}).get("allocated"))
+                    for r in mine]
+        compute = [error((rank0(r).get("throughput") or {}).get("compute_seconds"), sum(window(r)) - sum(
+            v for s, v in by_step(r.get("comm_ms") or {}).items() if s not in INSTRUMENTED) / 1000) for r in mine]
+        out.append(f"- {strategy} ({raw['strategies'][strategy]} row), {len(mine)} runs: planned peak vs CUDA's "
+                   f"allocator {spread(plans)} (plans made on the GPU machine)"
+                   + (f", {spread(again)} (this tree's plans: a development set)" if again else "")
+                   + f"; the callback's step peak vs the allocator's {spread(callback)}; compute_s vs CUDA events "
+                   f"{spread(compute)}")
+    return out
+
+
 def report(raw: dict, checks, two_gpus) -> str:
     v, gpu = raw["versions"], raw["gpu"]
     head = [
@@ -281,12 +342,13 @@ def report(raw: dict, checks, two_gpus) -> str:
         f"Generated by `benchmarks/gpu_check.py` on {raw['date']} at commit {raw['commit'][:12]}: {gpu['name']} "
         f"({gpu['memory_bytes'] / 2 ** 30:.1f} GiB), driver {gpu['driver']}, torch {v['torch']} (CUDA {v['cuda']}), "
         f"transformers {v['transformers']}, accelerate {v['accelerate']}, deepspeed {v['deepspeed']}, Python "
-        f"{v['python']}. The llama-3.2-1b config with random weights, bf16 mixed precision, the Trainer's default AdamW, {raw['steps']} "
+        f"{v['python']}. The llama-3.2-1b config with random weights, bf16 mixed precision, {raw.get('optimizer', OPTIMIZER)}, {raw['steps']} "
         f"steps per setting, random tokens (no padding). Plans took {raw.get('plan_seconds')} s, the whole check "
         f"{raw.get('seconds')} s. Error = (predicted - measured) / measured. GB = 1e9 bytes.", ""]
+    head += ["<!-- part:summary -->", *summary_lines(raw), "<!-- /part:summary -->", ""]
     sections = [
-        ("1. Planner peak vs CUDA's allocator", memory_table(raw) + ["", *outside_lines(raw), ""]
-         + outside_table(raw)),
+        ("1. Planner peak vs CUDA's allocator", memory_table(raw) + ["", LEFT_BEHIND, "", *replanned_table(raw), ""]
+         + outside_lines(raw) + [""] + outside_table(raw)),
         ("2. The callback's peak by category", callback_table(raw)),
         ("3. Step time vs the datasheet prediction", time_table(raw) + [""] + recompute_lines(raw)),
         ("4. cuda_compute's compute_s vs independent CUDA events", compute_table(raw)),

@@ -198,3 +198,31 @@ def test_hang_overhead_writes_both_arms_and_the_per_step_calls(tmp_path):
     rows = table_rows(out.read_text())
     assert [r[0] for r in rows] == ["1 KiB", "1 MiB", "Watchdog.step_done", "compute clock (2 x time.thread_time)"]
     assert all(float(r[-1]) > 0 for r in rows) and "hang_overhead.py --pairs 1 --collectives 20" in out.read_text()
+
+
+GPU_CHECK = BENCHMARKS / "gpu_check.py"
+
+
+def test_gpu_check_dry_run_names_every_check_and_what_it_compares():
+    """The GPU check's plan, printed without a GPU: each numbered check with what it runs and compares, every run
+    (plain Trainer, FSDP2, ZeRO-3) and setting, and what needs 2+ GPUs with its command."""
+    done = subprocess.run([sys.executable, str(GPU_CHECK), "--dry-run"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    gpu_check = script("gpu_check")
+    for number, title, _, _ in gpu_check.CHECKS:
+        assert f"{number}. {title}" in done.stdout
+    assert done.stdout.count("   runs: ") == done.stdout.count("   compares: ") == len(gpu_check.CHECKS)
+    for strategy, (row, _) in gpu_check.STRATEGIES.items():
+        assert f"{strategy} (plan row {row}" in done.stdout
+    for what, command in gpu_check.TWO_GPUS:
+        assert f"- {what}: {command}" in done.stdout
+    assert all(gpu_check.setting_name(s) in done.stdout for s in gpu_check.SETTINGS)
+
+
+def test_gpu_check_refuses_in_one_line_where_there_is_no_cuda_device(tmp_path):
+    out = tmp_path / "gpu_check.md"
+    done = subprocess.run([sys.executable, str(GPU_CHECK), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2 and not out.exists()
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and "no CUDA device" in done.stderr

@@ -206,3 +206,23 @@ def test_a_measured_step_leaves_no_parameter_behind():
     del model, optimizer
     gc.collect()
     assert [p for p in params if p() is not None] == []
+
+
+def test_checkpointing_is_turned_on_by_the_name_this_transformers_has():
+    """transformers 5.2x names it `activation_checkpointing_enable`; 5.17 (a GPU machine's) has only
+    `gradient_checkpointing_enable`, and every checkpointed plan fell back to the formula there. Stand-ins for the
+    two releases' models: each is switched on non-reentrant, by its own name."""
+    from shardscope.plan.trace import enable_checkpointing
+
+    class Older:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.called = ("gradient", gradient_checkpointing_kwargs)
+
+    class Newer(Older):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            self.called = ("activation", activation_checkpointing_kwargs)
+
+    older, newer = Older(), Newer()
+    enable_checkpointing(older), enable_checkpointing(newer)
+    assert older.called == ("gradient", {"use_reentrant": False})
+    assert newer.called == ("activation", {"use_reentrant": False})

@@ -40,6 +40,14 @@ def tracker():
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
+        def track_as_parameters(self, *tensors) -> None:
+            """Count `tensors` (which no module holds as a parameter: ZeRO-3's `ds_tensor` partitions) as
+            parameters, from now on."""
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            for tensor in tensors:
+                self._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
+
         def __enter__(self):
             self._module_hooks, register = [], mod_tracker.register_multi_grad_hook
 

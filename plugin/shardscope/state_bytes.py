@@ -266,6 +266,12 @@ def master_weights(optimizer) -> list:
     return copies
 
 
+def zero3_partitions(model) -> list:
+    """DeepSpeed ZeRO-3's parameter partitions (`ds_tensor`, views of its flat partitioned groups): what a ZeRO-3 rank
+    holds of its parameters outside their `.data`, which stays empty until a module gathers it (none elsewhere)."""
+    return [t for t in (getattr(p, "ds_tensor", None) for p in model_parameters(model)) if isinstance(t, torch.Tensor)]
+
+
 def zero_grad_buffers(optimizer) -> list:
     """DeepSpeed ZeRO's gradient partition buffers (empty for other optimizers)."""
     zero = zero_optimizer(optimizer)

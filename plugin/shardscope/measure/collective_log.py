@@ -21,7 +21,8 @@ the process group's creation; it needs the ring on): `record_by_default` turns i
 folder, where `shardscope hang` reads it as a weights-only pickle. `record_by_default` also turns NCCL's timing of
 each collective on where unset (`TORCH_NCCL_ENABLE_TIMING`: a start event beside the end event NCCL records anyway;
 torch notes that querying it can add to a watchdog hang): the ring's `duration_ms` is what a CUDA rank's compute
-time subtracts (`cuda_compute.py`). Not exercised here: no NCCL on CPU.
+time subtracts (`cuda_compute.py`). NCCL's ring, its durations and its pickled dump read by `shardscope hang` were
+seen on one H200 (benchmarks/results/gpu_check.md); a real timeout's dump needs 2 GPUs.
 
 Where the ring is empty (a backend that does not record, or a buffer set to 0), records carry no collective
 (`source` None) and the verdict rests on the ranks' stacks and steps.

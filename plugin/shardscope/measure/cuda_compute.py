@@ -23,10 +23,10 @@ durations are read at the next logging point (`collect`); a step whose end event
 collectives the watchdog has not retired yet waits for a later one; a step the ring (bounded,
 `collective_log.ENTRIES`) no longer holds all the collectives of is left out (`lost`).
 
-Not yet run on a GPU in this project (no device was available to it): the tests hold the arithmetic with stand-in
-events and ring entries. A check on a GPU would compare, on 2 ranks under DDP where rank 1 runs an extra matmul of
-known length every step, the ranks' compute_s difference with that matmul's time measured alone, and compute_s with
-the sum of the compute kernels' times in a torch.profiler trace of the same steps.
+Run on one H200 (benchmarks/results/gpu_check.md, 1 rank under the plain Trainer, FSDP2 and ZeRO-3 over NCCL): the
+run's compute_s within 1% of an independent CUDA-event timing of the same steps less the NCCL durations of the
+collectives created in them. What a one-rank run cannot show (a slow rank's compute_s beside the others', DDP's
+overlapped all-reduce) needs 2 GPUs: the check's list says how to run it.
 """
 from __future__ import annotations
 

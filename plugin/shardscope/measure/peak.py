@@ -12,7 +12,9 @@ tracker and counted whole at every moment (`ddp_buckets`); DeepSpeed's reduce bu
 
 `StepPeak` reports:
 - `peak_tensor_bytes`: the largest total of live tensors during the step;
-- `peak_breakdown`: {parameters (module buffers included), gradients, optimizer, activations, temporaries, buffers}
+- `peak_breakdown`: {parameters (module buffers and ZeRO-3's `ds_tensor` partitions included: no module holds those
+  as parameters, and MemTracker saw none of them until they were registered), gradients, optimizer, activations,
+  temporaries, buffers}
   at that moment (optimizer includes tensors it owns outside its state dict: fp32 master copies, ZeRO partitions;
   buffers: DDP's reducer buckets);
 - `peak_phase`: forward, backward or optimizer step: where the peak was first reached;
@@ -31,7 +33,7 @@ import math
 import torch
 
 from ..mem_tracker import tracker
-from ..state_bytes import master_weights, optimizer_layers, zero_grad_buffers
+from ..state_bytes import master_weights, optimizer_layers, zero3_partitions, zero_grad_buffers
 from .guard import Instrument, WarnOnce
 
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
@@ -133,6 +135,7 @@ class StepPeak:
         extra = [t for t in (*master_weights(self.optimizer), *zero_grad_buffers(self.optimizer))
                  if isinstance(t, torch.Tensor)]
         self.tracker.track_external(self.model, *optimizers, *extra)
+        self.tracker.track_as_parameters(*zero3_partitions(self.model))
         hook = self.instrument.hook
         hook(self.model.register_forward_pre_hook, self._forward, with_kwargs=True)
         hook(self.model.register_forward_hook, lambda *_: self._mark("backward"))

@@ -345,9 +345,11 @@ class FamilyRow:
                     "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": unit}
         elif detail.get("gathered_units"):  # TP + FSDP2
             held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
-        elif strategy.startswith("zero3"):
-            held = {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
-                    "fresh_unit": spec.largest_layer_params * g}
+        elif strategy.startswith("zero3"):  # carried: the gradient partitions' flat buffer, allocated when DeepSpeed
+            # starts (`grad_partitions_flat_buffer`) and held at every moment, whatever the accumulation (seen on
+            # an H200: benchmarks/results/gpu_check.md)
+            return {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
+                    "fresh_unit": spec.largest_layer_params * g, "carried": row["grads_bytes"]}
         if strategy == "zero1":
             held["backward_grads"] = c.trainable * g
         if setup.grad_accum_steps == 1 or fam == "tp":

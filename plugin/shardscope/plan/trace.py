@@ -181,7 +181,7 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
         (model.get_base_model() if lora is not None else model).tie_weights()
         if checkpointing:
             model.config.use_cache = False  # the cache is off under checkpointing anyway: say so, not warn it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         model.train()
         if vision:
             size = image_size or config.image_size
@@ -195,6 +195,17 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
         autocast = torch.autocast("cpu", dtype=half) if regime == "autocast" else contextlib.nullcontext()
         moments = _moments(model, batch, autocast, _layer_list(model, depth))
     return moments, trainable
+
+
+def enable_checkpointing(model) -> None:
+    """transformers' activation checkpointing, non-reentrant as the Trainer's: `activation_checkpointing_enable`
+    (5.2x), `gradient_checkpointing_enable` where that is all there is (transformers 5.17, seen on a GPU machine:
+    without it every checkpointed plan fell back to the formula, benchmarks/results/gpu_check.md)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _moments(model, batch, autocast, layers) -> dict:
