@@ -8,8 +8,8 @@
 The llama-3.2-1b config (shipped, random weights), bf16 mixed precision, AdamW, random token ids (no padding), 10
 optimizer steps per setting: micro-batch x sequence 2 x 1024 and 4 x 2048, each with and without activation
 checkpointing, under the plain Trainer (one process), FSDP2 and ZeRO-3 (world size 1, NCCL, through `torchrun`,
-with the shipped fsdp_configs/llama_full_shard.json and ds_configs/zero3.json): 12 runs in 3 processes
-(`gpu_check_worker.py`). `shardscope plan` plans each setting beforehand. The checks are `CHECKS` below; each
+with the shipped fsdp_configs/llama_full_shard.json and ds_configs/zero3.json): 12 runs in 6 processes
+(`gpu_check_worker.py`; ZeRO-3 one setting per process: `ONE_PROCESS_EACH`). `shardscope plan` plans each setting beforehand. The checks are `CHECKS` below; each
 prediction is compared with a measurement taken independently of the code that predicted it (the worker's `Probe`:
 CUDA events and CUDA's allocator, reset each step). Raw figures go to `--raw` (JSON) beside the report, so a report
 can be made again without the GPU. Where no CUDA device is present it says so in one line and exits 2.
@@ -37,6 +37,9 @@ SETTINGS = [{"micro_batch": mb, "seq_len": seq, "checkpointing": ckpt}
             for mb, seq in ((2, 1024), (4, 2048)) for ckpt in (False, True)]
 # worker strategy -> (the planner's row for it, launched by torchrun at world size 1)
 STRATEGIES = {"plain": ("ddp", False), "fsdp2": ("fsdp_full_shard", True), "zero3": ("zero3", True)}
+# DeepSpeed keeps each ZeRO-3 engine alive after its Trainer is gone (seen on the H200 and on CPU), so a ZeRO-3
+# setting after the first would run beside the earlier ones' states: one process per setting there
+ONE_PROCESS_EACH = {"zero3"}
 FLIGHT_RECORDER = "fsdp2"  # the NCCL run whose flight-recorder ring is dumped and read by `shardscope hang`'s reader
 MEASURES = ("benchmarks/gpu_check.py", "benchmarks/gpu_check_worker.py", "benchmarks/gpu_check_report.py",
             "plugin/shardscope/plan", "plugin/shardscope/measure", "plugin/shardscope/hang.py",
@@ -138,17 +141,18 @@ def child_env() -> dict:
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_worker(strategy: str, work: Path, steps: int, timeout_s: float) -> dict:
-    """One worker process over every setting; its JSON lines and, where it failed, its log's tail."""
+def run_worker(strategy: str, settings: list[dict], work: Path, steps: int, timeout_s: float) -> dict:
+    """One worker process over `settings`; its JSON lines and, where it failed, its log's tail."""
     _, distributed = STRATEGIES[strategy]
-    out = work / f"{strategy}.jsonl"
+    name = strategy + ("" if len(settings) > 1 else "-" + setting_key(settings[0]))
+    out = work / f"{name}.jsonl"
     out.unlink(missing_ok=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] \
         if distributed else [sys.executable]
-    command = [*launcher, str(WORKER), "--strategy", strategy, "--settings", json.dumps(SETTINGS),
+    command = [*launcher, str(WORKER), "--strategy", strategy, "--settings", json.dumps(settings),
                "--steps", str(steps), "--out", str(out),
                *(["--flight-recorder", str(work / "fr")] if strategy == FLIGHT_RECORDER else [])]
-    log = work / f"{strategy}.log"
+    log = work / f"{name}.log"
     started = time.monotonic()
     with log.open("w") as sink:
         try:
@@ -160,6 +164,12 @@ def run_worker(strategy: str, work: Path, steps: int, timeout_s: float) -> dict:
     tail = "" if code == 0 else "\n".join(log.read_text(errors="replace").splitlines()[-30:])
     return {"strategy": strategy, "exit": code, "seconds": round(time.monotonic() - started, 1), "lines": lines,
             "log_tail": tail}
+
+
+def jobs() -> list[tuple[str, list[dict]]]:
+    """(strategy, its settings) per worker process, in order."""
+    return [job for strategy in STRATEGIES
+            for job in ([(strategy, [s]) for s in SETTINGS] if strategy in ONE_PROCESS_EACH else [(strategy, SETTINGS)])]
 
 
 def versions() -> dict:
@@ -200,10 +210,11 @@ def measure(args) -> dict:
     raw["plan_seconds"] = round(time.monotonic() - started, 1)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    raw["workers"] = []
-    for i, strategy in enumerate(STRATEGIES):
+    raw["workers"], todo = [], jobs()
+    for i, (strategy, settings) in enumerate(todo):
         left = args.budget_s - (time.monotonic() - started)
-        raw["workers"].append(run_worker(strategy, work, args.steps, left / (len(STRATEGIES) - i)))
+        share = left * len(settings) / sum(len(s) for _, s in todo[i:])  # the time left, by settings to run
+        raw["workers"].append(run_worker(strategy, settings, work, args.steps, share))
         write_json(args.raw, raw)  # what finished is kept, whatever comes next
     raw["seconds"] = round(time.monotonic() - started, 1)
     return raw

@@ -148,10 +148,11 @@ def outside_table(raw: dict) -> list[str]:
 
 
 def outside_lines(raw: dict) -> list[str]:
-    out = []
+    out, seen = [], set()
     for worker in raw.get("workers", []):
         header = next((x for x in worker["lines"] if "device_used_before" in x), None)
-        if header:
+        if header and worker["strategy"] not in seen:  # (the first process of each strategy)
+            seen.add(worker["strategy"])
             out.append(f"- {worker['strategy']}: the CUDA context {gb(header.get('context_bytes'))} GB"
                        + (f", NCCL's communicator (a one-rank group, one all_reduce) {gb(header['nccl_bytes'])} GB"
                           if header.get("nccl_bytes") is not None else "")

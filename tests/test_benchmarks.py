@@ -226,3 +226,15 @@ def test_gpu_check_refuses_in_one_line_where_there_is_no_cuda_device(tmp_path):
                           timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2 and not out.exists()
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and "no CUDA device" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["gpu_check", "gpu_check_first_run"])
+def test_gpu_check_reports_are_what_their_raw_figures_give(name, tmp_path):
+    """The committed GPU reports (docs/gpu.md renders them) are computed from the committed raw figures of the runs:
+    made again here without a GPU, they are the same text."""
+    out = tmp_path / f"{name}.md"
+    done = subprocess.run([sys.executable, str(GPU_CHECK), "--from-raw", str(BENCHMARKS / "results" / f"{name}.json"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == (BENCHMARKS / "results" / f"{name}.md").read_text(), \
+        f"run `python benchmarks/gpu_check.py --from-raw benchmarks/results/{name}.json --out ...{name}.md`"
