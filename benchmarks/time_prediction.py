@@ -60,6 +60,16 @@ SMALL = {"strategies": ("ddp", "zero3"), "configs": ("a1c0", "a2c1")}
 ONE_PER_LIBRARY = ("ddp/a1c0", "zero3/a1c0", "fsdp_full_shard/a1c0")
 TARGET = 0.90  # of the other configurations within TOLERANCE, calibrated from ONE_PER_LIBRARY
 STEPS = 16  # optimizer steps per run: 13 plain steps for each median and p10-p90 (the test suite's runs take 8)
+# The development set: what the model was reworked against while its runs were watched (MODEL, fp32, micro-batch 2
+# x 128 tokens, accumulation 1 and 2). Its tallies are out of sample of the calibration runs only.
+DEVELOPMENT = dict(model=MODEL, micro_batch=2, seq_len=128, precision="fp32", configs=CONFIGS)
+# The held-out set, fixed before any of its runs was trained or seen: a model shape (hidden 512, 3 layers, grouped
+# KV heads, a larger vocabulary), a sequence length (320), a micro-batch (1), an accumulation (3) and a precision
+# (bf16 mixed) the development set never used. Calibrated from its own ONE_PER_LIBRARY runs, tallied on the others:
+# out of sample of the calibration and of the development. Do not change it after its runs have been looked at.
+HELD_OUT = dict(model=dict(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=3,
+                           num_attention_heads=8, num_key_value_heads=4),
+                micro_batch=1, seq_len=320, precision="bf16", configs=("a1c0", "a3c0", "a1c1", "a3c1"))
 
 
 def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool = False, warmup: bool = False,
