@@ -63,12 +63,15 @@ def fit(capsys, *argv):
 
 
 def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
-    """The file gives every figure the runs measured, the first run first; FSDP rows count FSDP's measured work;
-    and the prediction of each calibration run at its own setup gives its measured median back (the arithmetic)."""
+    """The file gives every figure the runs measured, the first run first, and each strategy's rows its own run's
+    first; FSDP rows count FSDP's measured work. `fit` ranks by those figures: the candidate at each calibration
+    run's own setting is predicted at that run's measured median, the candidates are listed fastest first (a tie's
+    winner, the least planned peak within the bar, moved to the front), and the winner is the fastest or that."""
     from shardscope.cli.step_time import read_preflight
     from shardscope.plan.calibration import calibrate, measured_figures
-    from shardscope.plan.time_model import datasheet_figures, hardware
-    from shardscope.report.time_prediction import predict_run
+    from shardscope.plan.time_model import datasheet_figures, hardware, model_error
+    from shardscope.report.time_prediction import predict_run, run_setup
+    from shardscope.summary import read_summary
 
     _, out, search = calibrated
     file = out / "calibration.json"
@@ -80,11 +83,21 @@ def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
     assert record["library_s_per_byte"]["fsdp"]["run"].startswith(f"{file} ({out / 'fsdp_full_shard'}")
     assert not any(t.startswith("library work of FSDP") for t in result["assumptions"]["text"])
     fig, _ = calibrate(measured_figures([file], read_preflight), datasheet_figures(hardware("H100", "fp32")))
+    assert set(fig.own) == {"fsdp_full_shard"} and set(result["assumptions"]["own"]) == {"fsdp_full_shard"}
+    listed = {(c["strategy"], c["per_device_train_batch_size"], c["gradient_accumulation_steps"],
+               c["gradient_checkpointing"]): c["step_time_s"] for c in result["candidates"]}
     for name in ("ddp", "fsdp_full_shard"):
-        own, _ = calibrate(measured_figures([out / name], read_preflight), datasheet_figures(hardware("H100", "fp32")))
-        predicted = predict_run(out / name, own)
+        predicted = predict_run(out / name, fig)  # from the file: its own strategy's run first
         assert predicted["predicted_s"] == pytest.approx(predicted["measured"]["median"], rel=ADDS_UP)
-    assert fig.library_s_per_byte["fsdp"] == own.library_s_per_byte["fsdp"]
+        _, setup, _, _ = run_setup(read_summary(out / name / "shardscope_summary.json"), name)
+        at = (name, setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing)
+        assert at in listed, (at, sorted(listed))  # calibrate ran its fastest candidate, accumulation 1 (4 per rank)
+        assert listed[at] == pytest.approx(predicted["predicted_s"], rel=1e-9), at
+    steps = [c["step_time_s"] for c in result["candidates"]]
+    assert steps[1:] == sorted(steps[1:]) and result["step_time_s"] == steps[0]
+    fastest = min(steps)
+    tied = [c["peak_bytes"] for c in result["candidates"] if c["step_time_s"] <= fastest * (1 + model_error(fig))]
+    assert steps[0] == fastest if len(tied) == 1 else result["peak_bytes"] == min(tied)
 
 
 def test_a_calibration_from_elsewhere_is_refused_or_flagged(calibrated, tmp_path, capsys):

@@ -30,7 +30,7 @@ measured runs (`plan.calibration`). Nothing here imports torch. docs/fit.md expl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
 from ..strategy import family
@@ -189,6 +189,7 @@ class Figures:
     latency_s: dict = field(default_factory=dict)          # "node"/"network" -> seconds per ring step
     copy_s_per_byte: float = 0.0            # a library's copies per byte gathered or reduce-scattered (no run of it)
     library_host_s: dict = field(default_factory=dict)     # library -> host seconds per module per pass
+    own: dict = field(default_factory=dict)  # strategy -> {figure: value} its own calibration run measured, first
 
     def bus(self, kind: str) -> float:
         return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
@@ -365,7 +366,9 @@ def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
 
 def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row (`formulas.Row`) at
-    `setup` (its micro-batch, accumulation and checkpointing)."""
+    `setup` (its micro-batch, accumulation and checkpointing); a row whose strategy had a calibration run of its own
+    takes that run's figures first (`Figures.own`)."""
+    fig = replace(fig, **fig.own[row.strategy], own={}) if row.strategy in fig.own else fig
     matmul = setup.micro_batch * tokens * flops_per_token(spec, model, tokens, False) / (row.mesh["tp"] * fig.flops_per_s)
     micro = matmul * (1 + fig.recompute_share if setup.activation_checkpointing else 1)
     if fig.sources.get("hidden_share", "").startswith("measured"):
@@ -424,6 +427,9 @@ def describe(fig: Figures) -> list[str]:
         lines.append(f"library copies (ZeRO-3, FSDP): {fig.copy_s_per_byte * 1e12:.3g} ps per byte gathered or "
                      f"reduce-scattered ({s.get('copy_s_per_byte', '-')}); host work per module and pass: {host} "
                      f"({s.get('library_host_s', '-')}), exposed where it exceeds the pass's GPU time")
+    if fig.own:
+        lines.append(f"rows of {', '.join(sorted(fig.own))}: the figures of their own strategy's calibration run "
+                     "first, the other runs' after (such a row reproduces the run it was calibrated from)")
     return lines + unmeasured_library_work(fig)
 
 
