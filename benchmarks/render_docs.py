@@ -141,7 +141,7 @@ def row_commits(text: str) -> list[str]:
         if row == 1:
             column = cells.index("commit") if "commit" in cells else None
         elif row > 2 and column is not None and len(cells) > column:
-            out.append(cells[column])
+            out.append((cells[column].split() or ["-"])[0])  # "SHA (with uncommitted changes)": the SHA
     return out
 
 

@@ -112,7 +112,7 @@ def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str,
         seconds = counts["seconds"]
     rows = read_rows(out.read_text()) if out.is_file() else []
     rows.append({"target": target, "date": date or datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                 "commit": commit or (git("rev-parse", "HEAD") or "-").strip(), "machine": machine().replace("|", "/"),
+                 "commit": commit or (git("rev-parse", "--short=12", "HEAD") or "-").strip(), "machine": machine().replace("|", "/"),
                  "nproc": str(os.cpu_count()), "load": load or f"{os.getloadavg()[0]:.1f}",
                  "fresh": "yes" if fresh else "no", "passed": str(counts["passed"]),
                  "skipped": str(counts["skipped"]), "seconds": f"{seconds:.1f}",

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
-from render_docs import git, stamped  # noqa: E402
+from render_docs import git, machine, stamped  # noqa: E402
 from shardscope.plan.time_model import ERROR_STATISTIC as STATISTIC, error_of  # noqa: E402
 
 MEASURES = ("plugin/shardscope/plan", "plugin/shardscope/report/time_prediction.py", "plugin/shardscope/measure",
@@ -58,15 +58,6 @@ def priority_raised() -> bool:
     return subprocess.run([sys.executable, "-c", "import os; os.nice(-20)"], capture_output=True).returncode == 0
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` says."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def where_it_ran() -> dict:
     """The commit, date, machine and library versions of runs trained now (each set's own, in its set.json)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -77,23 +68,28 @@ def where_it_ran() -> dict:
         except PackageNotFoundError:
             return None
 
-    return {"commit": (git("rev-parse", "HEAD") or "").strip() or None,
+    return {"commit": (git("rev-parse", "--short=12", "HEAD") or "").strip() or None,
             "uncommitted_changes": bool(git("status", "--porcelain", "--", *MEASURES)),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{cpu_model()}, {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}",
-            "python": platform.python_version(), "libraries": {name: installed(name) for name in LIBRARIES}}
+            "machine": machine(), "python": platform.python_version(),
+            "libraries": {name: installed(name) for name in LIBRARIES}}
 
 
-def set_line(root: Path) -> str:
-    """Where and when a folder of runs was trained (its set.json), in one line."""
-    try:
-        doc = json.loads((root / "set.json").read_text())
-    except (OSError, ValueError):
-        return "Trained: not recorded (this folder has no set.json: trained before sets recorded where they ran)."
-    commit = (doc.get("commit") or "?")[:12] + (" with uncommitted changes" if doc.get("uncommitted_changes") else "")
-    libraries = ", ".join(f"{k} {v}" for k, v in doc.get("libraries", {}).items() if v)
-    return (f"Trained at commit {commit} on {doc.get('date')}: {doc.get('machine')}; Python {doc.get('python')}, "
-            f"{libraries}.")
+def sets_table(roots: list[Path]) -> list[str]:
+    """Where and when each folder of runs was trained (its set.json): one row per set, its own commit
+    (render_docs --check judges each set by it)."""
+    lines = ["## Where each set was trained", "",
+             "| set | folder | commit | date | machine | Python | libraries |", "| --- " * 7 + "|"]
+    for root in roots:
+        try:
+            doc = json.loads((root / "set.json").read_text())
+        except (OSError, ValueError):
+            doc = {"set": "-", "commit": "-", "date": "not recorded (no set.json)"}
+        commit = (doc.get("commit") or "-") + (" (with uncommitted changes)" if doc.get("uncommitted_changes") else "")
+        libraries = ", ".join(f"{k} {v}" for k, v in (doc.get("libraries") or {}).items() if v)
+        lines.append(f"| {doc.get('set')} | {root.name} | {commit} | {doc.get('date')} | {doc.get('machine', '-')} | "
+                     f"{doc.get('python', '-')} | {libraries or '-'} |")
+    return lines + [""]
 
 
 SMALL = {"strategies": ("ddp", "zero3"), "configs": ("a1c0", "a2c1")}
@@ -260,7 +256,7 @@ def section(root: Path) -> tuple[list[str], dict]:
     apart, wrong = order_disagreements(main_rows)
     text = [f"## Runs in {root.name} (development): calibrated from ddp/a1c0 alone (DDP, accumulation 1, "
             f"checkpointing off), {within(main_rows)} of the {len(main_rows)} other runs within {TOLERANCE:.0%}",
-            "", set_line(root), "", links_line(root, main_fig), "", *table(all_rows), "",
+            "", links_line(root, main_fig), "", *table(all_rows), "",
             f"Predicted order: {apart - len(wrong)} of the {apart} pairs of runs whose measured p10-p90 spreads do not "
             "overlap are ordered as measured" + (f"; not: {', '.join(f'{a} / {b}' for a, b in wrong)}." if wrong
                                                  else "."), "",
@@ -289,7 +285,7 @@ def section(root: Path) -> tuple[list[str], dict]:
 def held_out_section(root: Path) -> tuple[list[str], dict]:
     """The section of one folder of held-out runs (HELD_OUT), and its counts for the summary."""
     lib = per_library(root)
-    return per_library_lines(root, lib, f"## Held-out runs in {root.name}", (set_line(root), "")), lib
+    return per_library_lines(root, lib, f"## Held-out runs in {root.name}"), lib
 
 
 def summary(stats: list[dict], held: list[dict]) -> list[str]:
@@ -359,7 +355,8 @@ def header() -> list[str]:
         "this machine refused a raised CPU priority: the launches shared the cores at the same priority as other work"
     return ["# Step time predicted beside measured (2 CPU ranks, gloo)", "",
             "Generated by `benchmarks/time_prediction.py` (this file is its output; each folder of runs is one "
-            f"section, which says the commit, date, machine and library versions it was trained at; {priority}). "
+            f"section; the last table says the commit, date, machine and library versions each was trained at; "
+            f"{priority}). "
             "Development set: random Llama, hidden 384, 4 layers, vocab 408 (7.4M parameters), fp32, micro-batch 2 "
             "x 128 tokens per rank, accumulation 1 and 2. Held-out set (`HELD_OUT`): hidden 512, 3 layers, 8 heads "
             "over 4 KV heads, vocab 2048, bf16 mixed, micro-batch 1 x 320 tokens, accumulation 1 and 3. "
@@ -390,6 +387,7 @@ def main(argv=None) -> None:
     text = header() + summary([stats for _, stats in sections], [stats for _, stats in held])
     for lines, _ in sections + held:
         text += lines
+    text += sets_table([*roots, *held_roots])
     args.output.write_text(stamped("\n".join(text), __file__, MEASURES))
     print("\n".join(text))
 
