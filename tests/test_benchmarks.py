@@ -173,7 +173,17 @@ def test_the_time_models_host_work_is_the_measured_one():
 
 
 def test_suite_time_keeps_every_run_and_shows_the_median(tmp_path):
+    """Each recorded row keeps its own commit and machine (a row recorded before those columns reads them as "-")."""
     suite_time, part, out = script("suite_time"), script("render_docs").result, tmp_path / "suite_time.md"
+    out.write_text("| target | date | nproc | 1-min load at the end | fresh clone | passed | skipped | seconds | printed |\n"
+                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+                   "| demo | 2026-11-27 19:44 | 2 | 1.6 | no | - | - | 32.5 | - |\n")
+    assert suite_time.main(["record", str(out), "--target", "demo", "--seconds", "30", "--commit", "abc123",
+                            "--out", str(out)]) == 0
+    old, new = suite_time.read_rows(out.read_text())
+    assert (old["commit"], old["machine"], old["seconds"]) == ("-", "-", "32.5")
+    assert new["commit"] == "abc123" and new["machine"] == script("render_docs").machine()
+    out.unlink()
     for passed, took in ((1000, 700.0), (1001, 600.0), (1001, 650.0)):
         log = tmp_path / "make_test.log"
         log.write_text(f"...\n{passed} passed, 1 skipped, 14 warnings in {took}s (0:11:40)\nrc 0\n")
