@@ -92,7 +92,7 @@ RECOMPUTE_SHARE = 0.23
 HOST_S_PER_MODULE = {"fsdp": 99e-6, "deepspeed": 108e-6}
 # The model's error: over n comparisons, the nearest-rank 80th percentile of the absolute differences (`error_of`).
 # Datasheet figures: on the ratio of two settings' step times against published same-setting GPU measurements, over
-# the 9 comparisons out of sample (benchmarks/results/published_ratios.md; a test holds the two equal). Calibrated
+# the comparisons out of sample (benchmarks/results/published_ratios.md, with n; a test holds the two equal). Calibrated
 # figures: a bar, not a measurement: the time benchmark holds its CPU runs to it and measures the same statistic on
 # its held-out set (benchmarks/results/time_prediction.md). `fit` calls candidates closer than this a tie.
 ERROR_QUANTILE = 0.80
