@@ -57,7 +57,7 @@ CHECKS = (
     ("3", "step time vs the datasheet prediction",
      "plan's step_time_s and parts (compute, optimizer, overhead); the callback's time breakdown of step 4",
      "the median CUDA-event span of the uninstrumented steps; with checkpointing the step-time ratio measured vs "
-     "predicted (the model's recompute share, set from published A100/H100 figures, held out of sample)"),
+     "predicted (the model's recompute share, set from a published A100 figure: these runs are out of its sample)"),
     ("4", "cuda_compute's compute_s",
      "the summary's throughput.compute_seconds (CUDA events less the flight recorder's NCCL durations)",
      "an independent CUDA-event timing of the same steps (the profiler's window: instrumented steps left out)"),

@@ -19,16 +19,19 @@ renders.
 
 Staleness: a results file a benchmark measured starts with `<!-- measured at: SHA by benchmarks/SCRIPT -->`
 (`stamped`, called by the script that writes it), and that script declares the code it measures (`MEASURES`, paths
-under the repository root). `--check` lists each results file whose measured paths changed since SHA (working tree
-included), or that records no commit; it does not change the exit status (rerunning a benchmark takes minutes to
-hours). Results computed rather than measured (COMPUTED) record nothing: tests/test_benchmarks.py holds each equal
-to what its script writes now.
+under the repository root). A file whose rows were measured at different commits keeps each row's in a `commit`
+column of its table (benchmarks/suite_time.py, the sets of benchmarks/time_prediction.py): those rows are judged one
+by one, the stamp then only saying when the file was written. `--check` lists each results file whose measured
+paths changed since the commit it (or a row of it) was measured at (working tree included), or that records no
+commit; it does not change the exit status (rerunning a benchmark takes minutes to hours). Results computed rather
+than measured (COMPUTED) record nothing: tests/test_benchmarks.py holds each equal to what its script writes now.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -116,6 +119,60 @@ def stamped(text: str, script: str, measures: tuple, root: Path = ROOT) -> str:
     return f"<!-- measured at: {sha}{dirty} by benchmarks/{Path(script).name} -->\n" + MEASURED.sub("", text)
 
 
+def machine() -> str:
+    """This machine in words, for a results row: the CPU's model name (/proc/cpuinfo), its CPU count, the system."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}"
+
+
+def row_commits(text: str) -> list[str]:
+    """The `commit` column of a results file's tables, one entry per row ("-": the row records none)."""
+    out, column, row = [], None, 0
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            column, row = None, 0
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        row += 1
+        if row == 1:
+            column = cells.index("commit") if "commit" in cells else None
+        elif row > 2 and column is not None and len(cells) > column:
+            out.append((cells[column].split() or ["-"])[0])  # "SHA (with uncommitted changes)": the SHA
+    return out
+
+
+def changed_since(sha: str, measures: tuple, root: Path) -> list[str] | None:
+    """The measured paths changed since commit `sha` (working tree included); None: the commit is not here."""
+    changed = git("diff", "--name-only", sha, "--", *measures, root=root) if re.fullmatch(r"[0-9a-f]{7,40}", sha) \
+        else None
+    return None if changed is None else changed.split()
+
+
+def listed(files: list[str]) -> str:
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def stale_rows(name, commits: list[str], measures: tuple, root: Path) -> list[str]:
+    """One line when rows of a results file were measured before its measured paths changed, or cannot be told."""
+    changed = {sha: changed_since(sha, measures, root) for sha in dict.fromkeys(commits)}
+    old = [sha for sha, files in changed.items() if files]
+    unknown = [sha for sha, files in changed.items() if files is None]
+    rows = sum(commits.count(sha) for sha in old)
+    out = []
+    if old:
+        files = sorted({f for sha in old for f in changed[sha]})
+        out.append(f"{name}: {rows} of {len(commits)} rows measured before their measured paths changed (at "
+                   f"{', '.join(sha[:10] for sha in old)}; changed since: {listed(files)})")
+    if unknown:
+        out.append(f"{name}: {sum(commits.count(sha) for sha in unknown)} of {len(commits)} rows cannot tell (commit "
+                   f"{', '.join(sha[:10] for sha in unknown)}: not recorded or not in this checkout)")
+    return out
+
+
 def declared(script: Path) -> tuple | None:
     """The `MEASURES` tuple a benchmark script declares (read, not imported), or None."""
     for node in ast.parse(script.read_text()).body:
@@ -128,7 +185,8 @@ def stale(root: Path = ROOT) -> list[str]:
     """One line per results file that may no longer describe the code: its measured paths changed since."""
     found = []
     for path in sorted((root / "benchmarks" / "results").glob("*.md")):
-        name, stamp = path.relative_to(root), MEASURED.match(path.read_text())
+        text = path.read_text()
+        name, stamp = path.relative_to(root), MEASURED.match(text)
         if path.stem in COMPUTED:
             continue
         if not stamp:
@@ -138,15 +196,16 @@ def stale(root: Path = ROOT) -> list[str]:
         if not measures:
             found.append(f"{name}: {stamp['script']} declares no MEASURES")
             continue
+        if row_commits(text):  # each row its own commit
+            found += stale_rows(name, row_commits(text), measures, root)
+            continue
         since = (git("log", "-1", "--format=%H", "--", str(name), root=root) or "").strip() if stamp["dirty"] \
             else stamp["sha"]
-        changed = git("diff", "--name-only", since, "--", *measures, root=root) if since else None
+        changed = changed_since(since, measures, root) if since else None
         if changed is None:
             found.append(f"{name}: cannot tell (commit {stamp['sha'][:10]} not in this checkout)")
-        elif changed.split():
-            files = changed.split()
-            more = f" and {len(files) - 3} more" if len(files) > 3 else ""
-            found.append(f"{name}: measured at {stamp['sha'][:10]}; changed since: {', '.join(files[:3])}{more}")
+        elif changed:
+            found.append(f"{name}: measured at {stamp['sha'][:10]}; changed since: {listed(changed)}")
     return found
 
 

@@ -1,8 +1,10 @@
 """How long `make test` and `make demo` take, from real runs: benchmarks/results/suite_time.md keeps one row per
-recorded run (date, `nproc`, from a fresh clone or not, what it printed) and, for each target, the median of its
-recorded runs, which README.md shows (benchmarks/render_docs.py places it).
+recorded run (date, the commit it ran, the machine, `nproc`, from a fresh clone or not, what it printed) and, for
+each target, the median of its recorded runs, which README.md shows (benchmarks/render_docs.py places it; its
+`--check` judges each row by its own commit).
 
-    python benchmarks/suite_time.py record LOG [--fresh-clone]   # a `make test` log: pytest's summary line
+    python benchmarks/suite_time.py record LOG [--fresh-clone] [--commit SHA]  # a `make test` log (of HEAD unless
+                                                                  # --commit): pytest's summary line
     python benchmarks/suite_time.py run test|demo [--fresh-clone]  # run `make TARGET` here (or in a fresh clone
                                                                   # of this checkout's HEAD), time it and record it
 
@@ -24,17 +26,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_docs.stamped: the measured-at line
-from render_docs import stamped  # noqa: E402
+from render_docs import git, machine, stamped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# render_docs.stale: the whole suite and the demo (the stamp is the commit of the latest recorded run)
+# render_docs.stale: the whole suite and the demo, each row at its own commit (the stamp: when the file was written)
 MEASURES = ("plugin", "tests", "recipes", "scripts/demo.sh", "Makefile", "pyproject.toml")
 OUT = ROOT / "benchmarks" / "results" / "suite_time.md"
 SUMMARY = re.compile(r"(?:(\d+) failed, )?(\d+) passed(?:, (\d+) skipped)?(?:, (\d+) \w+)*(?:, (\d+) errors?)?"
                      r" in ([\d.]+)s")
-COLUMNS = ("target", "date", "nproc", "load", "fresh", "passed", "skipped", "seconds", "printed")
-HEADER = ["| target | date | nproc | 1-min load at the end | fresh clone | passed | skipped | seconds | printed |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+COLUMNS = ("target", "date", "commit", "machine", "nproc", "load", "fresh", "passed", "skipped", "seconds", "printed")
+BEFORE_COMMITS = ("commit", "machine")  # rows recorded before these columns: "-" (not recorded)
+HEADER = ["| target | date | commit | machine | nproc | 1-min load at the end | fresh clone | passed | skipped | seconds "
+          "| printed |", "| --- " * len(COLUMNS) + "|"]
 
 
 class RecordError(Exception):
@@ -59,11 +62,14 @@ def duration(seconds: float) -> str:
 
 
 def read_rows(text: str) -> list[dict]:
+    """The recorded rows (a file written before rows kept their commit and machine: those read as "-")."""
+    older = [c for c in COLUMNS if c not in BEFORE_COMMITS]
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == len(COLUMNS) and cells[0] in ("test", "demo"):
-            rows.append(dict(zip(COLUMNS, cells)))
+        if line.startswith("| ") and cells[0] in ("test", "demo") and len(cells) in (len(COLUMNS), len(older)):
+            rows.append(dict(zip(COLUMNS, cells)) if len(cells) == len(COLUMNS)
+                        else {**dict.fromkeys(BEFORE_COMMITS, "-"), **dict(zip(older, cells))})
     return rows
 
 
@@ -95,9 +101,10 @@ def render(rows: list[dict]) -> str:
 
 
 def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str, date: str | None = None,
-           load: str | None = None) -> str:
+           load: str | None = None, commit: str | None = None) -> str:
     """Add one run to `out` and rewrite it; returns the target's new summary line. `load`: the 1-min load average
-    when the run ended (now, by default: right for `run`; give it with `record` or leave it unknown)."""
+    when the run ended (now, by default: right for `run`; give it with `record` or leave it unknown); `commit`: the
+    one the run ran (default HEAD: `run` clones HEAD); the machine is this one."""
     counts = pytest_line(log) if target == "test" else {"passed": "-", "skipped": "-", "printed": "-"}
     if seconds is None:
         if target != "test":
@@ -105,6 +112,7 @@ def record(out: Path, target: str, fresh: bool, seconds: float | None, log: str,
         seconds = counts["seconds"]
     rows = read_rows(out.read_text()) if out.is_file() else []
     rows.append({"target": target, "date": date or datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                 "commit": commit or (git("rev-parse", "--short=12", "HEAD") or "-").strip(), "machine": machine().replace("|", "/"),
                  "nproc": str(os.cpu_count()), "load": load or f"{os.getloadavg()[0]:.1f}",
                  "fresh": "yes" if fresh else "no", "passed": str(counts["passed"]),
                  "skipped": str(counts["skipped"]), "seconds": f"{seconds:.1f}",
@@ -144,6 +152,7 @@ def main(argv=None) -> int:
     rec.add_argument("--seconds", type=float, help="the run's wall time (a demo log does not say it)")
     rec.add_argument("--date", help="when the run ended, YYYY-MM-DD HH:MM (default: now)")
     rec.add_argument("--load", default="?", help="the 1-min load average when it ended (default: unknown)")
+    rec.add_argument("--commit", help="the commit the run ran (default: HEAD)")
     go = sub.add_parser("run", help="run `make TARGET`, time it and record it")
     go.add_argument("target", choices=("test", "demo"))
     go.add_argument("--assume-installed", action="store_true", help="never run the install step (make -o)")
@@ -157,7 +166,7 @@ def main(argv=None) -> int:
             line = record(args.out, args.target, args.fresh_clone, seconds, log)
         else:
             line = record(args.out, args.target, args.fresh_clone, args.seconds, args.log.read_text(), args.date,
-                          args.load)
+                          args.load, args.commit)
     except RecordError as error:
         print(f"suite_time.py: {error}", file=sys.stderr)
         return 2

@@ -151,6 +151,16 @@ def test_published_ratios_are_what_the_time_model_gives_now(tmp_path):
     assert DATASHEET_ERROR == round(ratios.verdict(rows)["error"], 3)  # fit's tie bound is the measured error
     groups = ratios.read_groups()
     assert set(groups) == set(ratios.GROUPS) | set(ratios.NOT_EXPRESSED)  # every published group accounted for
+    # Every counted comparison is out of sample: a group whose model the time model's constants cite (a constant set
+    # from it) is in sample and counted in no tally; a counted one is cited nowhere in the time model.
+    cited = (ROOT / "plugin" / "shardscope" / "plan" / "time_model.py").read_text()
+    for name, expr in ratios.GROUPS.items():
+        assert any(row["model"] in cited for row in groups[name]) == bool(expr.get("in_sample")), name
+    counted = [r for r in rows if not r["in_sample"]]
+    assert ratios.verdict(rows)["total"] == len(counted) < len(rows)
+    assert ratios.verdict(counted) == ratios.verdict(rows)
+    for row in (r for name in ratios.GROUPS for r in groups[name]):  # counted: a source a user can find (an address)
+        assert re.search(r"https?://|github\.com/|huggingface\.co/", row["source"]), row["source"]
 
 
 def test_the_time_models_host_work_is_the_measured_one():
@@ -163,7 +173,17 @@ def test_the_time_models_host_work_is_the_measured_one():
 
 
 def test_suite_time_keeps_every_run_and_shows_the_median(tmp_path):
+    """Each recorded row keeps its own commit and machine (a row recorded before those columns reads them as "-")."""
     suite_time, part, out = script("suite_time"), script("render_docs").result, tmp_path / "suite_time.md"
+    out.write_text("| target | date | nproc | 1-min load at the end | fresh clone | passed | skipped | seconds | printed |\n"
+                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+                   "| demo | 2026-11-27 19:44 | 2 | 1.6 | no | - | - | 32.5 | - |\n")
+    assert suite_time.main(["record", str(out), "--target", "demo", "--seconds", "30", "--commit", "abc123",
+                            "--out", str(out)]) == 0
+    old, new = suite_time.read_rows(out.read_text())
+    assert (old["commit"], old["machine"], old["seconds"]) == ("-", "-", "32.5")
+    assert new["commit"] == "abc123" and new["machine"] == script("render_docs").machine()
+    out.unlink()
     for passed, took in ((1000, 700.0), (1001, 600.0), (1001, 650.0)):
         log = tmp_path / "make_test.log"
         log.write_text(f"...\n{passed} passed, 1 skipped, 14 warnings in {took}s (0:11:40)\nrc 0\n")

@@ -63,11 +63,19 @@ def fit(capsys, *argv):
 
 
 def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
-    """The file gives every figure the runs measured, the first run first; FSDP rows count FSDP's measured work;
-    and the prediction of each calibration run at its own setup gives its measured median back (the arithmetic)."""
+    """The file gives every figure the runs measured, the first run first, and each strategy's rows its own run's
+    first: each calibration run is predicted at its own measured median; FSDP rows count FSDP's measured work. `fit`
+    ranks by those figures: every listed candidate's step is the model's from the file (computed here from the
+    planner's row, FSDP's from FSDP's own run first), the candidates come fastest first (a tie's winner, the least
+    planned peak within the bar, moved to the front), and the winner is the fastest or that."""
+    from dataclasses import replace
+
     from shardscope.cli.step_time import read_preflight
+    from shardscope.model.spec import model_spec
     from shardscope.plan.calibration import calibrate, measured_figures
-    from shardscope.plan.time_model import datasheet_figures, hardware
+    from shardscope.plan.mesh import Setup
+    from shardscope.plan.planner import estimate
+    from shardscope.plan.time_model import datasheet_figures, hardware, model_error, step_time
     from shardscope.report.time_prediction import predict_run
 
     _, out, search = calibrated
@@ -80,11 +88,28 @@ def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
     assert record["library_s_per_byte"]["fsdp"]["run"].startswith(f"{file} ({out / 'fsdp_full_shard'}")
     assert not any(t.startswith("library work of FSDP") for t in result["assumptions"]["text"])
     fig, _ = calibrate(measured_figures([file], read_preflight), datasheet_figures(hardware("H100", "fp32")))
+    assert set(fig.own) == {"fsdp_full_shard"} and set(result["assumptions"]["own"]) == {"fsdp_full_shard"}
     for name in ("ddp", "fsdp_full_shard"):
-        own, _ = calibrate(measured_figures([out / name], read_preflight), datasheet_figures(hardware("H100", "fp32")))
-        predicted = predict_run(out / name, own)
+        predicted = predict_run(out / name, fig)  # from the file: its own strategy's run first
         assert predicted["predicted_s"] == pytest.approx(predicted["measured"]["median"], rel=ADDS_UP)
-    assert fig.library_s_per_byte["fsdp"] == own.library_s_per_byte["fsdp"]
+    spec = model_spec(str(search[search.index("--model") + 1]))
+    for c in result["candidates"]:
+        trial = Setup(gpus_per_node=2, precision="fp32", seq_len=SEQ, micro_batch=c["per_device_train_batch_size"],
+                      grad_accum_steps=c["gradient_accumulation_steps"],
+                      activation_checkpointing=c["gradient_checkpointing"])
+        planned = estimate(spec, trial)
+        r = next(r for r in planned["rows"] if r.strategy == c["strategy"])
+        tokens = planned["activations"]["tokens_per_sample"]
+        assert c["step_time_s"] == pytest.approx(step_time(r, spec, planned["model"], trial, tokens, fig)["step_time_s"])
+        if c["strategy"] == "fsdp_full_shard":  # its own run's figures, not the DDP run's
+            assert c["step_time_s"] != pytest.approx(
+                step_time(r, spec, planned["model"], trial, tokens, replace(fig, own={}))["step_time_s"])
+    steps = [c["step_time_s"] for c in result["candidates"]]
+    assert steps[1:] == sorted(steps[1:]) and result["step_time_s"] == steps[0]
+    assert {"ddp", "fsdp_full_shard"} <= {c["strategy"] for c in result["candidates"]}
+    fastest = min(steps)
+    tied = [c["peak_bytes"] for c in result["candidates"] if c["step_time_s"] <= fastest * (1 + model_error(fig))]
+    assert steps[0] == fastest if len(tied) == 1 else result["peak_bytes"] == min(tied)
 
 
 def test_a_calibration_from_elsewhere_is_refused_or_flagged(calibrated, tmp_path, capsys):

@@ -90,3 +90,26 @@ def test_a_result_whose_measured_code_changed_since_is_listed_stale(tmp_path):
         f"benchmarks/results/bench.md: measured at {head[:10]}; changed since: pkg/measured.py"]
     (tmp_path / "benchmarks" / "results" / "unstamped.md").write_text("# Old\n")
     assert render_docs.stale(tmp_path)[-1] == "benchmarks/results/unstamped.md: records no commit it was measured at"
+
+
+def test_rows_measured_at_their_own_commits_are_judged_one_by_one(tmp_path):
+    """A results table with a `commit` column (suite_time.md's runs, time_prediction.md's sets): `stale` counts the
+    rows measured before a measured path changed, at their own commits, and the rows it cannot tell."""
+    git = lambda *args: render_docs.git(*args, root=tmp_path)  # noqa: E731
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "benchmarks" / "bench.py").write_text('MEASURES = ("pkg/measured.py",)\n')
+    shas = []
+    for value in (1, 2):
+        (tmp_path / "pkg" / "measured.py").write_text(f"x = {value}\n")
+        git("add", ".") if shas else (git("init", "-q"), git("add", "."))
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", f"code {value}")
+        shas.append(git("rev-parse", "--short=12", "HEAD").strip())
+    rows = "".join(f"| {name} | {sha} |\n" for name, sha in (("old", shas[0]), ("new", shas[1]), ("unknown", "-")))
+    (tmp_path / "benchmarks" / "results" / "bench.md").write_text(render_docs.stamped(
+        f"# Bench\n\n| run | commit |\n| --- | --- |\n{rows}", "bench.py", ("pkg/measured.py",), root=tmp_path))
+    assert render_docs.row_commits((tmp_path / "benchmarks" / "results" / "bench.md").read_text()) == [*shas, "-"]
+    assert render_docs.stale(tmp_path) == [
+        f"benchmarks/results/bench.md: 1 of 3 rows measured before their measured paths changed (at {shas[0][:10]}; "
+        "changed since: pkg/measured.py)",
+        "benchmarks/results/bench.md: 1 of 3 rows cannot tell (commit -: not recorded or not in this checkout)"]

@@ -25,7 +25,8 @@ SAMPLED = dict(memory_step=1, comm_step=2, time_step=3)
 
 def deepspeed_config(stage: int) -> dict:
     return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"}}  # the Trainer's --bf16 (off: fp32)
 
 
 def fsdp2(sharding: str) -> dict:
@@ -37,8 +38,9 @@ STRATEGIES = {"ddp": {}, **{f"zero{stage}": {"deepspeed": deepspeed_config(stage
 
 
 def training_args(strategy: str, micro_batch: int, out: Path, accumulation: int, checkpointing: bool,
-                  steps: int) -> TrainingArguments:
+                  steps: int, precision: str = "fp32") -> TrainingArguments:
     return TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=micro_batch,
+                             bf16=precision == "bf16",
                              gradient_accumulation_steps=accumulation, gradient_checkpointing=checkpointing,
                              learning_rate=1e-4, use_cpu=True, report_to="none", save_strategy="no", seed=0,
                              logging_steps=1, disable_tqdm=True, dataloader_drop_last=True,
@@ -51,6 +53,7 @@ def main():
     p.add_argument("--configs", default="a1c0,a2c0,a1c1")
     p.add_argument("--micro_batch", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: the Trainer's bf16 mixed")
     p.add_argument("--strategies", default="ddp", help="comma-separated STRATEGIES names")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--warmup", action="store_true",
@@ -76,7 +79,7 @@ def main():
         AcceleratorState._reset_state()  # each Trainer builds its own accelerator state (DeepSpeed plugin too)
         unset_hf_deepspeed_config()  # and its own DeepSpeed config (ZeRO-3 loading reads it)
         out = Path(opts.output_dir) / ("warmup" if warmup else "") / strategy / name
-        args = training_args(strategy, opts.micro_batch, out, accumulation, checkpointing, opts.steps)
+        args = training_args(strategy, opts.micro_batch, out, accumulation, checkpointing, opts.steps, opts.precision)
         data = RandomTokens(opts.micro_batch * accumulation * args.world_size * opts.steps, opts.seq_len, vocab)
         model = AutoModelForCausalLM.from_pretrained(opts.model)
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback(**SAMPLED)])

@@ -155,6 +155,7 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
                                                  "peak_bytes", "step_time_s")}
     out["alternatives"] = alternatives(found["fitting"], args.top, found["tie"])
     out["tie"] = found["tie"]
+    out["candidates"] = [c.considered() for c in found["fitting"]]  # every fitting one, in the order ranked
     fitting = {c.strategy for c in found["fitting"]}
     out.update({
         "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
@@ -192,9 +193,9 @@ def format_fit(r: dict) -> str:
         "headroom (planner.usable_bytes); a candidate fits when the planner's peak_bytes is at most that",
         "",
         f"winner: {describe(r)}",
-        *([f"  a tie within the model's error of {r['tie']['error']:.0%} (docs/fit.md): "
-           f"{', '.join(r['tie']['strategies'])}; chosen by memory headroom, then simplicity (predicted fastest: "
-           f"{r['tie']['fastest_predicted']})"] if r.get("tie") else []),
+        *([f"  a tie within the model's error of {r['tie']['error']:.0%} (docs/fit.md): {r['tie']['candidates']} "
+           f"candidates of {', '.join(r['tie']['strategies'])}; chosen by memory headroom, then simplicity "
+           f"(predicted fastest: {r['tie']['fastest_predicted']})"] if r.get("tie") else []),
         f"  step {r['step_time_s']:.3g} s = " + " + ".join(f"{k.replace('_', ' ')} {v:.3g}"
                                                       for k, v in step["step_time_parts"].items()),
     ]

@@ -59,6 +59,13 @@ class Candidate:
         out["data_parallel_size"] = self.mesh["dp_replicate"] * self.mesh["dp_shard"]
         return out
 
+    def considered(self) -> dict:
+        """What `fit --json` lists of every fitting candidate: its setting, predicted step and planned peak."""
+        return {"strategy": self.strategy, "tp": self.tp, "per_device_train_batch_size": self.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "gradient_checkpointing": self.gradient_checkpointing, "step_time_s": self.step_time_s,
+                "peak_bytes": self.peak_bytes}
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -147,25 +154,28 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
 
 
 def break_tie(fitting: list[Candidate], setup: Setup, error: float) -> dict | None:
-    """The fastest candidate of each (strategy, tp) predicted within `error` (a fraction) of the fastest of all
-    is a tie: the model cannot tell them apart. Among them the most memory headroom wins, then the simplest; the
-    winner moves to the front of `fitting`. None when one strategy is clearly fastest."""
+    """Every candidate predicted within `error` (a fraction) of the fastest is a tie, inside a strategy too (another
+    micro-batch, checkpointing, accumulation): the model cannot tell them apart. Among them the most memory headroom
+    wins, then the simplest, then fewer micro-batches; the winner moves to the front of `fitting`. None when the
+    fastest candidate is clearly fastest."""
     if not fitting:
         return None
-    best: dict = {}
-    for cand in fitting:  # sorted fastest first: each (strategy, tp)'s first is its fastest
-        best.setdefault((cand.strategy, cand.tp), cand)
-    bound = fitting[0].step_time_s * (1 + error)
-    tied = [c for c in best.values() if c.step_time_s <= bound]
+    fastest = fitting[0]  # sorted fastest first
+    tied = [c for c in fitting if c.step_time_s <= fastest.step_time_s * (1 + error)]
     if len(tied) < 2:
         return None
     usable = usable_bytes(setup)
-    tied.sort(key=lambda c: (-(usable - c.peak_bytes), SIMPLICITY.index(c.strategy)))
+    tied.sort(key=lambda c: (-(usable - c.peak_bytes), SIMPLICITY.index(c.strategy), c.gradient_accumulation_steps))
     fitting.remove(tied[0])
     fitting.insert(0, tied[0])
-    return {"error": error, "strategies": [c.strategy + (f" (tp {c.tp})" if c.tp > 1 else "") for c in tied],
-            "fastest_predicted": best[next(iter(best))].strategy,
+    return {"error": error, "strategies": list(dict.fromkeys(label(c) for c in tied)), "candidates": len(tied),
+            "fastest_predicted": fastest.strategy,
             "rule": "tied within the model's error: the most memory headroom, then the simplest"}
+
+
+def label(cand: Candidate) -> str:
+    """A candidate's strategy, with its TP degree where it has one."""
+    return cand.strategy + (f" (tp {cand.tp})" if cand.tp > 1 else "")
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -229,7 +239,7 @@ def not_divisible_message(global_batch: int, skipped) -> str:
 def why_lost(cand: Candidate, winner: Candidate, tie: dict | None = None) -> str:
     """One line: which part of the predicted step makes `cand` slower than the winner (or what breaks the tie)."""
     delta = cand.step_time_s - winner.step_time_s
-    if tie and cand.strategy + (f" (tp {cand.tp})" if cand.tp > 1 else "") in tie["strategies"]:
+    if tie and label(cand) in tie["strategies"]:
         more = "less memory headroom" if cand.peak_bytes > winner.peak_bytes else "not simpler"
         return (f"{delta / winner.step_time_s:+.1%} step time, within the model's error of {tie['error']:.0%}: a tie; "
                 f"{more} than {winner.strategy}")
@@ -330,8 +340,8 @@ def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_
         if not rows or not rows[0].fits:
             break
         best = m
-    if best is None or per_rank % best == 0:
-        return None
+    if best is None or any(per_rank % m == 0 for m in range(micro + 1, best + 1)):
+        return None  # a larger divisor fits too: the micro-batch was the tie rule's choice, not the global batch's
     unit = dp * best
     return {"micro_batch_that_fits": best, "nearest_global_batches": [v for v in (global_batch // unit * unit,
                                                                                   (global_batch // unit + 1) * unit) if v],

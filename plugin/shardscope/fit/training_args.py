@@ -130,9 +130,9 @@ def run_strategy(args, model) -> tuple[str, dict | None, dict]:
 
 
 def decide(args, model, global_batch: int, budget: int, seq_len, image_size, headroom: float) -> dict:
-    """Rank 0's decision: the fastest fitting candidate of the run's own strategy (the strategy is the run's: no
-    choice between strategies, so no tie within the model's error to break; micro-batch and checkpointing differ
-    in what the model counts with most confidence, their compute and per-micro-batch cost)."""
+    """Rank 0's decision: `fit`'s search over the run's own strategy (the strategy is the run's); its candidates
+    differ in micro-batch, checkpointing and accumulation, and those predicted within the model's error of the
+    fastest are a tie, won by the most memory headroom (fit/search.py's `break_tie`)."""
     from ..model.spec import live_config, spec_from_config
     from ..plan.trace import tracer
 

@@ -26,6 +26,9 @@ across-node bandwidth as the network.
 From the summary's `link_probe` (each kind timed once at the end of the run, `measure.collective_timing`): bus
 bandwidth per kind, a source after the run's own figures.
 From a calibration.json (`shardscope calibrate`): the figures of each run it made, as measured then.
+A run's figures name the strategy it ran (`strategy`, not a figure): the rows of that strategy take that run's
+figures first and the other sources' after (`Figures.own`), so a row calibrated from a run of its own strategy
+reproduces that run; every other row takes the order given.
 A figure several sources give is taken from the first that has it (so a run with its link probe, or `RUN_DIR
 preflight.json`: the run's figures, and for the collective kinds the run never issued the probe's or preflight's
 bandwidth as measured: not scaled by the run's speed of another kind, which for DDP is an all-reduce slowed by the
@@ -44,7 +47,7 @@ from ..errors import UsageError
 from ..safe_io import load_json
 from ..strategy import family, strategy_from_summary
 from ..summary import SUMMARY_FILE
-from .calibration_file import read_calibration
+from .calibration_file import RUN_STRATEGY, read_calibration
 from .time_model import ASSUMED_GPU, Figures, datasheet_figures, gathers, hardware, library_bytes, overlapped
 
 # What a run's own times already hold: its measured compute and bandwidths include any latency and contention, and
@@ -57,11 +60,28 @@ MINOR = 0.01  # kinds below this share of a run's sent bytes get no figure of th
 
 
 def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures, dict]:
-    """`base` with the figures `measured` [(source, figures)] gave, the first source first; and the `calibration`
-    record {figure: {value, run}} (per collective kind for bandwidth and hidden share, per library for its work)."""
+    """`base` with the figures `measured` [(source, figures)] gave, the first source first, and for each strategy a
+    run ran, what its rows take with that run's sources first (`Figures.own`: the figures that differ); and the
+    `calibration` record {figure: {value, run}} (per collective kind for bandwidth and hidden share, per library for
+    its work) of the order given."""
+    fig, record = merged(measured, base)
+    own = {}
+    for strategy in dict.fromkeys(f[RUN_STRATEGY] for _, f in measured if f.get(RUN_STRATEGY)):
+        first = [m for m in measured if m[1].get(RUN_STRATEGY) == strategy]
+        mine = merged(first + [m for m in measured if m[1].get(RUN_STRATEGY) != strategy], base)[0]
+        changed = {k: v for k, v in vars(mine).items() if v != getattr(fig, k)}
+        if changed:
+            own[strategy] = changed
+    return replace(fig, own=own), record
+
+
+def merged(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures, dict]:
+    """`base` with the figures `measured` gave, each taken from the first source that has it; the record."""
     record: dict = {}
     for source, figures in measured:
         for name, value in figures.items():
+            if name == RUN_STRATEGY:
+                continue
             if name in PER_KIND:
                 kinds = record.setdefault(name, {})
                 for kind, v in value.items():
@@ -91,11 +111,12 @@ def run_sources(path) -> list[tuple[str, dict]]:
     path = Path(path)
     summary = path / SUMMARY_FILE if path.is_dir() else path
     doc = load_json(summary, "run summary")
-    out = [(str(path), from_summary(doc, summary))]
+    ran = {RUN_STRATEGY: strategy_from_summary(doc)}  # from_summary refuses a summary without one
+    out = [(str(path), {**ran, **from_summary(doc, summary)})]
     probe = doc.get("link_probe") if isinstance(doc, dict) else None
     if probe:
         try:
-            out.append((f"{path}'s link probe", {"bus_bytes_per_s": {
+            out.append((f"{path}'s link probe", {**ran, "bus_bytes_per_s": {
                 k: float(v) for k, v in probe["bus_bytes_per_s"].items() if k in TERM_OF_KIND and float(v) > 0}}))
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise UsageError(f"--calibrate {summary}: malformed 'link_probe' ({type(error).__name__}: {error})") \

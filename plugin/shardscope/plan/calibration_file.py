@@ -14,6 +14,7 @@ import sys
 from ..errors import UsageError
 
 VERSION = 1
+RUN_STRATEGY = "strategy"  # in a run's figures: the strategy it ran (not a figure; its rows take them first)
 MACHINE_KEYS = ("host", "gpu", "gpu_count", "backend", "torch", "cuda", "deepspeed", "accelerate", "transformers")
 
 
@@ -49,7 +50,8 @@ def read_calibration(doc: dict, path, expect: dict | None = None) -> list[tuple[
         for run in runs:
             if run["status"] != "ok":
                 continue
-            out.extend((f"{path} ({entry['source']})", dict(entry["figures"])) for entry in run["figures"])
+            out.extend((f"{path} ({entry['source']})", {RUN_STRATEGY: run.get("strategy"), **entry["figures"]})
+                       for entry in run["figures"])  # (files written before runs named their strategy: the run's)
         if not out:
             raise UsageError(f"{where}: no run finished ('runs' has no status 'ok'): nothing measured")
         return out

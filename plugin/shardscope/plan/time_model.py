@@ -30,7 +30,7 @@ measured runs (`plan.calibration`). Nothing here imports torch. docs/fit.md expl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
 from ..strategy import family
@@ -58,7 +58,8 @@ DATASHEETS = {
     "H100-NVL": (3.9e12, 132, 300, 64, "NVLink bridge 600 GB/s both directions; PCIe 5.0 x16"),
     "H100-PCIE": (2.0e12, 114, 64, 64, "no NVLink switch: PCIe 5.0 x16"),
     "H100": (3.35e12, 132, 450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
-    "A100": (2.0e12, 108, 300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),
+    "A100-40": (1.555e12, 108, 300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),  # before "A100"
+    "A100": (2.0e12, 108, 300, 32, "NVLink 3 600 GB/s both directions; PCIe 4.0 x16"),  # the 80 GB part (2,039 SXM)
     "V100": (0.9e12, 80, 150, 16, "NVLink 2 300 GB/s both directions; PCIe 3.0 x16"),
     "L40S": (0.864e12, 142, 32, 32, "no NVLink: PCIe 4.0 x16"),
     "L4": (0.3e12, 58, 32, 32, "no NVLink: PCIe 4.0 x16"),
@@ -67,34 +68,44 @@ DATASHEETS = {
     "TITAN-RTX": (0.672e12, 72, 50, 16, "NVLink bridge 100 GB/s both directions; PCIe 3.0 x16"),
 }
 ASSUMED_GPU = "H100"  # a GPU without a datasheet entry takes these figures, and says so
-ADAM_BYTES_PER_PARAM = 36  # fused AdamW: read and write fp32 master, both moments (24), read fp32 grad, write 16-bit
+# torch's fused AdamW on the fp32 parameters the Trainer's mixed precision keeps: read and write the parameter and
+# both moments (3 x 8), read the fp32 gradient (4). A 16-bit copy of the weights is DeepSpeed's (below), not torch's.
+ADAM_BYTES_PER_PARAM = 28
 # ZeRO's step around the update: the 16-bit gradient into the fp32 partition (read 2, write 4), the updated fp32
 # master back into the 16-bit weights (read 4, write 2)
 ZERO_STEP_BYTES_PER_PARAM = 12
 COPY_BYTES_PER_BYTE = 2  # a library copy reads and writes each byte once (FSDP2's copy-out after the all-gather and
 #                          copy-in before the reduce-scatter; DeepSpeed's gather buffer and gradient bucket copies)
-NCCL_CHANNELS = 16  # NCCL runs one thread block per channel, each on an SM (NCCL_MIN/MAX_NCHANNELS)
+# NCCL's default number of SMs (channels) a collective runs on, one thread block each, an SM not shared with compute
+# kernels (NCCL's maintainers: "the default number of SMs is 16", NVIDIA/nccl#1649; one SM per channel, NVIDIA/nccl#689)
+NCCL_CHANNELS = 16
 HOP_LATENCY_S = {"node": 5e-6, "network": 10e-6}  # per ring step of one collective call
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: the last bucket reduces after backward
-# Full activation recompute, published as step-time ratios: MPT-1B on 8 x A100-40 (llm-foundry's benchmark table,
-# 19,264 vs 15,733 tokens/s/GPU: 1.22x) and a 7B on 8 x H100 (9,200 vs 7,350: 1.25x); the matmul FLOPs of one more
-# forward would be 1.33x. The forward's share of the step's compute time that recompute adds again:
+# Full activation recompute, published as a step-time ratio: MPT-1B on 8 x A100-40 (llm-foundry's benchmark table,
+# 19,264 vs 15,733 tokens/s/GPU: 1.22x); the matmul FLOPs of one more forward would be 1.33x. The forward's share of
+# the step's compute time that recompute adds again. That row is in sample (benchmarks/published_ratios.py counts
+# it in no tally); out of sample, an H200 measured 0.22 (DDP) and 0.20 (FSDP2) at the compute-bound 4 x 2,048 shape
+# of llama-3.2-1b (benchmarks/results/gpu_check.md, section 3).
 RECOMPUTE_SHARE = 0.23
 # The host's per-module work of each gathering library (hooks, bookkeeping, issuing the collectives), seconds per
 # module per pass, measured by benchmarks/library_host_cost.py (results/library_host_cost.md) on a 2-core CPU:
 HOST_S_PER_MODULE = {"fsdp": 99e-6, "deepspeed": 108e-6}
-# The model's measured error on the ratio of two settings' step times: datasheet figures against published
-# same-setting GPU measurements (the 80th percentile, benchmarks/results/published_ratios.md; a test holds the two
-# equal); calibrated figures against the time benchmark's CPU runs out of sample (the bar results/time_prediction.md
-# holds them to). `fit` calls candidates closer than this a tie.
+# The model's error: over n comparisons, the nearest-rank 80th percentile of the absolute differences (`error_of`).
+# Datasheet figures: on the ratio of two settings' step times against published same-setting GPU measurements, over
+# the comparisons out of sample (benchmarks/results/published_ratios.md, with n; a test holds the two equal). Calibrated
+# figures: a bar, not a measurement: the time benchmark holds its CPU runs to it and measures the same statistic on
+# its held-out set (benchmarks/results/time_prediction.md). `fit` calls candidates closer than this a tie.
+ERROR_QUANTILE = 0.80
+ERROR_STATISTIC = "the nearest-rank 80th percentile of the absolute differences"
 DATASHEET_ERROR = 0.197
-CALIBRATED_ERROR = 0.15
+CALIBRATED_BAR = 0.15
 SOURCES = {
     "network_bytes_per_s": "assumed: one 200 Gb/s HDR InfiniBand adapter per GPU (DGX A100 datasheet: 8 x 200 Gb/s)",
     "cpu_adam_params_per_s": "assumed: order of magnitude of DeepSpeedCPUAdam per rank (no published per-rank rate)",
     "overhead_s": "assumed: kernel launches, Python and the data loader per micro-batch",
     "hidden_share": "structure of the overlap (first unit, per-unit excess, last bucket); nothing further assumed",
-    "recompute_share": "published full-recompute step times 1.21-1.25x (MPT-1B on 8 x A100-40, a 7B on 8 x H100)",
+    "recompute_share": "published full-recompute step time 1.22x (MPT-1B on 8 x A100-40, llm-foundry's benchmark "
+                       "table); an H200 measured 0.20-0.22 (benchmarks/results/gpu_check.md)",
     "latency_s": "assumed: 5 us per ring step inside a node, 10 us across nodes",
     "library_host_s": "measured on a 2-core CPU: benchmarks/results/library_host_cost.md",
 }
@@ -121,12 +132,19 @@ class Hardware:
 
 def model_error(fig: "Figures") -> float:
     """The model's error for these figures: measured compute means calibrated (module constants above)."""
-    return CALIBRATED_ERROR if fig.sources.get("flops_per_s", "").startswith("measured") else DATASHEET_ERROR
+    return CALIBRATED_BAR if fig.sources.get("flops_per_s", "").startswith("measured") else DATASHEET_ERROR
+
+
+def error_of(differences) -> float:
+    """`ERROR_STATISTIC` of `differences` (fractions, signed): the ceil(0.8 n)-th smallest absolute value of n."""
+    ordered = sorted(abs(d) for d in differences)
+    return ordered[max(math.ceil(ERROR_QUANTILE * len(ordered)), 1) - 1]
 
 
 def datasheet_key(gpu: str | None) -> str | None:
     name = (gpu or "").upper().replace(" ", "-")
-    return next((k for k in DATASHEETS if k in name), None)  # "NVIDIA H100 NVL" too; H100-NVL before H100
+    key = next((k for k in DATASHEETS if k in name), None)  # "NVIDIA H100 NVL" too; H100-NVL before H100
+    return "A100-40" if key == "A100" and "40GB" in name else key  # a device's own name: "A100-SXM4-40GB"
 
 
 def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, **overrides) -> Hardware:
@@ -171,6 +189,7 @@ class Figures:
     latency_s: dict = field(default_factory=dict)          # "node"/"network" -> seconds per ring step
     copy_s_per_byte: float = 0.0            # a library's copies per byte gathered or reduce-scattered (no run of it)
     library_host_s: dict = field(default_factory=dict)     # library -> host seconds per module per pass
+    own: dict = field(default_factory=dict)  # strategy -> {figure: value} its own calibration run measured, first
 
     def bus(self, kind: str) -> float:
         return self.bus_bytes_per_s.get(kind) or min(self.bus_bytes_per_s.values())
@@ -347,7 +366,9 @@ def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
 
 def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     """{"step_time_s", "step_time_parts": {part: seconds}, "flops_per_token"} of one planner row (`formulas.Row`) at
-    `setup` (its micro-batch, accumulation and checkpointing)."""
+    `setup` (its micro-batch, accumulation and checkpointing); a row whose strategy had a calibration run of its own
+    takes that run's figures first (`Figures.own`)."""
+    fig = replace(fig, **fig.own[row.strategy], own={}) if row.strategy in fig.own else fig
     matmul = setup.micro_batch * tokens * flops_per_token(spec, model, tokens, False) / (row.mesh["tp"] * fig.flops_per_s)
     micro = matmul * (1 + fig.recompute_share if setup.activation_checkpointing else 1)
     if fig.sources.get("hidden_share", "").startswith("measured"):
@@ -406,6 +427,9 @@ def describe(fig: Figures) -> list[str]:
         lines.append(f"library copies (ZeRO-3, FSDP): {fig.copy_s_per_byte * 1e12:.3g} ps per byte gathered or "
                      f"reduce-scattered ({s.get('copy_s_per_byte', '-')}); host work per module and pass: {host} "
                      f"({s.get('library_host_s', '-')}), exposed where it exceeds the pass's GPU time")
+    if fig.own:
+        lines.append(f"rows of {', '.join(sorted(fig.own))}: the figures of their own strategy's calibration run "
+                     "first, the other runs' after (such a row reproduces the run it was calibrated from)")
     return lines + unmeasured_library_work(fig)
 
 
