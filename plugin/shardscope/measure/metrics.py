@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..summary import reduce_ranks
 from . import comm_count, peak, throughput, time_breakdown
-from .rank_gather import int_or_none, none_if_nan
+from .rank_gather import int_or_none
 
 PREFIX = "shardscope/"
 STATS = ("min", "max", "mean")

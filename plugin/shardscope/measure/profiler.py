@@ -130,7 +130,7 @@ class ShardingProfiler:
         with self.instruments.precision:
             self._watch_precision()
         with self.guards("device peak FLOP/s"):
-            self.facts.peak_flops = device_peak_flops(peak_tflops, device, self.facts.precision)
+            self.facts.peak_flops = device_peak_flops(peak_tflops, device, self.facts.configured_precision)
         if process_rank() == 0:
             with self.guards("detected strategy log"):
                 logger.warning("shardscope detected: %s", json.dumps({**self.facts.detected, **self.facts.model}))
@@ -331,12 +331,13 @@ class ShardingProfiler:
 
     def _watch_precision(self):
         """The configured precision: given, else the accelerator's, else what the tensors are at the start."""
-        facts, models = self.facts, self.models
-        if facts.precision is None and self.accelerator is not None:
-            facts.precision = {"no": "fp32"}.get(str(self.accelerator.mixed_precision), self.accelerator.mixed_precision)
-        if facts.precision is None:
-            facts.precision = effective_precision(classify(models.module, models.optimizer)).split("-")[0]
-        flags = SimpleNamespace(bf16=facts.precision == "bf16", fp16=facts.precision == "fp16")
+        facts, models, accelerator = self.facts, self.models, self.accelerator
+        if facts.configured_precision is None and accelerator is not None:
+            facts.configured_precision = {"no": "fp32"}.get(str(accelerator.mixed_precision), accelerator.mixed_precision)
+        if facts.configured_precision is None:
+            facts.configured_precision = effective_precision(classify(models.module, models.optimizer)).split("-")[0]
+        configured = facts.configured_precision
+        flags = SimpleNamespace(bf16=configured == "bf16", fp16=configured == "fp16")
         self.precision_watch = PrecisionWatch(models.module, models.optimizer, flags, facts.strategy,
                                               self.instruments.precision)
         if process_rank() == 0:

@@ -18,7 +18,7 @@ from .throughput import split_degrees
 class RunFacts:
     detected: dict  # what the strategy was read from (detect.py): strategy, world_size, mesh, ZeRO's buckets, ...
     device: torch.device  # the device this rank trains on
-    precision: str | None  # the configured precision (fp32, bf16, fp16): the summary's `precision`
+    configured_precision: str | None  # fp32, bf16 or fp16 as configured: the summary's `precision`
     extra: dict = field(default_factory=dict)  # top-level keys the caller owns (the callback's fit, accumulation)
     model: dict = field(default_factory=dict)  # {name_or_path, params_total, trainable_params}
     frozen_params: dict = field(default_factory=dict)  # {name: parameter count} of each frozen model

@@ -27,7 +27,7 @@ class RunEnd:
 
     global_step: int
     figures: list[dict]
-    precision: list[dict]
+    precision_reports: list[dict]
     results: list[dict]
     statuses: list[dict]
     windows: Windows
@@ -37,7 +37,7 @@ class RunEnd:
 def contents(facts: RunFacts, end: RunEnd) -> dict:
     """The summary of the run: its top-level keys, then one entry per rank."""
     detected, device = facts.detected, facts.device
-    by_rank = end.precision or [{}] * len(end.figures)
+    by_rank = end.precision_reports or [{}] * len(end.figures)
     return {
         "shardscope_version": __version__,
         "strategy": detected.get("strategy"),
@@ -50,8 +50,8 @@ def contents(facts: RunFacts, end: RunEnd) -> dict:
         "model": facts.model,
         "frozen_models": {name: {"params_total": count} for name, count in facts.frozen_params.items()},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "precision": facts.precision,
-        "precision_verdict": run_verdict(end.precision),
+        "precision": facts.configured_precision,
+        "precision_verdict": run_verdict(end.precision_reports),
         "global_step": end.global_step,
         "state_locations": facts.state_locations,
         "straggler": straggler_verdict(end.figures, end.windows),

@@ -181,7 +181,7 @@ class StepHooks:
         GPU (`plan_for_live_run`, traced as `fit` traces). Kept as the run's `live_plan` (the summary's)."""
         facts = self.facts
         plan = self.plan_for_live_run(self.models.module, facts.strategy, facts.mesh, facts.world_size, num_nodes(),
-                                      facts.precision, torch.cuda.get_device_properties(facts.device).total_memory,
+                                      facts.configured_precision, torch.cuda.get_device_properties(facts.device).total_memory,
                                       inputs)
         if plan is not None:
             facts.live_plan = plan
