@@ -161,6 +161,8 @@ def outside_lines(raw: dict) -> list[str]:
 
 
 def callback_table(raw: dict) -> list[str]:
+    from shardscope.summary import upgraded
+
     lines = ["| run | callback's step-3 peak | allocator's step-3 peak | error | by category (GB) | phase | "
              "live plan | its error vs the run's peak |", "|---|---|---|---|---|---|---|---|"]
     for _, row in runs(raw):
@@ -169,7 +171,7 @@ def callback_table(raw: dict) -> list[str]:
         step3 = by_step(row["peaks"]).get(MEMORY_STEP, {}).get("allocated")
         parts = rank.get("peak_breakdown") or {}
         split = ", ".join(f"{p} {gb(parts[p])}" for p in BREAKDOWN if parts.get(p))
-        live = (row["summary"].get("preflight_plan") or {}).get("peak_bytes")
+        live = (upgraded(row["summary"]).get("live_plan") or {}).get("peak_bytes")  # (earlier: preflight_plan)
         peak, _ = steady_peak(row)
         lines.append(f"| {label(row)} | {gb(tensor)} | {gb(step3)} | {pct(tensor, step3)} | {split or '-'} | "
                      f"{rank.get('peak_phase', '-')} | {gb(live)} | {pct(live, peak)} |")

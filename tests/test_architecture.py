@@ -157,7 +157,7 @@ def test_layer_imports_only_what_it_may(below):
 
 
 def test_measure_does_not_reach_the_planner_through_another_module():
-    """measure/ gets the planner's preflight injected (profiling.py): nothing it imports, at any depth, is plan/."""
+    """measure/ gets the planner's live-run plan injected (profiling.py): nothing it imports, at any depth, is plan/."""
     graph = {m: {t for t, _ in edges if t in _imports_cache} for m, edges in _imports_cache.items()}
     reached, todo = set(), [m for m in graph if layer(m) == "measure"]
     while todo:

@@ -152,14 +152,14 @@ def test_the_live_run_plan_warns_with_the_planners_advice_when_the_strategy_will
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu_bytes))
     profiler = ShardingProfiler(llama, None, output_dir=tmp_path, summary_file=None, memory_step=None)
-    profiler._device = torch.device("cuda", 0)
-    profiler.detected = {"strategy": "ddp", "world_size": 1}
+    profiler.facts.device = torch.device("cuda", 0)
+    profiler.facts.detected = {"strategy": "ddp", "world_size": 1}
     ids = torch.zeros(1, 32, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="shardscope"):
-        profiler._plan_live_run({"input_ids": ids})
-    plan = profiler.detected["plan"]
+        profiler.hooks.plan_live_run({"input_ids": ids})
+    plan = profiler.facts.live_plan
     assert plan["strategy"] == "ddp" and plan["fits"] is fits and plan["gpu_memory_bytes"] == gpu_bytes
-    assert profiler.preflight is profiler.detected  # the former name, kept for code that reads it
+    assert not hasattr(profiler, "preflight") and "plan" not in profiler.detected  # one name: the live-run plan
     warned = [r.getMessage() for r in caplog.records if "usable on this GPU" in r.getMessage()]
     assert bool(warned) is (not fits)
     if not fits:
@@ -179,13 +179,13 @@ def test_the_live_run_plan_plans_a_tensor_parallel_run_on_its_mesh(llama, monkey
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
     profiler = ShardingProfiler(llama, None, output_dir=tmp_path, summary_file=None, memory_step=None)
-    profiler._device = torch.device("cuda", 0)
-    profiler.detected = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
-    profiler._plan_live_run({})  # no batch: model states and buffers
+    profiler.facts.device = torch.device("cuda", 0)
+    profiler.facts.detected = {"strategy": "fsdp_tp", "world_size": 4, "mesh": mesh}
+    profiler.hooks.plan_live_run({})  # no batch: model states and buffers
     _, setup = setup_for_mesh(Setup(precision="fp32", seq_len=0, micro_batch=1, gpu_memory_bytes=80 * 10**9), mesh)
     default = estimate(spec_from_config(llama.config), replace(setup, tp_size=None))["rows"]
     assert mesh not in [r.mesh for r in default]  # only the mesh gives this row
-    assert profiler.detected["plan"]["strategy"] == "fsdp_tp"
+    assert profiler.facts.live_plan["strategy"] == "fsdp_tp"
     # By hand, fp32 AdamW on 2 shards x tp 2 with no batch (states and what FSDP gathers; the peak is at the end
     # of backward): a rank holds the linear layers and embeddings split four ways, the norms (TP replicates them)
     # two ways: 4 B weights + 4 B gradients + 8 B moments per element, AdamW's 4 B `step` per tensor; plus the
@@ -197,7 +197,7 @@ def test_the_live_run_plan_plans_a_tensor_parallel_run_on_its_mesh(llama, monkey
     root = sum(p.numel() for name, p in params.items() if ".layers." not in name)
     shard = (elements - norms) // 4 + norms // 2
     assert root > max(sum(p.numel() for name, p in params.items() if f".layers.{i}." in name) for i in range(2))
-    assert profiler.detected["plan"]["total_bytes"] == 16 * shard + 4 * len(params) + 2 * 4 * root // 2
+    assert profiler.facts.live_plan["total_bytes"] == 16 * shard + 4 * len(params) + 2 * 4 * root // 2
 
 
 def test_the_live_run_plan_plans_the_traced_peak_at_the_first_training_batch(llama, monkeypatch):
@@ -212,22 +212,22 @@ def test_the_live_run_plan_plans_the_traced_peak_at_the_first_training_batch(lla
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
     profiler = ShardingProfiler(llama, None, summary_file=None, memory_step=None, comm_step=None, time_step=None)
-    profiler._device, profiler._plan_due = torch.device("cuda", 0), True
-    profiler.detected = {"strategy": "ddp", "world_size": 1}
+    profiler.facts.device, profiler.hooks.state.plan_due = torch.device("cuda", 0), True
+    profiler.facts.detected = {"strategy": "ddp", "world_size": 1}
     profiler.begin_step()
-    anchored = profiler._clock.interval.anchor  # where the step's time starts
+    anchored = profiler.clock.interval.anchor  # where the step's time starts
     ids = torch.zeros(2, 48, dtype=torch.long)
     llama.train()
     llama(input_ids=ids, labels=ids).loss.backward()
-    plan = profiler.detected.pop("plan")
+    plan, profiler.facts.live_plan = profiler.facts.live_plan, None
     setup = Setup(precision="fp32", micro_batch=2, seq_len=48, gpu_memory_bytes=80 * 10**9)
     row = next(r for r in estimate(spec_from_config(llama.config), setup, traces_for(llama.config, setup)[0])["rows"]
                if r.strategy == "ddp")
     assert (plan["micro_batch"], plan["seq_len"], plan["activations_source"]) == (2, 48, "traced")
     assert plan["peak_bytes"] == row.peak_bytes and plan["fits"] is True
-    assert profiler._clock.interval.anchor > anchored  # the step's time restarts after the plan
+    assert profiler.clock.interval.anchor > anchored  # the step's time restarts after the plan
     llama(input_ids=ids, labels=ids)
-    assert "plan" not in profiler.detected  # once per run
+    assert profiler.facts.live_plan is None  # once per run
     profiler.close()
 
 
@@ -272,10 +272,10 @@ def _broken(*args, **kwargs):
 # piece the callback relies on
 FAULTS = {
     "count_state": "model-state bytes", "step_hooks:held_gradients": "state_bytes disabled", "read_memory": "peak memory",
-    "reset_peak": "peak memory", "count_batch": "batch counting", "rank_figures:rates": "reported figures",
+    "reset_peak": "peak memory", "step_hooks:count_batch": "batch counting", "throughput:rates": "throughput",
     "start_gather": "cross-rank gather", "write_summary": "summary file", "step_hooks:StepPeak": "memory disabled",
     "PrecisionWatch": "precision disabled", "gather_reports": "precision", "live_strategy": "strategy",
-    "log_metrics": "metric logging", "callback:describe_flops": "parameter counts",
+    "metrics:log_metrics": "metric logging", "callback:describe_flops": "parameter counts",
     "throughput:ThroughputWindow.step_end": "throughput", "callback:ShardingProfilerCallback._run_before_reporters": "callback order",
     "callback:frozen_models_of": "frozen models",
 }

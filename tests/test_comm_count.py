@@ -1,4 +1,4 @@
-"""Collectives counted (comm_count.py) and the step's time broken down (step_time.py), in one process.
+"""Collectives counted (comm_count.py) and the step's time broken down (time_breakdown.py), in one process.
 
 The 2-rank runs (test_comm_agreement.py, test_tensor_parallel.py) hold the counts against the planner; here a
 1-rank gloo group checks each kind's logical size, and synthetic profiler spans check the breakdown's arithmetic.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardscope.measure import comm_count, step_time
+from shardscope.measure import comm_count, time_breakdown
 from shardscope.measure.comm_count import CollectiveCounter, sent_share
 
 # Parts are built to partition the step exactly; float rounding is all that may differ.
@@ -101,19 +101,19 @@ def test_breakdown_partitions_the_step_and_takes_exposed_comm_out_of_its_phase()
     spans = {"step": [(0, 100)], "forward": [(10, 30)], "backward": [(30, 70)], "optimizer": [(75, 90)],
              "update": [(77, 82), (84, 88)], "library": [(12, 16), (50, 58), (80, 82)],
              "comm": [(40, 60), (80, 85)], "compute": [(10, 25), (30, 45), (55, 70), (75, 90)]}
-    out = {k: round(v * 1e6, 6) for k, v in step_time.breakdown(spans).items()}
+    out = {k: round(v * 1e6, 6) for k, v in time_breakdown.breakdown(spans).items()}
     assert out == {"forward_s": 20, "backward_s": 30, "optimizer_s": 15, "optimizer_update_s": 9, "comm_s": 25,
                    "exposed_comm_s": 10, "data_wait_s": 10, "other_s": 15, "step_s": 100, "library_s": 7}
-    assert sum(out[k] for k in step_time.PARTS) == out["step_s"]
+    assert sum(out[k] for k in time_breakdown.PARTS) == out["step_s"]
 
 
-def test_straggler_is_the_rank_that_waits_least():
-    fast = dict.fromkeys(step_time.BREAKDOWN, 0.0) | {"step_s": 1.0, "exposed_comm_s": 0.4}
+def test_the_busiest_rank_of_the_timed_step_is_the_rank_that_waits_least():
+    fast = dict.fromkeys(time_breakdown.BREAKDOWN, 0.0) | {"step_s": 1.0, "exposed_comm_s": 0.4}
     slow = fast | {"step_s": 1.1, "exposed_comm_s": 0.05}
-    result = step_time.straggler([fast, slow])
-    assert result["slowest_rank"] == 1 and result["step_s"] == [1.0, 1.1]
+    result = time_breakdown.across_ranks([fast, slow])
+    assert result["busiest_rank"] == 1 and result["step_s"] == [1.0, 1.1]
     assert result["spread"] == pytest.approx(0.1 / 1.05)
-    assert step_time.straggler([fast, None]) is None
+    assert time_breakdown.across_ranks([fast, None]) is None
 
 
 def _train(tiny_llama, tmp_path, steps, **callback_kwargs):
@@ -132,9 +132,9 @@ def test_one_process_run_reports_a_breakdown_that_sums_to_its_step(tiny_llama, t
                                                                                 "comm_padded_tokens")]
     timed = rank["time_breakdown"]
     assert timed["timed_steps"] == 3  # step 4 (the default) and every 2nd: 2, 4, 6
-    assert sum(timed[k] for k in step_time.PARTS) == pytest.approx(timed["step_s"], rel=SUM_REL)
+    assert sum(timed[k] for k in time_breakdown.PARTS) == pytest.approx(timed["step_s"], rel=SUM_REL)
     assert min(timed["forward_s"], timed["backward_s"], timed["optimizer_s"]) > 0 and timed["comm_s"] == 0
-    assert summary["straggler"]["slowest_rank"] == 0 and summary["straggler"]["spread"] == 0
+    assert summary["straggler"]["busiest_rank"] == 0 and summary["straggler"]["spread"] == 0
     assert summary["gradient_accumulation_steps"] == 1
     # steps 3 (memory and collectives), 2, 4 and 6 (timed) are instrumented: only 1 and 5 are throughput
     assert rank["throughput"]["samples"] == 2 * 2

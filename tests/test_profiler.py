@@ -326,3 +326,46 @@ def test_default_sampled_steps_in_a_custom_loop(llama, tmp_path):
     with CollectiveCounter() as counter:  # no mode left behind on torch's dispatch stack
         pass
     assert torch._C._len_torch_dispatch_stack() == 0 and counter.result()["comm"] == {}
+
+
+def test_the_metric_table_carries_each_row_through_the_gather_into_the_summary_and_the_logs():
+    """Each row of `metrics.METRICS` reads the fields it declares from one measurement's readings (none left NaN when
+    every source was read), writes its summary key back from them, and the logs reduce exactly the rows that say so."""
+    import contextlib
+    import math
+    from types import SimpleNamespace
+
+    from shardscope.measure import metrics
+    from shardscope.measure.run_facts import RunFacts
+    from shardscope.measure.throughput import WindowTotals
+
+    state = SimpleNamespace(total={"params": 40, "grads": 40, "optimizer": 80}.get, trainable_params=40,
+                            by_device={"params": {"cpu": 40}, "grads": {"cpu": 40}, "optimizer": {"cpu": 80}})
+    breakdown = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers"), 10)
+    timed = {"forward_s": 0.2, "backward_s": 0.4, "optimizer_s": 0.1, "optimizer_update_s": 0.05, "comm_s": 0.2,
+             "exposed_comm_s": 0.1, "data_wait_s": 0.1, "other_s": 0.1, "step_s": 1.0, "library_s": 0.0}
+    readings = metrics.Readings(
+        cuda=False, state=state, frozen={"reference": 12}, memory={"cpu_peak_rss_bytes": 1000},
+        memory_step={"peak_tensor_bytes": 60, "peak_breakdown": breakdown, "peak_phase": "backward",
+                     "peak_step": {"micro_batch": 2, "seq_len": 8, "image_size": None, "gradient_checkpointing": False}},
+        window=WindowTotals(4, 32, 6400.0, 2.0, 1.5), durations=[1.0, 1.0],
+        comm={"comm": {"all_reduce": {"calls": 1, "bytes": 40, "sent_bytes": 40}}, "comm_sent_bytes_per_step": 40,
+              "comm_padded_tokens": 16}, timed=[timed])
+    guards = {m.source: contextlib.nullcontext() for m in metrics.METRICS}
+    facts = RunFacts({"strategy": "ddp"}, torch.device("cpu"), "fp32", peak_flops=1e4)
+    mine = metrics.read(readings, guards, ("reference",), summary=True)
+    assert tuple(mine) == metrics.fields(("reference",), summary=True)
+    assert [k for k, v in mine.items() if math.isnan(v)] == ["peak_step_image_size"]  # (a text model's: none)
+    rank = metrics.written(mine, facts, guards, summary=True)
+    assert list(rank) == [m.key for m in metrics.METRICS] and None not in rank.values()
+    assert (rank["params_bytes"], rank["frozen_models"], rank["frozen_models_bytes"]) == (40, {"reference": 12}, 12)
+    assert rank["peak_memory_bytes"] == 60 and rank["peak_phase"] == "backward" and rank["peak_breakdown"] == breakdown
+    assert rank["throughput"]["mfu"] == pytest.approx(6400 / 2 / 1e4) and rank["time_breakdown"]["timed_steps"] == 1
+    assert rank["comm"] == readings.comm["comm"] and rank["comm_padded_tokens"] == 16
+
+    logged = metrics.log_metrics([metrics.written(metrics.read(readings, guards, ("reference",), summary=False),
+                                                  facts, guards, summary=False)] * 2)
+    names = {name for m in metrics.METRICS for _, name in m.reductions()}
+    assert set(logged) == {f"shardscope/{n}_{s}" for n in names for s in ("min", "max", "mean")} | {
+        "shardscope/samples_per_s", "shardscope/tokens_per_s"}
+    assert logged["shardscope/peak_tensor_bytes_max"] == 60 and logged["shardscope/samples_per_s"] == 2 * 4 / 2.0

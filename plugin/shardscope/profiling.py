@@ -54,12 +54,6 @@ class ShardingProfiler(profiler.ShardingProfiler):
     __doc__ = profiler.ShardingProfiler.__doc__
     plan_for_live_run = staticmethod(plan_for_live_run)
 
-    @property
-    def preflight(self) -> dict:
-        """The former name of `detected` (the strategy, world size and mesh detected on the live run), kept so
-        code that reads it still works."""
-        return self.detected
-
 
 class ShardingProfilerCallback(callback.ShardingProfilerCallback):
     __doc__ = callback.ShardingProfilerCallback.__doc__

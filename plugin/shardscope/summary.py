@@ -36,7 +36,8 @@ FIELDS = {
                        "rank's sequences}",
     "mesh": "{dp_replicate, dp_shard, tp}: how the ranks are split, plus cp or sp (the sequence split's degree) "
             "when one is used",
-    "preflight_plan": "on a GPU: the planner's peak for this run at its first training batch's shape",
+    "live_plan": "on a GPU: the planner's peak for this run at its first training batch's shape (earlier "
+                 "versions wrote `preflight_plan`: `read_summary` reads it as live_plan)",
     "fit": "fit_training_args' decision, when the run used it: {budget_bytes, per_device_train_batch_size, "
            "gradient_accumulation_steps, gradient_checkpointing, predicted_peak_bytes, ...}; else null",
     "world_size": "ranks in the run",
@@ -58,14 +59,32 @@ FIELDS = {
              "steps excluded), "
              "peak_tensor_bytes, peak_breakdown, peak_phase, peak_step {micro_batch, seq_len, image_size, "
              "gradient_checkpointing} (the instrumented step), ...",
-    "straggler": "optional: {slowest_rank, step_s, busy_s, spread} across ranks on the timed step; where every "
-                 "rank measured its compute (CPU ranks), also compute_s and wall_s per rank, windows, slow_windows "
-                 "per rank, rank (the straggler or null) and waiting_share {rank: share} (measure/stragglers.py)",
+    "straggler": "optional: {busiest_rank, step_s, busy_s, spread} across ranks on the timed step (busiest_rank: "
+                 "the most busy seconds on that one step); where every rank measured its compute (CPU ranks), also "
+                 "compute_s and wall_s per rank, windows, slow_windows per rank, straggler_rank (the verdict over "
+                 "the logged windows, or null) and waiting_share {rank: share} (measure/stragglers.py)",
     "instruments": "optional: {instrument: 'ok' or why it stopped} for what the profiler installs (throughput, "
                    "state_bytes, precision, memory, collectives, step_time, watchdog, batch_feed); the fields of one that "
                    "stopped are null",
 }
 REQUIRED = ("world_size", "strategy", "ranks")
+# Keys earlier versions wrote under another name: {old: new} at the top level and inside `straggler` (issue 51).
+RENAMED = {"preflight_plan": "live_plan"}
+RENAMED_IN_STRAGGLER = {"slowest_rank": "busiest_rank", "rank": "straggler_rank"}
+
+
+def upgraded(summary: dict) -> dict:
+    """`summary` with the keys earlier versions wrote under another name (`RENAMED`, `RENAMED_IN_STRAGGLER`) under
+    today's: every reader reads one name. A summary already written with today's names is returned as it is."""
+    out = _renamed(summary, RENAMED)
+    if isinstance(out.get("straggler"), dict):
+        out["straggler"] = _renamed(out["straggler"], RENAMED_IN_STRAGGLER)
+    return out
+
+
+def _renamed(mapping: dict, names: dict) -> dict:
+    """`mapping` with each old key under its new name (where both are there, the new name's value is kept)."""
+    return {names.get(k, k): v for k, v in mapping.items() if k not in names or names[k] not in mapping}
 
 
 def write_summary(path: str | Path, summary: dict) -> Path:
@@ -79,12 +98,14 @@ def write_summary(path: str | Path, summary: dict) -> Path:
 
 def read_summary(path: str | Path) -> dict:
     """Load a summary through safe_io's bounded JSON reader (a regular UTF-8 file of at most MAX_BYTES, so a
-    FIFO never hangs it; NaN, infinities, integers past 64 bits and deep nesting refused). One-line
+    FIFO never hangs it; NaN, infinities, integers past 64 bits and deep nesting refused), its renamed keys under
+    today's names (`upgraded`). One-line
     `UsageError` naming the file and key when it is unusable, from a newer schema, or lacks what the tools need."""
     path = Path(path)
     summary = load_json(path, "summary", MAX_BYTES)
     if not isinstance(summary, dict):
         raise UsageError(f"summary '{path}' is not a JSON object")
+    summary = upgraded(summary)
     version = summary.get("schema_version", 1)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise UsageError(f"summary '{path}': key 'schema_version' ({version!r}) is newer than this shardscope "

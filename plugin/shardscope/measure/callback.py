@@ -56,7 +56,7 @@ class ShardingProfilerCallback(TrainerCallback):
             the default 3 is a warm step after DDP's bucket rebuild, which allocates during step 2.
         comm_step: the optimizer step whose collectives are counted (`comm_count.py`; None: none); by default
             the memory step, so one step carries both dispatch modes.
-        time_step: the optimizer step whose time is broken down (`step_time.py`; None: none); by default the
+        time_step: the optimizer step whose time is broken down (`time_breakdown.py`; None: none); by default the
             step after them (an instrumented step's time is not a plain step's).
         time_every_n_steps: also break down every N-th step (None: `time_step` only).
         hang_after: seconds a step may run before every rank writes its hang record into

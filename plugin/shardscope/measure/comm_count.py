@@ -54,7 +54,6 @@ KIND_OF = {
 }
 NOT_COLLECTIVES = {"wait_tensor", "wait", "_wrap_tensor_autograd"}  # waits and wrappers of collectives counted
 FIELDS = ("calls", "bytes", "sent_bytes")
-SUMMARY_KEYS = ("comm", "comm_sent_bytes_per_step", "comm_padded_tokens")  # per rank, from `from_fields`
 # Flat per-rank figures for the callback's one cross-rank all_gather (NaN where not counted).
 RANK_FIELDS = (*(f"comm_{kind}_{field}" for kind in KINDS for field in FIELDS), "comm_sent_bytes_per_step",
                "comm_padded_tokens")

@@ -1,14 +1,15 @@
 """Measuring never stops training. One owner for the three ways the profiler keeps that promise:
 
 - `Guard`: the context manager each of the profiler's own measurements runs in (a failure is warned about once
-  and that figure is left out; the next measurement tries again).
+  and that figure is left out; the next measurement tries again); `Guards`: one per figure, made once.
 - `Instrument`: everything an instrument puts into the user's code path (module and optimizer hooks, wrapped
   methods, dispatch-mode callbacks) goes in through `Instrument.hook`, `Instrument.wrap` or `MethodWrap`. A
   failure inside disables that instrument for the rest of the run: whatever of it is still called passes straight
   through (and is removed at the next step end), it is warned about once (naming the instrument and the reason), and the user's
   code gets what it expects (a hook returns None, a wrapped method still runs the original once).
   `with instrument:` guards the profiler's own work for that instrument (set-up, the gather, the summary) the same
-  way. `Instrument.status` is "ok" or the reason: the summary's `instruments`.
+  way. `Instrument.status` is "ok" or the reason: the summary's `instruments`. `Instruments`: the profiler's own,
+  each by what it installs, and those the loop's adapter adds; `CallerInstruments`: the caller's `instruments=[...]`.
 - `WarnOnce`: the one warning per key.
 - `validate_arguments`: a wrong argument fails where the profiler (or callback) is made, before the loop runs.
 """
@@ -61,6 +62,19 @@ class Guard:
             return False
         self.warn(self.what, f"could not measure {self.what}: {kind.__name__}: {error}")
         return True
+
+
+class Guards:
+    """`guards(what)`: the `Guard` of one figure, made once (a `Guard` holds no state of its own)."""
+
+    __slots__ = ("warn", "made")
+
+    def __init__(self, warn):
+        self.warn, self.made = warn, {}
+
+    def __call__(self, what: str) -> Guard:
+        guard = self.made.get(what)
+        return guard if guard is not None else self.made.setdefault(what, Guard(self.warn, what))
 
 
 def _returns_none(*_args, **_kwargs):
@@ -129,6 +143,53 @@ class Instrument:
             return False
         self.fail(f"{kind.__name__}: {error}")
         return True
+
+
+class Instruments:
+    """The profiler's own instruments, each named by what it installs (`throughput`: the forward hooks that count;
+    `state_bytes`: the gradient snapshot; `memory`: the memory step's tracker; `precision`: the compute-dtype probe;
+    `gpu_compute`: a CUDA rank's step events), then those added (`add`: the sampled steps', the loop adapter's).
+    `all`: every one, in the summary's order (`gpu_compute` on a CUDA rank only)."""
+
+    NAMES = ("throughput", "state_bytes", "memory", "precision", "gpu compute")
+
+    def __init__(self, warn, cuda: bool):
+        self.warn = warn
+        self.throughput, self.state_bytes, self.memory, self.precision, self.gpu_compute = (
+            Instrument(name, warn) for name in self.NAMES)
+        self.all = (self.throughput, self.state_bytes, self.memory, self.precision, *((self.gpu_compute,) if cuda else ()))
+
+    def add(self, instrument: "Instrument | str") -> Instrument:
+        """`instrument` (or a new one of that name) taken in: warned, reported and removed as the others."""
+        instrument = instrument if isinstance(instrument, Instrument) else Instrument(instrument, self.warn)
+        self.all += (instrument,)
+        return instrument
+
+    def statuses(self) -> dict:
+        return {i.name: i.status for i in self.all}
+
+    def remove(self, failed_only: bool = False) -> None:
+        """Take out what each installed (`failed_only`: of those that failed: outside their hooks, at a step's end)."""
+        for instrument in self.all:
+            if not failed_only or instrument.failure is not None:
+                instrument.remove()
+
+
+class CallerInstruments:
+    """The caller's `instruments=[...]`: objects with `name`, `start(step)`, `stop(step)` and `result()`; `call`
+    calls one method on each, each under its own guard."""
+
+    def __init__(self, objects, guards: Guards):
+        self.objects, self.guards = list(objects), guards
+
+    def call(self, method: str, *args) -> dict:
+        """{name: what `method` returned} (an instrument that failed is left out, warned about once)."""
+        out = {}
+        for instrument in self.objects:
+            name = getattr(instrument, "name", type(instrument).__name__)
+            with self.guards(f"instrument {name}"):
+                out[name] = getattr(instrument, method)(*args)
+        return out
 
 
 def instrument_statuses(ranks: list[dict]) -> dict:

@@ -39,10 +39,10 @@ from .guard import Instrument, WarnOnce
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer step")
 STEP_SHAPE = ("micro_batch", "seq_len", "image_size", "gradient_checkpointing")
-SUMMARY_KEYS = ("peak_tensor_bytes", "peak_breakdown", "peak_phase", "peak_step")  # per rank, from `reported`
-# What one rank sends in the profiler's gather (NaN: not measured there): `figures` -> gather -> `reported`.
-RANK_FIELDS = ("peak_tensor_bytes", *(f"peak_{part}_bytes" for part in BREAKDOWN), "peak_phase",
-               *(f"peak_step_{k}" for k in STEP_SHAPE))
+# What one rank sends in the profiler's gather for `peak_breakdown` and `peak_step` (metrics.py's rows; NaN: not
+# measured there): `*_fields` of a `StepPeak.result()` -> the gather -> `*_of` the gathered fields.
+BREAKDOWN_FIELDS = tuple(f"peak_{part}_bytes" for part in BREAKDOWN)
+STEP_FIELDS = tuple(f"peak_step_{k}" for k in STEP_SHAPE)
 # MemTracker's categories -> ours. "Other" holds what `track_external` registered beside the model and
 # the optimizer's state dict: master copies and ZeRO's flat partitions, all owned by the optimizer.
 CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Activation": "activations",
@@ -203,25 +203,34 @@ def checkpointing(module) -> bool:
     return bool(getattr(module, "is_gradient_checkpointing", False) if on is None else on)
 
 
-def figures(result: dict) -> dict:
-    """`StepPeak.result()` as the numbers one rank sends in the profiler's gather (`RANK_FIELDS`)."""
-    out = {"peak_tensor_bytes": result["peak_tensor_bytes"], "peak_phase": PHASES.index(result["peak_phase"])}
-    out.update({f"peak_{k}_bytes": v for k, v in result["peak_breakdown"].items()})
-    out.update({f"peak_step_{k}": math.nan if v is None else float(v) for k, v in result["peak_step"].items()})
-    return out
+# --- a `StepPeak.result()` as a rank's gathered fields, and back (None: not measured on that rank) ------------------
+def _count(value) -> int | None:
+    return None if value is None or math.isnan(value) else int(value)
 
 
-def reported(rank: dict) -> dict:
-    """One rank's gathered figures (NaN: not measured there) -> its summary keys `peak_tensor_bytes`,
-    `peak_breakdown`, `peak_phase` and `peak_step` (None when not measured)."""
-    def count(key):
-        value = rank.get(key)
-        return None if value is None or math.isnan(value) else int(value)
+def breakdown_fields(result: dict) -> dict:
+    return {f"peak_{k}_bytes": v for k, v in result["peak_breakdown"].items()}
 
-    total, phase = count("peak_tensor_bytes"), count("peak_phase")
-    step = {k: count(f"peak_step_{k}") for k in STEP_SHAPE}
-    return {"peak_tensor_bytes": total,
-            "peak_breakdown": None if total is None else {k: count(f"peak_{k}_bytes") for k in BREAKDOWN},
-            "peak_phase": None if phase is None else PHASES[phase],
-            "peak_step": None if step["micro_batch"] is None else
-            {**step, "gradient_checkpointing": bool(step["gradient_checkpointing"])}}
+
+def breakdown_of(rank: dict) -> dict | None:
+    if _count(rank["peak_tensor_bytes"]) is None:
+        return None
+    return {k: _count(rank[f"peak_{k}_bytes"]) for k in BREAKDOWN}
+
+
+def phase_field(result: dict) -> int:
+    return PHASES.index(result["peak_phase"])
+
+
+def phase_of(rank: dict) -> str | None:
+    phase = _count(rank["peak_phase"])
+    return None if phase is None else PHASES[phase]
+
+
+def step_fields(result: dict) -> dict:
+    return {f"peak_step_{k}": math.nan if v is None else float(v) for k, v in result["peak_step"].items()}
+
+
+def step_of(rank: dict) -> dict | None:
+    step = {k: _count(rank[f"peak_step_{k}"]) for k in STEP_SHAPE}
+    return None if step["micro_batch"] is None else {**step, "gradient_checkpointing": bool(step["gradient_checkpointing"])}

@@ -1,4 +1,4 @@
-"""Per-rank figures exchanged between ranks: one all_gather per measurement, and the cross-rank metrics logged.
+"""Per-rank figures exchanged between ranks: one all_gather per measurement (the metric table's fields, metrics.py).
 
 Every rank starts these at the same step (collectives); without a process group they return this rank's alone.
 """
@@ -9,14 +9,6 @@ from array import array
 
 import torch
 
-from ..summary import reduce_ranks
-
-PREFIX = "shardscope/"
-REDUCED = ("params_bytes", "grads_bytes", "optimizer_bytes", "frozen_models_bytes", "peak_memory_bytes",
-           "peak_tensor_bytes", "tokens_per_s", "tflops_per_device", "mfu", "compute_share")
-STATS = ("min", "max", "mean")
-LOGGED_NAMES = {key: tuple(f"{PREFIX}{'tokens_per_s_per_device' if key == 'tokens_per_s' else key}_{stat}"
-                           for stat in STATS) for key in REDUCED}  # each key's logged names, made once
 
 
 class Gathered:
@@ -102,20 +94,6 @@ def gather_objects(mine) -> list:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
-
-
-def log_metrics(ranks: list[dict], tp: int = 1) -> dict:
-    """Cross-rank min/max/mean of per-rank figures, plus global samples/s and tokens/s (each of the
-    `tp` ranks of a tensor-parallel group counts its shared batch: the group's replica counts once)."""
-    reduced = reduce_ranks([{**r, **r["throughput"]} for r in ranks], REDUCED, tp)  # ("throughput" is no REDUCED key)
-    metrics = {}
-    for key, names in LOGGED_NAMES.items():
-        if key in reduced:
-            metrics.update(zip(names, map(reduced[key].__getitem__, STATS)))
-    for key in ("samples_per_s", "tokens_per_s"):
-        if reduced[f"global_{key}"] is not None:
-            metrics[f"{PREFIX}{key}"] = reduced[f"global_{key}"]
-    return metrics
 
 
 # A figure not measured on a rank travels as NaN (every rank sends the same fields); reading one back:

@@ -1,9 +1,12 @@
-"""The summary file's contents (`summary.FIELDS`): what the profiler detected and measured, every rank's figures.
+"""The summary file's contents (`summary.FIELDS`): the run's facts (`run_facts.RunFacts`) and what its end gathered
+from every rank (`RunEnd`).
 
 `contents` is called on rank 0 at the profiler's `close()`, after the run's last exchange; it reads nothing of the
 model or the process group (every figure is handed in), so it runs after the profiler let go of them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,38 +15,50 @@ from ..strategy import num_nodes
 from .guard import instrument_statuses
 from .memory import memory_kind
 from .precision import run_verdict
-from .stragglers import straggler
+from .run_facts import RunFacts
+from .stragglers import Windows, verdict as straggler_verdict
 
 
-def contents(ranks: list[dict], results: list[dict], statuses: list[dict], *, detected: dict, extra: dict,
-             model: dict, frozen_flops: dict, device, precision: str | None, precision_ranks: list[dict],
-             global_step: int, locations: dict, windows, link_probe: dict | None, memory: dict) -> dict:
-    """The summary: `ranks` (each rank's reported figures, `rank_figures.complete`), `results` and `statuses` (each
-    rank's instruments' results and "ok"/why not), `detected` (strategy, world size, mesh, plan), `extra` (the
-    caller's top-level keys), `model` (its facts), `frozen_flops` ({name: FlopsModel}), `precision_ranks` (each
-    rank's precision report), `windows` (`stragglers.Windows`), `memory` (rank 0's last memory reading)."""
-    by_rank = precision_ranks or [{}] * len(ranks)
+@dataclass
+class RunEnd:
+    """What the end of the run gathered, one entry per rank: its figures as the metric table writes them
+    (`metrics.written`), its precision report, its instruments' results and statuses; beside them the optimizer steps
+    taken, each logged window's compute seconds per rank (`stragglers.Windows`) and the collectives' timing."""
+
+    global_step: int
+    figures: list[dict]
+    precision_reports: list[dict]
+    results: list[dict]
+    statuses: list[dict]
+    windows: Windows
+    link_probe: dict | None = None
+
+
+def contents(facts: RunFacts, end: RunEnd) -> dict:
+    """The summary of the run: its top-level keys, then one entry per rank."""
+    detected, device = facts.detected, facts.device
+    by_rank = end.precision_reports or [{}] * len(end.figures)
     return {
         "shardscope_version": __version__,
         "strategy": detected.get("strategy"),
-        "strategy_detail": {k: v for k, v in detected.items() if k not in ("strategy", "world_size", "plan", "mesh")},
+        "strategy_detail": {k: v for k, v in detected.items() if k not in ("strategy", "world_size", "mesh")},
         "mesh": detected.get("mesh"),
-        "preflight_plan": detected.get("plan"),
-        **extra,
-        "world_size": detected.get("world_size", len(ranks)),
+        "live_plan": facts.live_plan,
+        **facts.extra,
+        "world_size": detected.get("world_size", len(end.figures)),
         "num_nodes": num_nodes(),
-        "model": model,
-        "frozen_models": {name: {"params_total": fm.total_params} for name, fm in frozen_flops.items()},
+        "model": facts.model,
+        "frozen_models": {name: {"params_total": count} for name, count in facts.frozen_params.items()},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "precision": precision,
-        "precision_verdict": run_verdict(precision_ranks),
-        "global_step": global_step,
-        "state_locations": locations,
-        "straggler": straggler(ranks, windows),
-        "link_probe": link_probe,
-        "memory_details_rank0": memory,
-        "ranks": [{"rank": i, **r, "memory_kind": memory_kind(device, memory, r), **(result or {}),
+        "precision": facts.configured_precision,
+        "precision_verdict": run_verdict(end.precision_reports),
+        "global_step": end.global_step,
+        "state_locations": facts.state_locations,
+        "straggler": straggler_verdict(end.figures, end.windows),
+        "link_probe": end.link_probe,
+        "memory_details_rank0": facts.memory_reading,
+        "ranks": [{"rank": i, **r, "memory_kind": memory_kind(device, facts.memory_reading, r), **(result or {}),
                    **{k: v for k, v in p.items() if k != "precision_verdict"}}
-                  for i, (r, p, result) in enumerate(zip(ranks, by_rank, results))],
-        "instruments": instrument_statuses(statuses),
+                  for i, (r, p, result) in enumerate(zip(end.figures, by_rank, end.results))],
+        "instruments": instrument_statuses(end.statuses),
     }

@@ -2,15 +2,17 @@
 
 `StepCounts` adds up a step's samples, tokens and FLOPs from the batches the loop gives (or, without any, from
 the training forwards the profiler's hooks saw), plus the forward work of passes that do not train.
-`describe_flops` reads a model's parameter counts and attention shape (`throughput.FlopsModel`).
+`Counting`: how this rank counts a batch or a forward (the models' FLOPs per token, patch sizes, the ranks sharing a
+batch); `describe_flops` reads a model's parameter counts and attention shape (`throughput.FlopsModel`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from .throughput import FlopsModel, batch_counts
+from .throughput import FlopsModel, batch_counts, sequence_share
 
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
 
@@ -54,21 +56,61 @@ class StepCounts:
         if tokens is not None and flops is not None:
             self.seq_flops_per_token = flops / tokens if tokens else self.seq_flops_per_token
 
-    def close(self, samples, tokens, flops_model, tp) -> tuple:
-        """(samples, tokens, FLOPs) of the step; resets for the next one."""
+    def close(self, samples, tokens, counting: Counting) -> tuple:
+        """(samples, tokens, FLOPs) of the step (`samples`, `tokens`: the loop's own counts, when given); resets for
+        the next one."""
         counted = self.batches if self.given else self.seen
         out_samples = counted[0] if samples is None else samples
         out_tokens, flops = counted[1], counted[2]
         if tokens is not None:
             out_tokens = tokens
             per_token = self.seq_flops_per_token
-            if per_token is None and flops_model is not None:
-                per_token = flops_model.per_token(0) / tp
+            if per_token is None and counting.flops_model is not None:
+                per_token = counting.flops_model.per_token(0) / counting.tp
             flops = None if per_token is None else tokens * per_token
         if self.inference_flops:
             flops = (flops or 0.0) + self.inference_flops
         self.__init__()
         return out_samples, out_tokens, flops
+
+
+@dataclass
+class Counting:
+    """How this rank counts a batch or a forward: the trained model's `FlopsModel` and vision patch size, the frozen
+    models' (by name), and the ranks sharing each batch (`tp`: tp x cp) or each sequence's tokens (`sp`)."""
+
+    flops_model: FlopsModel | None = None
+    patch_size: int | None = None
+    frozen_flops: dict = field(default_factory=dict)
+    frozen_patch_sizes: dict = field(default_factory=dict)
+    tp: int = 1
+    sp: int = 1
+
+    def training(self, samples, tokens, seq_len: int) -> tuple:
+        """(samples, tokens, FLOPs) this rank counts of a training batch: its share of each sequence's samples (sp),
+        the FLOPs at the sequence's full length, split over the ranks sharing the batch."""
+        flops = tokens * (self.flops_model.per_token(seq_len * self.sp) / self.tp) \
+            if tokens is not None and self.flops_model else None
+        return sequence_share(samples, self.sp), tokens, flops
+
+    def forward_flops(self, tokens, seq_len: int, frozen: str | None = None) -> float | None:
+        """FLOPs of a forward that does not train: of the trained model, or of the frozen model named `frozen`."""
+        model = self.flops_model if frozen is None else self.frozen_flops.get(frozen)
+        return None if tokens is None or model is None else tokens * (model.forward_per_token(seq_len) / self.tp)
+
+
+def counting_of(module, frozen: dict, flops_model: FlopsModel | None, split: tuple[int, int]) -> Counting:
+    """`module`'s and the `frozen` models' parameter counts and patch sizes (`flops_model`: the trained model's,
+    counted before a wrapper sharded it), `split`: (tp, sp)."""
+    return Counting(flops_model or describe_flops(module), patch_size(module),
+                    {name: describe_flops(m) for name, m in frozen.items()},
+                    {name: patch_size(m) for name, m in frozen.items()}, *split)
+
+
+def model_facts(module, flops_model: FlopsModel) -> dict:
+    """The summary's `model`: {name_or_path, params_total, trainable_params}."""
+    return {"name_or_path": getattr(getattr(module, "config", None), "_name_or_path", None),
+            "params_total": flops_model.total_params, "trainable_params": flops_model.trainable_total}
 
 
 def patch_size(module) -> int | None:

@@ -8,8 +8,10 @@ collective blocks without using CPU); on CUDA ranks each step's GPU time less it
 
 Per logged window (every `every_n_steps` steps, the figures the profiler gathers anyway) a rank whose compute
 exceeds the median of all ranks' by more than `SLOWER` is slow in that window; a rank slow in more than half of
-the windows, of at least `MIN_WINDOWS`, is named the straggler (`rank`). For each other rank, `waiting_share` = (straggler's compute - its
-compute) / its wall time over the run: the share of its step spent waiting for the straggler.
+the windows, of at least `MIN_WINDOWS`, is named the straggler (`straggler_rank`). For each other rank, `waiting_share` =
+(straggler's compute - its compute) / its wall time over the run: the share of its step spent waiting for the
+straggler. Beside it, the timed step's `busiest_rank` (`time_breakdown.across_ranks`) is one step's reading, not a
+verdict: the two can differ.
 """
 from __future__ import annotations
 
@@ -46,13 +48,13 @@ def slow_windows(windows: list[list[float]]) -> list[int]:
     return counts
 
 
-def straggler(ranks: list[dict], windows: Windows) -> dict | None:
-    """The summary's top-level `straggler`: the timed step's figures (`step_time.straggler`: slowest_rank, step_s,
-    busy_s, spread) and, where every rank measured its compute, `compute_s` and `wall_s` per rank over the run,
-    `windows`, `slow_windows` per rank, `rank` (the straggler, or None) and `waiting_share` {rank: share}."""
-    from . import step_time  # (here: `line` serves report/ and compare, which need no torch)
+def verdict(ranks: list[dict], windows: Windows) -> dict | None:
+    """The summary's top-level `straggler`: the timed step's figures (`time_breakdown.across_ranks`: busiest_rank,
+    step_s, busy_s, spread) and, where every rank measured its compute, `compute_s` and `wall_s` per rank over the
+    run, `windows`, `slow_windows` per rank, `straggler_rank` (or None) and `waiting_share` {rank: share}."""
+    from . import time_breakdown  # (here: `line` serves report/ and compare, which need no torch)
 
-    out = dict(step_time.straggler([r.get("time_breakdown") for r in ranks]) or {})
+    out = dict(time_breakdown.across_ranks([r.get("time_breakdown") for r in ranks]) or {})
     compute = [(r.get("throughput") or {}).get("compute_seconds") for r in ranks]
     wall = [(r.get("throughput") or {}).get("seconds") for r in ranks]
     if len(ranks) < 2 or not all(_number(v) for v in compute + wall):
@@ -61,7 +63,7 @@ def straggler(ranks: list[dict], windows: Windows) -> dict | None:
     slow = slow_windows(logged)
     named = [r for r, n in enumerate(slow) if n > len(logged) / 2 and len(logged) >= MIN_WINDOWS]
     rank = max(named, key=compute.__getitem__) if named else None
-    out.update(compute_s=compute, wall_s=wall, windows=len(logged), slow_windows=slow, rank=rank,
+    out.update(compute_s=compute, wall_s=wall, windows=len(logged), slow_windows=slow, straggler_rank=rank,
                waiting_share=None if rank is None else {
                    str(r): max(0.0, (compute[rank] - compute[r]) / wall[r]) if wall[r] > 0 else None
                    for r in range(len(ranks)) if r != rank})
@@ -70,9 +72,9 @@ def straggler(ranks: list[dict], windows: Windows) -> dict | None:
 
 def line(result: dict | None) -> str | None:
     """One sentence naming the straggler (None when there is none)."""
-    if not result or result.get("rank") is None:
+    if not result or result.get("straggler_rank") is None:
         return None
-    rank, compute = result["rank"], result["compute_s"]
+    rank, compute = result["straggler_rank"], result["compute_s"]
     median = statistics.median(compute)
     waits = ", ".join(f"rank {r} {share:.0%}" for r, share in result["waiting_share"].items() if share is not None)
     return (f"rank {rank} is a straggler: {compute[rank]:.3g} s computing vs the median {median:.3g} s "

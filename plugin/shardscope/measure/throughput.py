@@ -20,12 +20,14 @@ share one batch (its tokens count once over the group, its FLOPs 1/cp on each ra
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..units import peak_flops
+from .rank_gather import as_float, int_or_none, none_if_nan
 
 FLOPS_CONVENTION = ("6*N_trainable + 4*N_frozen + 12*layers*d_attn*seq per non-padding training token, plus "
                     "2*N + 4*layers*d_attn*seq per token of each forward that does not train (reference models, "
@@ -132,6 +134,34 @@ def step_time_summary(durations: list[float]) -> dict:
     return {"median": quantile(0.5), "p10": quantile(0.1), "p90": quantile(0.9), "steps": len(ordered)}
 
 
+# --- the window as a rank's gathered fields, and back (metrics.py's `throughput` and `step_time_s` rows) ----------
+WINDOW_FIELDS = ("samples", "tokens", "flops", "seconds", "compute_seconds")
+STEP_TIME_FIELDS = tuple(f"step_time_{k}" for k in STEP_TIME_KEYS)
+
+
+def window_fields(totals: WindowTotals) -> dict:
+    return {"samples": totals.samples, "tokens": as_float(totals.tokens), "flops": as_float(totals.flops),
+            "seconds": totals.seconds, "compute_seconds": as_float(totals.compute)}
+
+
+def throughput_of(rank: dict, peak: float | None) -> dict:
+    """A rank's `throughput`: its rates (`rates`) and the window's totals, from its gathered fields."""
+    totals = WindowTotals(rank["samples"], none_if_nan(rank["tokens"]), none_if_nan(rank["flops"]),
+                          0.0 if math.isnan(rank["seconds"]) else rank["seconds"], none_if_nan(rank["compute_seconds"]))
+    return {**rates(totals, peak), "samples": int_or_none(totals.samples), "tokens": int_or_none(totals.tokens),
+            "seconds": totals.seconds, "compute_seconds": totals.compute, "flops_convention": FLOPS_CONVENTION}
+
+
+def step_time_fields(durations: list[float]) -> dict:
+    return {f"step_time_{k}": as_float(v) for k, v in step_time_summary(durations).items()}
+
+
+def step_time_of(rank: dict) -> dict:
+    """A rank's `step_time_s` {median, p10, p90, steps} from its gathered fields."""
+    out = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
+    return {**out, "steps": int(out["steps"] or 0)}
+
+
 def split_degrees(mesh: dict | None) -> tuple[int, int]:
     """(ranks that share each batch: tp x cp, ranks that share each sequence's tokens: sp) of a summary's mesh."""
     mesh = mesh or {}
@@ -144,7 +174,8 @@ def sequence_share(samples, sp: int):
 
 
 def rates(totals: WindowTotals, peak: float | None) -> dict:
-    """samples/s, tokens/s, TFLOP/s and MFU for one device's window (None where not countable)."""
+    """samples/s, tokens/s, TFLOP/s and MFU (`peak`: the device's peak FLOP/s) for one device's window (None where not
+    countable)."""
     if totals.seconds <= 0:
         return {"samples_per_s": None, "tokens_per_s": None, "tflops_per_device": None, "mfu": None,
                 "compute_share": None}

@@ -1,6 +1,6 @@
 """`report`/`compare`'s view of where each strategy's step time goes, beside the bytes it puts on the wire.
 
-From each summary: `time_breakdown` (per rank, `step_time.py`) averaged over ranks into five stacked parts,
+From each summary: `time_breakdown` (per rank, `measure/time_breakdown.py`) averaged over ranks into five stacked parts,
 compute (forward + backward), exposed communication, optimizer, data and other, and
 `comm_sent_bytes_per_step` (`comm_count.py`, the most any rank sends). One sentence per strategy says where
 its extra time went against the fastest run: the parts that grew most, and the bytes it sends beside the

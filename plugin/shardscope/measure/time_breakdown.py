@@ -1,4 +1,5 @@
-"""Where one optimizer step's time goes on this rank, from the torch profiler over a sampled step.
+"""Where one optimizer step's time goes on this rank, from the torch profiler over a sampled step: the summary's
+`time_breakdown` (the step's time as measured; the planner's prediction of it is plan/'s).
 
 The step runs from the end of the previous optimizer step to the end of this one (the throughput
 window's definition, so data loading counts). Hooks mark phases as profiler ranges on the training thread:
@@ -46,7 +47,7 @@ ZERO3_MODULE_WORK = ("pre_sub_module_forward_function", "post_sub_module_forward
                      "pre_sub_module_backward_function", "post_sub_module_backward_function")
 # each gradient into the bucket (reduced and partitioned when full), and the last bucket at backward's end
 ZERO3_GRADIENT_WORK = ("reduce_ready_partitions_and_remove_grads", "independent_gradient_partition_epilogue")
-RANK_FIELDS = tuple(f"time_{key}" for key in BREAKDOWN)
+RANK_FIELDS = (*(f"time_{key}" for key in BREAKDOWN), "time_timed_steps")  # what a rank sends in the gather
 
 
 class StepTimer:
@@ -172,27 +173,31 @@ def mean_breakdown(timed: list[dict]) -> dict | None:
     return {key: sum(t[key] for t in timed) / len(timed) for key in BREAKDOWN} | {"timed_steps": len(timed)}
 
 
-def to_fields(timed: dict | None) -> dict:
-    return {f"time_{k}": (timed[k] if timed else math.nan) for k in BREAKDOWN}
+def to_fields(timed: list[dict]) -> dict:
+    """The mean breakdown of the timed steps as `RANK_FIELDS` floats (NaN: none timed)."""
+    mean = mean_breakdown(timed)
+    return {field: (mean[field.removeprefix("time_")] if mean else math.nan) for field in RANK_FIELDS}
 
 
 def from_fields(rank: dict) -> dict | None:
-    """A rank's `time_breakdown` from its gathered fields (None: not timed)."""
+    """A rank's `time_breakdown` from its gathered fields (None: not timed), with `timed_steps`."""
     values = {k: rank.get(f"time_{k}", math.nan) for k in BREAKDOWN}
-    return None if any(v is None or math.isnan(v) for v in values.values()) else values
+    if any(v is None or math.isnan(v) for v in values.values()):
+        return None
+    return values | {"timed_steps": int(rank["time_timed_steps"])}
 
 
-def straggler(breakdowns: list) -> dict | None:
-    """Across ranks, from the timed step: each rank's step time and busy time (step minus exposed
-    communication), the slowest rank (most busy time: collectives make every rank's step last as long as
-    the slowest, so the others show the difference as exposed waiting) and the spread of step times,
-    (max - min) / mean."""
+def across_ranks(breakdowns: list) -> dict | None:
+    """The timed step across ranks: each rank's step time and busy time (step minus exposed communication), the
+    busiest rank (most busy time: collectives make every rank's step last as long as the slowest, so the others
+    show the difference as exposed waiting) and the spread of step times, (max - min) / mean; None unless every rank
+    timed it. The summary's `straggler` starts from these (`stragglers.verdict`)."""
     if not breakdowns or any(b is None for b in breakdowns):
         return None
     steps = [b["step_s"] for b in breakdowns]
     busy = [b["step_s"] - b["exposed_comm_s"] for b in breakdowns]
     mean = sum(steps) / len(steps)
-    return {"slowest_rank": max(range(len(busy)), key=busy.__getitem__), "step_s": steps, "busy_s": busy,
+    return {"busiest_rank": max(range(len(busy)), key=busy.__getitem__), "step_s": steps, "busy_s": busy,
             "spread": (max(steps) - min(steps)) / mean if mean > 0 else 0.0}
 
 
