@@ -52,7 +52,7 @@ CHECKS = (
      "(reserved - allocated, the CUDA context, NCCL's buffers, from NVML) against that headroom"),
     ("2", "the callback's peak by category",
      "ShardingProfilerCallback's instrumented memory step (3): peak_tensor_bytes and peak_breakdown",
-     "against the allocator's peak of the same step 3; the callback's live plan (summary preflight_plan) against "
+     "against the allocator's peak of the same step 3; the callback's live plan (summary live_plan) against "
      "the run's measured peak"),
     ("3", "step time vs the datasheet prediction",
      "plan's step_time_s and parts (compute, optimizer, overhead); the callback's time breakdown of step 4",
