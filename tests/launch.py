@@ -177,7 +177,7 @@ def left_processes(processes, text: str = "") -> list[tuple[psutil.Process, str]
         except psutil.NoSuchProcess:  # psutil.ZombieProcess too
             pass
         except Exception as error:
-            left.append((proc, f"cannot tell: {error!r}"))
+            left.append((proc, f"cannot tell: {type(error).__name__}: {error}"))
     return left
 
 
