@@ -25,7 +25,7 @@ DEEPSPEED = ("zero3", "zero2")
 
 
 def runs_of(config: str, assets: dict) -> list[tuple]:
-    """`config`'s runs (launch.launch_together): its TRL run (folder `CONFIG/trl`), then its shapes (`CONFIG/shapes`)."""
+    """`config`'s runs (launch.launch_together): its TRL run (folder `CONFIG/trl`), then its shapes (`CONFIG/shapes`)"""
     yaml = ACCELERATE / f"{config}.yaml"
     trl = ["--steps", TRL_STEPS, "--loop", *(["--lora"] if config == "ddp" else [])]
     shapes = ["--shapes", *SHAPES_OF[config], "--model", assets["model"], "--dinov2", assets["dinov2"]]

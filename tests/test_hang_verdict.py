@@ -1,7 +1,7 @@
 """The hang verdict (`shardscope.hang`, `shardscope hang DIR`) on synthetic record folders, in process: which rank,
 which collective, which step, and every kind of bad input (empty, partial, two runs mixed, corrupt, foreign,
 a planted pickle) answered without a traceback; the watchdog's records in one process. The launched scenarios that
-write real records and name a real straggler: test_hang_runs.py; the straggler verdict in process: test_stragglers.py."""
+write real records and name a real straggler: test_hang_runs.py; the straggler verdict: test_stragglers.py."""
 from __future__ import annotations
 
 import contextlib
