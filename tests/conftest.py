@@ -1,4 +1,3 @@
-import hashlib
 import json
 import os
 import sys
@@ -8,6 +7,7 @@ from pathlib import Path
 import pytest
 from loop_runs import loop_runs  # noqa: F401  (shared launching fixtures, each defined beside its launches' spec)
 from recipe_runs import accelerate_yaml, image_assets, recipe_runs  # noqa: F401
+from strategy_runs import parameter_shapes, strategy_model, strategy_plans, strategy_runs  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -29,8 +29,8 @@ def no_excepthook_outlives_its_test():
     sys.excepthook = hook
 
 
-# Launching fixtures defined here (loop_runs, recipe_runs: in tests/loop_runs.py, tests/recipe_runs.py),
-# session-scoped, by the runs they share: several test files use them.
+# Session-scoped launching fixtures (tests/strategy_runs.py, tests/loop_runs.py, tests/recipe_runs.py), by the runs
+# they share: several test files use them.
 SHARED_RUNS = {"strategy_runs": "strategy_runs", "strategy_plans": "strategy_runs", "loop_runs": "loop_runs",
                "recipe_runs": "recipe_runs"}
 HERE = Path(__file__).parent
@@ -100,186 +100,3 @@ def sft_assets(tmp_path_factory):
     from shardscope.recipes.tiny import make_sft_assets
 
     return make_sft_assets(tmp_path_factory.mktemp("sft_assets"), "llama", n=256)
-
-
-# Models the strategy runs use, by name: (family, config sizes on top of shardscope.recipes.tiny's defaults).
-STRATEGY_MODELS = {
-    # bytes mostly in tensors above ZeRO-3's persistence threshold, so ZeRO-3 really shards them
-    "shard_llama": ("llama", dict(vocab_size=1600, intermediate_size=1600)),
-    "shard_mistral": ("mistral", dict(vocab_size=1600, intermediate_size=1600, num_key_value_heads=2)),
-    "shard_dinov2": ("dinov2", dict(intermediate_size=1600, num_labels=4)),
-    # ~50M parameters (hidden 512, 8 layers), for the planner agreement at a realistic shape
-    "llama_50m": ("llama", dict(vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                                num_attention_heads=8)),
-    # test_peak_runs' 4-layer Llama (tests/peak_spec.py)
-    "peak_llama": ("llama", dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                 num_attention_heads=8, num_key_value_heads=4)),
-}
-
-
-@pytest.fixture(scope="session")
-def strategy_model(tmp_path_factory):
-    """Build a STRATEGY_MODELS entry once, lazily; returns its folder."""
-    from shardscope.recipes.tiny import make_causal_lm, make_dinov2
-
-    built = {}
-
-    def build(name):
-        if name not in built:
-            family, sizes = STRATEGY_MODELS[name]
-            built[name] = tmp_path_factory.mktemp(name)
-            if family == "dinov2":
-                make_dinov2(built[name], **sizes)
-            else:
-                make_causal_lm(built[name], family, **sizes)
-        return built[name]
-
-    return build
-
-
-def strategy_model_for(config: str) -> str:
-    """The STRATEGY_MODELS model a shipped config is for: its family's where its name says one, else the Llama."""
-    return "shard_mistral" if "mistral" in config else "shard_dinov2" if "dinov2" in config else "shard_llama"
-
-
-# Runs (config, model, lora_r, grad_accum, flags) that one launch trains together (tests/workers/several_runs.py): a
-# launch's start-up is most of a tiny run's time, so the first test that asks for any of them pays one launch. Per
-# accelerate config, the planner agreement's two shapes (and DDP's LoRA run), then test_precision_runs' and
-# test_peak_runs' runs of that config (precision_checks.PRECISION_RUNS, peak_spec.RUNS); the single-node accelerate
-# configs (DDP's, FSDP's, then DeepSpeed's) under one `accelerate launch`, each run in its own config's launch
-# environment (several_runs.py --launch_config); every single-node DeepSpeed JSON under one `deepspeed` launch with
-# test_peak_runs' small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS), every
-# single-node FSDP JSON under one `torchrun` (their configs are script arguments).
-AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
-
-
-def accelerate_families() -> dict[str, list[str]]:
-    """The single-node accelerate configs without a parallelism mesh, by distributed_type."""
-    import yaml
-
-    from shardscope.fit.configs import shipped_configs
-
-    families: dict[str, list[str]] = {}
-    for config in shipped_configs():
-        text = yaml.safe_load(config.path.read_text()) if config.kind == "accelerate" else {}
-        if config.kind == "accelerate" and not config.multinode and "parallelism_config" not in text:
-            families.setdefault(text["distributed_type"], []).append(config.name)
-    return families
-
-
-def shared_launches() -> list[tuple]:
-    from peak_spec import RUNS as PEAK_RUNS
-    from peak_spec import SMALL_BUCKET_RUNS, peak_flags, small_bucket_flags
-    from precision_checks import PRECISION_RUNS, precision_flags
-    from shardscope.fit.configs import shipped_configs
-
-    def runs_of(c):  # the agreement runs, or the config's own run; then its precision and peak runs
-        own = ([(c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
-                *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else [])] if c in AGREEING
-               else [(c, strategy_model_for(c), 0, 1, ())])
-        return [*own, *((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
-                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
-
-    def in_order(family):
-        return [run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c)]
-
-    families = accelerate_families()  # one launch: DDP's runs, FSDP's, then DeepSpeed's (several_runs.py)
-    launches = [tuple(run for name in ("MULTI_GPU", "FSDP", "DEEPSPEED") for run in in_order(families.pop(name)))]
-    assert not families, f"a family of accelerate configs no launch trains: {families}"
-    small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
-    for kind in ("deepspeed", "fsdp"):
-        launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()
-                              if c.kind == kind and not c.multinode) + (small_buckets if kind == "deepspeed" else ()))
-    return launches
-
-
-@pytest.fixture(scope="session")
-def strategy_runs(strategy_model, tmp_path_factory):
-    """Train tests/workers/train_tiny.py for 3 steps on 2 CPU ranks under a shipped config, through the
-    launcher that config is for (accelerate yaml: `accelerate launch`; DeepSpeed JSON: `deepspeed`;
-    fsdp JSON: `torchrun` with the Trainer's own fsdp arguments), with `flags` (train_tiny.py arguments after the
-    common ones: a repeated one overrides). Once per (config, model, lora_r, grad_accum, flags), in one launch with
-    the runs shared_launches() puts beside it; returns (profiler summary, [independent count per rank], the run's
-    folder)."""
-    from launch import ROOT, accelerate_launch, deepspeed_launch, torchrun_launch
-    from shardscope.fit.configs import find_config
-
-    cache = {}
-    launches = shared_launches()
-    worker = ROOT / "tests" / "workers" / "train_tiny.py"
-    several = ROOT / "tests" / "workers" / "several_runs.py"
-    common = ["--max_steps", 3, "--logging_steps", 1, "--per_device_train_batch_size", 2, "--report_to", "none",
-              "--save_strategy", "no"]
-
-    def launch(keys):
-        shipped = {key: find_config(key[0]) for key in keys}
-        kinds = {s.kind for s in shipped.values()}
-        assert len(kinds) == 1, keys
-        several_configs = kinds == {"accelerate"} and len({k[0] for k in keys}) > 1  # the configs' launch
-        out, args, names = tmp_path_factory.mktemp("launch"), [], {}
-        for key, config in shipped.items():
-            _, model, lora_r, grad_accum, flags = key
-            suffix = "".join(map(str, flags)).replace("-", "_")  # a long one (an inline JSON) by its digest
-            suffix = suffix if len(suffix) < 120 else "-" + hashlib.sha1(suffix.encode()).hexdigest()[:12]
-            names[key] = f"{config.path.stem}-{model}-lora{lora_r}-accum{grad_accum}{suffix}"
-            args += ["--launch_config", config.path] if several_configs else []
-            args += ["--run", names[key], worker, *common, "--model", strategy_model(model), "--lora_r", lora_r,
-                     "--gradient_accumulation_steps", grad_accum,
-                     *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
-                       "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[config.kind], *flags]
-        first = shipped[keys[0]]
-        if first.kind == "accelerate":
-            launched = accelerate_launch(first.path, several, args, out)
-        elif first.kind == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
-            launched = deepspeed_launch(several, args, out)
-        else:  # `--`: torchrun's own parser would read `--run` as short for its --run-path
-            launched = torchrun_launch(several, ["--", *args], out)
-        launched.check()
-        if several_configs:  # the environment several_runs.py computes for the launcher's own config is its export
-            for rank in range(2):
-                record = json.loads((out / "logs" / f"{names[keys[0]]}.launch_env.rank{rank}.json").read_text())
-                assert record["launched"] == record["computed"], record
-        for key, name in names.items():
-            summary = json.loads((out / name / "shardscope_summary.json").read_text())
-            independent = [json.loads((out / name / f"independent_count_rank{r}.json").read_text()) for r in range(2)]
-            cache[key] = summary, independent, out / name
-
-    def run(config, model="shard_llama", lora_r=0, grad_accum=1, flags=()):
-        key = (config, model, lora_r, grad_accum, tuple(flags))
-        if key not in cache:
-            launch(next((keys for keys in launches if key in keys), (key,)))
-        return cache[key]
-
-    return run
-
-
-@pytest.fixture(scope="session")
-def strategy_plans(strategy_runs, tmp_path_factory):
-    """`strategy_plans(config, model, grad_accum)`: (summary, `planner.plan_vs_run` of it, what `plan --compare`
-    prints) of a `strategy_runs` run, planned once however many tests read it."""
-    from shardscope import plan_vs_run
-
-    cache = {}
-
-    def plan(config, model="shard_llama", grad_accum=1):
-        key = (config, model, grad_accum)
-        if key not in cache:
-            summary, _, _ = strategy_runs(config, model, grad_accum=grad_accum)
-            path = tmp_path_factory.mktemp(f"plan-{config.replace('/', '_')}-{model}-accum{grad_accum}") / "summary.json"
-            path.write_text(json.dumps(summary))
-            cache[key] = summary, plan_vs_run(path)
-        return cache[key]
-
-    return plan
-
-
-@pytest.fixture(scope="session")
-def parameter_shapes(strategy_model):
-    """Shape of every parameter tensor of a STRATEGY_MODELS model (built, not launched)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
-
-    def sizes(name):
-        auto = AutoModelForImageClassification if STRATEGY_MODELS[name][0] == "dinov2" else AutoModelForCausalLM
-        return [tuple(p.shape) for p in auto.from_pretrained(strategy_model(name)).parameters()]
-
-    return sizes

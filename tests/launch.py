@@ -6,6 +6,7 @@ the `deepspeed` launcher additionally need `cpu_shim/` on PYTHONPATH (see its do
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,11 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = Path(__file__).resolve().parent / "cpu_shim"
 BIN = Path(sys.executable).parent
+SEVERAL_RUNS = ROOT / "tests" / "workers" / "several_runs.py"
 
 
 @dataclass
@@ -73,21 +76,52 @@ def accelerate_launch(config_file, script, script_args, output_dir, num_processe
                 timeout)
 
 
-def accelerate_launch_together(runs, output_dir, num_processes=2) -> dict[str, Run]:
-    """Runs `(name, accelerate yaml, script, args)` one after another in one `accelerate launch` under the first run's
-    yaml (tests/workers/several_runs.py: one start-up for all); a run whose yaml is not the one before it gets its
-    own yaml's launch environment (several_runs.py --launch_config; DDP's and FSDP's runs before DeepSpeed's).
-    Returns each run's `Run`: the launch's output, then that run's rank logs, and its folder."""
-    args, before = [], runs[0][1]
+def launch_together(runs, output_dir, launcher="accelerate", num_processes=2) -> dict[str, Run]:
+    """Runs `(name, accelerate yaml or None, script, args)` one after another in one launch (tests/workers/
+    several_runs.py: one start-up for all) through `launcher`: "accelerate" (under the first run's yaml), "deepspeed"
+    or "torchrun" (their runs' configs are script arguments: no yaml). A launch of several yamls gives every run its
+    own yaml's launch environment (several_runs.py --launch_config), and the one several_runs computes for the
+    launcher's own yaml is held equal to what the launcher exported. Returns each run's `Run`: the launch's output,
+    then that run's rank logs, and its folder."""
+    several = len({config for _, config, _, _ in runs}) > 1
+    args = []
     for name, config, script, script_args in runs:
-        args += [*(["--launch_config", config] if config != before else []), "--run", name, script, *script_args]
-        before = config
-    launched = accelerate_launch(runs[0][1], ROOT / "tests" / "workers" / "several_runs.py", args, output_dir,
-                                 num_processes=num_processes)
+        args += [*(["--launch_config", config] if several else []), "--run", name, script, *script_args]
+    if launcher == "accelerate":
+        launched = accelerate_launch(runs[0][1], SEVERAL_RUNS, args, output_dir, num_processes=num_processes)
+    elif launcher == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
+        launched = deepspeed_launch(SEVERAL_RUNS, args, output_dir, num_processes=num_processes)
+    else:  # `--`: torchrun's own parser would read `--run` as short for its --run-path
+        launched = torchrun_launch(SEVERAL_RUNS, ["--", *args], output_dir, num_processes=num_processes)
     logs = Path(output_dir) / "logs"
+    if several and launched.returncode == 0:
+        for rank in range(num_processes):
+            record = json.loads((logs / f"{runs[0][0]}.launch_env.rank{rank}.json").read_text())
+            assert record["launched"] == record["computed"], record
     return {name: Run(launched.cmd, launched.returncode,
                       launched.output + "".join(log.read_text() for log in sorted(logs.glob(f"{name}.rank*.log"))),
                       Path(output_dir) / name) for name, *_ in runs}
+
+
+class SharedLaunches:
+    """Runs trained together in one launch (its start-up is most of a tiny run's time), launched the first time any
+    of them is asked for and kept for the session: `groups` holds each shared launch's run keys in order (a key in
+    none is launched alone), `launch(keys)` launches those runs and returns {key: result}. A launch that fails fails
+    each of its runs: it is not launched again for the next test that asks."""
+
+    def __init__(self, groups, launch):
+        self.groups, self.launch, self.results = [tuple(group) for group in groups], launch, {}
+
+    def __call__(self, key):
+        if key not in self.results:
+            keys = next((group for group in self.groups if key in group), (key,))
+            try:
+                self.results.update(self.launch(keys))
+            except Exception as error:
+                self.results.update(dict.fromkeys(keys, error))
+        if isinstance(self.results[key], Exception):
+            raise self.results[key]
+        return self.results[key]
 
 
 def deepspeed_launch(script, script_args, output_dir, num_processes=2, timeout=600) -> Run:
@@ -130,21 +164,27 @@ def wait_until(done, timeout: float, every: float = 0.5) -> bool:
     return True
 
 
-def pids_naming(text: str) -> list[int]:
-    """Processes whose command line contains `text` (a run's output dir names its launcher and every rank)."""
-    found = []
-    for entry in Path("/proc").iterdir():
+def left_processes(processes, text: str = "") -> list[tuple[psutil.Process, str]]:
+    """(process, why) for each of `processes` whose command line contains `text` and that is not known to be gone:
+    "running", or "cannot tell: ERROR" where psutil could not say (AccessDenied, any other error), so that a "no
+    process left" check that cannot see fails rather than passes. Gone: no such process (psutil checks the create
+    time, so a reused pid is gone too) or a zombie (ended, not yet reaped)."""
+    left = []
+    for proc in processes:
         try:
-            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE and text in " ".join(proc.cmdline()):
+                left.append((proc, "running"))
+        except psutil.NoSuchProcess:  # psutil.ZombieProcess too
             pass
-    return found
+        except Exception as error:
+            left.append((proc, f"cannot tell: {type(error).__name__}: {error}"))
+    return left
 
 
-def end_launch(proc: subprocess.Popen, output_dir) -> list[int]:
+def end_launch(proc: subprocess.Popen, output_dir) -> list[tuple[psutil.Process, str]]:
     """End a `background` launch as a job scheduler does (SIGTERM to the launcher, which ends its ranks); returns the
-    pids of the run still there 30 s later (then killed, so that none outlives the test)."""
+    processes of the run still there 30 s later (a run's output dir names its launcher and every rank; left_processes
+    says why each counts), those known to be running then killed, so that none outlives the test."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
@@ -152,10 +192,14 @@ def end_launch(proc: subprocess.Popen, output_dir) -> list[int]:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    wait_until(lambda: not pids_naming(str(output_dir)), 30)
-    left = pids_naming(str(output_dir))
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not left_processes(psutil.process_iter(), str(output_dir)), 30)
+    left = left_processes(psutil.process_iter(), str(output_dir))
+    for process, why in left:
+        if why == "running":
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
     return left
 
 
@@ -180,16 +224,9 @@ class MultiNodeRun:
     seconds: float
     processes: list          # psutil.Process of every launcher and every descendant seen while running
 
-    def survivors(self) -> list:
-        """Processes from this run still alive (psutil checks the create time, so a reused pid does not count)."""
-        alive = []
-        for proc in self.processes:
-            try:
-                if proc.is_running() and proc.status() != "zombie":
-                    alive.append(proc)
-            except Exception:  # psutil.NoSuchProcess and friends: gone
-                pass
-        return alive
+    def survivors(self) -> list[tuple[psutil.Process, str]]:
+        """This run's processes not known to be gone, each with why (left_processes)."""
+        return left_processes(self.processes)
 
     def check(self) -> "MultiNodeRun":
         text = "\n".join(f"--- launcher {i} (exit {rc}): {' '.join(cmd)}\n{out[-4000:]}"
@@ -247,11 +284,6 @@ def deepspeed_multinode_launch(hostfile, script, script_args, output_dir, num_ma
 def multinode_launch(cmds: dict, env: dict, output_dir, timeout) -> MultiNodeRun:
     """Start each node's launcher command (node rank -> argv) on this host, each in its own session, wait for
     all, and on `timeout` kill every process they started."""
-    import signal
-    import time
-
-    import psutil
-
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     launchers, logs = [], []

@@ -6,7 +6,7 @@ launch, each run in its config's launch environment (several_runs.py --launch_co
 """
 import pytest
 
-from launch import ROOT, accelerate_launch
+from launch import ROOT, SharedLaunches, launch_together
 
 WORKERS = ROOT / "tests" / "workers"
 ACCELERATE = ROOT / "accelerate_configs"
@@ -24,14 +24,13 @@ TRL_CONFIGS = ("ddp", "zero3")
 DEEPSPEED = ("zero3", "zero2")
 
 
-def runs_of(config: str, assets: dict) -> list:
-    """The several_runs.py arguments of `config`'s runs: `[--launch_config YAML] --run CONFIG/NAME SCRIPT ARGS...`."""
+def runs_of(config: str, assets: dict) -> list[tuple]:
+    """`config`'s runs (launch.launch_together): its TRL run (folder `CONFIG/trl`), then its shapes (`CONFIG/shapes`)"""
+    yaml = ACCELERATE / f"{config}.yaml"
     trl = ["--steps", TRL_STEPS, "--loop", *(["--lora"] if config == "ddp" else [])]
     shapes = ["--shapes", *SHAPES_OF[config], "--model", assets["model"], "--dinov2", assets["dinov2"]]
-    launched = ["--launch_config", ACCELERATE / f"{config}.yaml"] if config in DEEPSPEED else []
-    return [*([*launched, "--run", f"{config}/trl", WORKERS / "train_trl.py", *trl] if config in TRL_CONFIGS else []),
-            *([*launched, "--run", f"{config}/shapes", WORKERS / "loop_shapes.py", *shapes]
-              if config in SHAPE_CONFIGS else [])]
+    return [*([(f"{config}/trl", yaml, WORKERS / "train_trl.py", trl)] if config in TRL_CONFIGS else []),
+            *([(f"{config}/shapes", yaml, WORKERS / "loop_shapes.py", shapes)] if config in SHAPE_CONFIGS else [])]
 
 
 @pytest.fixture(scope="session")
@@ -39,19 +38,16 @@ def loop_runs(tmp_path_factory):
     """`loop_runs(config)`: the folder of `config`'s runs (accelerate_configs/<config>.yaml), launched once."""
     from shardscope.recipes.tiny import make_dinov2, make_sft_assets
 
-    cache, root = {}, tmp_path_factory.mktemp("loop_assets")
+    root = tmp_path_factory.mktemp("loop_assets")
     # loop_shapes.py's models: examples/trl_dpo.py's tiny Llama (its MLP wide enough for ZeRO-3 to shard), a DINOv2
     assets = {"model": make_sft_assets(root, "llama", n=64, intermediate_size=1600)["model"],
               "dinov2": root / "tiny-dinov2"}
     make_dinov2(assets["dinov2"], num_labels=4, intermediate_size=1600)
 
-    def run(config):
-        if config not in cache:
-            together = DEEPSPEED if config in DEEPSPEED else (config,)
-            out = tmp_path_factory.mktemp(f"loops-{together[0]}")
-            accelerate_launch(ACCELERATE / f"{together[0]}.yaml", WORKERS / "several_runs.py",
-                              [arg for c in together for arg in runs_of(c, assets)], out).check()
-            cache.update({c: out / c for c in together})
-        return cache[config]
+    def launch(configs):
+        out = tmp_path_factory.mktemp(f"loops-{configs[0]}")
+        for run in launch_together([run for c in configs for run in runs_of(c, assets)], out).values():
+            run.check()
+        return {c: out / c for c in configs}
 
-    return run
+    return SharedLaunches([DEEPSPEED], launch)

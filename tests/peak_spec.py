@@ -1,5 +1,5 @@
-"""test_peak_runs' runs: tests/workers/train_tiny.py on the "peak_llama" model (tests/conftest.py STRATEGY_MODELS),
-each trained in the strategy_runs launch of its accelerate config (tests/conftest.py, shared_launches), and the
+"""test_peak_runs' runs: tests/workers/train_tiny.py on the "peak_llama" model (tests/strategy_runs.py STRATEGY_MODELS),
+each trained in the strategy_runs launch of its accelerate config (tests/strategy_runs.py, shared_launches), and the
 small-bucket ZeRO runs in the launch of the shipped DeepSpeed JSONs (benchmarks/peak_agreement.py launches the same)."""
 import json
 from pathlib import Path

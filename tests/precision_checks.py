@@ -12,7 +12,7 @@ BYTES_REL = 0.01
 BF16_OK = {"configured": "bf16-mixed", "effective": "bf16-mixed", "ok": True, "reason": None}
 
 # test_precision_runs' runs: tests/workers/train_tiny.py for PRECISION_STEPS steps with a precision flag, each in the
-# strategy_runs launch of its accelerate config (tests/conftest.py, shared_launches).
+# strategy_runs launch of its accelerate config (tests/strategy_runs.py, shared_launches).
 PRECISION_STEPS = 4
 BF16 = {  # config -> (strategy in the summary, ZeRO?)
     "ddp": ("ddp", False),

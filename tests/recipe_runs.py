@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import ROOT, Run, accelerate_launch, accelerate_launch_together, deepspeed_launch
+from launch import ROOT, Run, SharedLaunches, accelerate_launch, deepspeed_launch, launch_together
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
 IMAGE = ROOT / "recipes" / "image_classification.py"
@@ -92,7 +92,7 @@ def world_args(assets, ranks, *extra):
 
 
 # Runs train one after another in one launched process (tests/workers/several_runs.py): one launch instead of one
-# each, each run in its own config's launch environment (launch.accelerate_launch_together). Resumes come after the
+# each, each run in its own config's launch environment (launch.launch_together). Resumes come after the
 # runs they resume, in a launch of their own; runs with launcher flags of their own (a shared launch has one set of
 # flags) and the `deepspeed` launcher's run are launches of their own.
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
@@ -110,7 +110,6 @@ SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, unde
 def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml):
     """`recipe_runs(kind, name)` launches a run (with the others of its SHARED_LAUNCHES entry) the first time it is
     asked for and returns the cached `Run`; a resume starts from the sft run's step-SAVE_AT checkpoint."""
-    cache: dict[tuple[str, str], Run] = {}
 
     def command(kind: str, name: str) -> tuple[Path, Path, list, list]:
         """(accelerate yaml, recipe, recipe arguments, launcher flags) of an sft, resume, image or world run."""
@@ -127,25 +126,26 @@ def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml):
             "--config", ROOT / "recipes/dinov2/demo_tiny.yaml", "--model_name_or_path", image_assets["model"],
             "--dataset", image_assets["data"], "--save_final_logits", "true", *extra], []
 
+    def launch(keys: tuple) -> dict[tuple[str, str], Run]:
+        out = tmp_path_factory.mktemp("_".join(keys[0]) if len(keys) == 1 else "shared")
+        if len(keys) > 1:
+            runs = []
+            for k, n in keys:
+                config, script, args, launcher_args = command(k, n)
+                assert not launcher_args, f"{k} {n}: launcher flags of its own, not in a shared launch"
+                runs.append((f"{k}_{n}", config, script, args))
+            launched = launch_together(runs, out)
+            return {(k, n): launched[f"{k}_{n}"] for k, n in keys}
+        (kind, name), = keys
+        if kind == "sft" and SFT_RUNS[name][0] == "deepspeed":
+            return {keys[0]: deepspeed_launch(SFT, sft_args(
+                sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json", *SFT_RUNS[name][2]), out)}
+        config, script, args, launcher_args = command(kind, name)  # a launch of its own
+        return {keys[0]: accelerate_launch(config, script, args, out, launcher_args=launcher_args)}
+
+    launches = SharedLaunches(SHARED_LAUNCHES.values(), launch)
+
     def get(kind: str, name: str) -> Run:
-        if (kind, name) not in cache:
-            shared = next((c for c, members in SHARED_LAUNCHES.items() if (kind, name) in members), None)
-            if shared:
-                runs = []
-                for k, n in SHARED_LAUNCHES[shared]:
-                    config, script, args, launcher_args = command(k, n)
-                    assert not launcher_args, f"{k} {n}: launcher flags of its own, not in a shared launch"
-                    runs.append((f"{k}_{n}", config, script, args))
-                launched = accelerate_launch_together(runs, tmp_path_factory.mktemp(f"shared_{shared}"))
-                cache.update({(k, n): launched[f"{k}_{n}"] for k, n in SHARED_LAUNCHES[shared]})
-            elif kind == "sft" and SFT_RUNS[name][0] == "deepspeed":
-                out = tmp_path_factory.mktemp(f"{kind}_{name}")
-                cache[(kind, name)] = deepspeed_launch(SFT, sft_args(
-                    sft_assets, "--deepspeed", ROOT / "ds_configs/zero3.json", *SFT_RUNS[name][2]), out)
-            else:  # a launch of its own
-                config, script, args, launcher_args = command(kind, name)
-                cache[(kind, name)] = accelerate_launch(config, script, args, tmp_path_factory.mktemp(f"{kind}_{name}"),
-                                                        launcher_args=launcher_args)
-        return cache[(kind, name)].check()
+        return launches((kind, name)).check()
 
     return get

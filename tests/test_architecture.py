@@ -1,16 +1,13 @@
 """The package's shape (docs/architecture.md): no import cycles, no reaching into another module's private
-names, modules of one idea, and unit tests of the pure pieces the distributed runs rely on."""
+names, modules of one idea, and the planner's estimate in one pass."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import shardscope
-from shardscope import state_bytes
-from shardscope.strategy import STRATEGIES, family, strategy_from_summary, strategy_of_config, tp_strategy
 
 PACKAGE = Path(shardscope.__file__).parent
 MAX_LINES = 600
@@ -206,7 +203,7 @@ def test_plan_from_a_count_imports_neither_torch_nor_transformers():
     assert "HEAVY []" in out
 
 
-# --- pure pieces ---------------------------------------------------------------------------------
+# --- the planner's estimate in one pass -------------------------------------------------------------
 def _stays(spec, setup, knobs=None) -> list[tuple[str, list[str]]]:
     """The modules the run being planned stays in, walked from `estimate`: each function of the package entered
     for the first time with the run among its arguments (a `Setup`, its `LibraryKnobs`, or a row's `FamilyRow`), in
@@ -264,103 +261,3 @@ def test_the_run_being_planned_returns_to_a_module_it_left_at_most_twice(case):
     assert any("strategy_row" in names for _, names in stays) and any("recommend" in names for _, names in stays)
     returns = [module for i, module in enumerate(modules) if module in modules[:i]]
     assert len(returns) <= 2, stays
-
-
-@pytest.mark.parametrize("mesh, name", [({"dp_replicate": 1, "dp_shard": 1, "tp": 2}, "tp"),
-                                        ({"dp_replicate": 1, "dp_shard": 4, "tp": 2}, "fsdp_tp"),
-                                        ({"dp_replicate": 2, "dp_shard": 4, "tp": 2}, "hsdp_tp"),
-                                        ({"dp_replicate": 2, "dp_shard": 1, "tp": 4}, "hsdp_tp")])
-def test_tp_strategy_names_each_mesh(mesh, name):
-    assert tp_strategy(mesh) == name and family(name) == "tp"
-
-
-@pytest.mark.parametrize("kind, raw, name", [
-    ("deepspeed", {"zero_optimization": {"stage": 2}}, "zero2"),
-    ("deepspeed", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero3_offload"),
-    ("deepspeed", {"zero_optimization": {"stage": "1"}}, "zero1"),
-    ("deepspeed", {"zero_optimization": 3}, "ddp"),  # malformed section: no stage read
-    ("accelerate", {"distributed_type": "MULTI_GPU"}, "ddp"),
-    ("accelerate", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": False}},
-     "fsdp_shard_grad_op"),
-    ("accelerate", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": True}}, "fsdp_offload"),
-    ("accelerate", {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}, "zero3"),
-    ("accelerate", {"parallelism_config": {"parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}},
-     "fsdp_tp"),
-    ("fsdp", {"sharding_strategy": "HYBRID_SHARD"}, "fsdp_hybrid_shard"),
-])
-def test_strategy_of_a_config_file(kind, raw, name):
-    assert strategy_of_config(kind, raw) == name and name in STRATEGIES
-
-
-def test_strategy_of_an_accelerate_yaml_reads_the_deepspeed_file_it_names():
-    raw = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds.json"}}
-    files = {"ds.json": {"zero_optimization": {"stage": 1}}}
-    assert strategy_of_config("accelerate", raw, read=files.__getitem__) == "zero1"
-
-
-@pytest.mark.parametrize("summary, name", [
-    ({"strategy": "zero3_offload"}, "zero3_offload"),
-    ({"strategy": "deepspeed", "strategy_detail": {"stage": 2, "offload_optimizer": "cpu"}}, "zero2_offload"),
-    ({"strategy": "fsdp", "strategy_detail": {"sharding_strategy": "ShardingStrategy.SHARD_GRAD_OP"}},
-     "fsdp_shard_grad_op"),
-    ({"strategy": "single"}, "ddp"),
-    ({"strategy": "pipeline"}, None),
-])
-def test_strategy_from_a_summary(summary, name):
-    assert strategy_from_summary(summary) == name
-
-
-def test_state_counting_counts_each_storage_once_and_by_device():
-    base = torch.zeros(10, 4)
-    view = base[2:5]  # a view shares the storage: counted once, at the storage's full size
-    other = torch.zeros(3, dtype=torch.bfloat16)
-    result = state_bytes.StateBytes()
-    tally = state_bytes.StorageTally(result)
-    for category, tensor, trainable in (("params", base, True), ("params", view, True), ("grads", other, False),
-                                        ("optimizer", base, False)):
-        tally.add(category, state_bytes.storage_entry(tensor), trainable)
-    assert result.total("params") == 40 * 4 and result.trainable_params == 40 * 4
-    assert result.total("grads") == 3 * 2 and result.total("optimizer") == 0  # already counted as params
-    assert dict(result.by_device["params"]) == {"cpu": 160}
-    assert state_bytes.storage_entry(torch.empty(3, device="meta")) is None
-
-
-def test_optimizer_layers_walk_wrappers_once():
-    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    outer = type("Wrapper", (), {})()
-    outer.optimizer = inner
-    assert state_bytes.optimizer_layers(outer) == [outer, inner]
-    assert state_bytes.base_optimizer(outer) is inner
-
-
-
-def test_world_size_above_one_with_each_process_alone_is_named(monkeypatch):
-    """torchrun on CPU without use_cpu: WORLD_SIZE=N, yet accelerate's state holds one process (issue 20)."""
-    from accelerate import Accelerator
-
-    from shardscope.measure.detect import detect_strategy
-
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    Accelerator(cpu=True)  # this process alone, as transformers leaves it
-    assert detect_strategy()["strategy"] == "single"
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    found = detect_strategy()
-    assert (found["strategy"], found["world_size"], found["launched_world_size"]) == ("independent_copies", 1, 4)
-    assert "4 unsynchronized copies" in found["problem"] and "use_cpu" in found["problem"]
-    assert strategy_from_summary({"strategy": "independent_copies"}) is None  # nothing the planner can compare
-
-
-@pytest.mark.parametrize("env, nodes", [
-    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 2),     # torchrun / accelerate launch
-    ({"WORLD_SIZE": "8", "LOCAL_SIZE": "2"}, 4),           # the deepspeed launcher (launcher/launch.py)
-    ({"WORLD_SIZE": "8"}, 1),                              # no local size: one node assumed
-])
-def test_num_nodes_from_each_launchers_environment(monkeypatch, env, nodes):
-    from shardscope.strategy import num_nodes
-
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert num_nodes() == nodes

@@ -107,15 +107,6 @@ def test_breakdown_partitions_the_step_and_takes_exposed_comm_out_of_its_phase()
     assert sum(out[k] for k in time_breakdown.PARTS) == out["step_s"]
 
 
-def test_the_busiest_rank_of_the_timed_step_is_the_rank_that_waits_least():
-    fast = dict.fromkeys(time_breakdown.BREAKDOWN, 0.0) | {"step_s": 1.0, "exposed_comm_s": 0.4}
-    slow = fast | {"step_s": 1.1, "exposed_comm_s": 0.05}
-    result = time_breakdown.across_ranks([fast, slow])
-    assert result["busiest_rank"] == 1 and result["step_s"] == [1.0, 1.1]
-    assert result["spread"] == pytest.approx(0.1 / 1.05)
-    assert time_breakdown.across_ranks([fast, None]) is None
-
-
 def _train(tiny_llama, tmp_path, steps, **callback_kwargs):
     from test_callback_contract import token_rows, train
     from transformers import AutoModelForCausalLM

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ROOT, accelerate_launch_together, cpu_env
+from launch import ROOT, SharedLaunches, cpu_env, launch_together
 from shardscope.cli import main
 from shardscope.errors import UsageError
 from shardscope.checkpoint.export import export
@@ -40,26 +40,24 @@ RUNS = {  # name -> (shipped accelerate config, fsdp_config overrides, LoRA rank
 
 @pytest.fixture(scope="module")
 def trained(strategy_model, accelerate_yaml, tmp_path_factory):
-    """Launch the runs once, lazily, one after another in one launch (launch.accelerate_launch_together): returns a
-    run's (checkpoint-3 folder, reference logits file)."""
-    done = {}
+    """Launch the runs once, lazily, one after another in one launch (launch.launch_together): returns a run's
+    (checkpoint-3 folder, reference logits file)."""
 
-    def get(name):
-        if not done:
-            out = tmp_path_factory.mktemp("export_runs")
-            args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
-                    "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
-            runs = []
-            for run, (config, overrides, lora_r) in RUNS.items():
-                (out / run).mkdir()  # rank 0 saves the logits there
-                runs.append((run, accelerate_yaml(config, overrides), WORKER,
-                             [*args, "--lora_r", lora_r, "--logits_out", out / run / "logits.pt"]))
-            for run, launched in accelerate_launch_together(runs, out).items():
-                launched.check()
-                done[run] = out / run / "checkpoint-3", out / run / "logits.pt"
-        return done[name]
+    def launch(names):
+        out = tmp_path_factory.mktemp("export_runs")
+        args = ["--model", strategy_model("shard_llama"), "--max_steps", 3, "--save_steps", 3,
+                "--per_device_train_batch_size", 2, "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none"]
+        runs = []
+        for run in names:
+            config, overrides, lora_r = RUNS[run]
+            (out / run).mkdir()  # rank 0 saves the logits there
+            runs.append((run, accelerate_yaml(config, overrides), WORKER,
+                         [*args, "--lora_r", lora_r, "--logits_out", out / run / "logits.pt"]))
+        for run, launched in launch_together(runs, out).items():
+            launched.check()
+        return {run: (out / run / "checkpoint-3", out / run / "logits.pt") for run in names}
 
-    return get
+    return SharedLaunches([tuple(RUNS)], launch)
 
 
 def logits_of(model, reference):

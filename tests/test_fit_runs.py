@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from launch import ROOT, accelerate_launch_together
+from launch import ROOT, launch_together
 from recipe_checks import losses
 
 pytestmark = pytest.mark.launch
@@ -80,8 +80,7 @@ def launched(fit_case, sft_assets, tmp_path_factory):
     args = {"fitted": [*common, "--auto_fit", "true", "--fit_memory_budget", f"{fit_case['budget']}B"],
             "naive": common}
     ddp = ROOT / "accelerate_configs" / "ddp.yaml"
-    runs = accelerate_launch_together([(name, ddp, SFT, args[name]) for name in args],
-                                      tmp_path_factory.mktemp("fit_runs"))
+    runs = launch_together([(name, ddp, SFT, args[name]) for name in args], tmp_path_factory.mktemp("fit_runs"))
     for run in runs.values():
         run.check()
     summaries = {name: json.loads((run.output_dir / "shardscope_summary.json").read_text())

@@ -32,7 +32,7 @@ TOLERANCE = 0.05  # the issue's bound: planned peak_bytes within 5% of the measu
 def peak_runs(strategy_runs):
     """`peak_runs(config)`: {RUNS entry: its run folder} for every RUNS entry of that config ({config: its folder} for
     a SMALL_BUCKET_RUNS one): strategy_runs runs of the "peak_llama" model, trained in that config's shared launch
-    (tests/conftest.py, shared_launches)."""
+    (tests/strategy_runs.py, shared_launches)."""
 
     def get(config):
         if config in SMALL_BUCKET_RUNS:
@@ -101,7 +101,7 @@ def test_peak_agreement_benchmark_tables_these_runs(peak_runs, tmp_path):
     assert all(re.fullmatch(r"[+-]\d+\.\d\d%", row[4]) for row in rows) and (tmp_path / "peak.png").is_file()
 
 
-# The ~50M Llama (tests/conftest.py STRATEGY_MODELS) at 2 x 16 tokens, 2 micro-batches per optimizer step: the
+# The ~50M Llama (tests/strategy_runs.py STRATEGY_MODELS) at 2 x 16 tokens, 2 micro-batches per optimizer step: the
 # strategy runs the planner and comm agreement tests share (no launch of its own). Activations are small here,
 # so what decides the peak is what each strategy holds: parameters kept gathered, gradients carried from the
 # first micro-batch into the second, the copies made at the end of backward and the reduce buckets.

@@ -36,7 +36,7 @@ def fp16_on_cpu() -> bool:
 @pytest.fixture(scope="module")
 def precision_run(strategy_runs):
     """(summary, final loss, summary path) of tests/workers/train_tiny.py under `config` with `flags` for STEPS steps:
-    a strategy_runs run, launched with the other runs of its config (tests/conftest.py, PRECISION_RUNS) or alone."""
+    a strategy_runs run, launched with the other runs of its config (tests/strategy_runs.py, PRECISION_RUNS) or alone."""
 
     def run(config, *flags):
         summary, _, folder = strategy_runs(config, flags=precision_flags(*flags))

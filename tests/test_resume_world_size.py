@@ -16,10 +16,12 @@ from the 2-rank checkpoint (`shardscope.checkpoint.sources`), exactly: loading c
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from launch import ROOT, accelerate_launch_together
+from launch import ROOT, SharedLaunches, launch_together
 from recipe_checks import losses, run_lines
 from recipe_runs import SAVE_AT, SFT, STEPS, WORLD_CONFIGS, world_args
 from shardscope.cli import main
@@ -41,31 +43,30 @@ RESUMES = [(name, ranks) for name in STRATEGIES for ranks in (1, 4)]
 @pytest.fixture(scope="module")
 def resumed(sft_assets, recipe_runs, accelerate_yaml, tmp_path_factory):
     """`resumed(name, ranks)`: (uninterrupted 2-rank run, resharded checkpoint, resumed run), each launched once; the
-    resumes at one world size in one launch (launch.accelerate_launch_together)."""
-    cache = {}
+    resumes at one world size in one launch (launch.launch_together)."""
 
+    @functools.cache
     def resharded(name):
-        if name not in cache:
-            full = recipe_runs("world", name)
-            anywhere = tmp_path_factory.mktemp(f"{name}_resharded") / "checkpoint"
-            assert main(["reshard", str(full.output_dir / f"checkpoint-{SAVE_AT}"), str(anywhere)]) == 0
-            cache[name] = full, anywhere
-        return cache[name]
+        full = recipe_runs("world", name)
+        anywhere = tmp_path_factory.mktemp(f"{name}_resharded") / "checkpoint"
+        assert main(["reshard", str(full.output_dir / f"checkpoint-{SAVE_AT}"), str(anywhere)]) == 0
+        return full, anywhere
 
-    def get(name, ranks):
-        if (name, ranks) not in cache:
-            out = tmp_path_factory.mktemp(f"resume{ranks}")
-            runs = []
-            for other in STRATEGIES:
-                (out / other).mkdir()  # the probe's file goes into the run's folder before the Trainer makes it
-                runs.append((other, accelerate_yaml(*WORLD_CONFIGS[other]), PROBE, [
-                    "--moments_out", out / other / "moments.pt", SFT,
-                    *world_args(sft_assets, ranks, "--resume_from_checkpoint", resharded(other)[1])]))
-            launched = accelerate_launch_together(runs, out, num_processes=ranks)
-            cache.update({(other, ranks): launched[other].check() for other in STRATEGIES})
-        return (*resharded(name), cache[(name, ranks)])
+    def launch(keys):
+        ranks = keys[0][1]
+        out = tmp_path_factory.mktemp(f"resume{ranks}")
+        runs = []
+        for other, _ in keys:
+            (out / other).mkdir()  # the probe's file goes into the run's folder before the Trainer makes it
+            runs.append((other, accelerate_yaml(*WORLD_CONFIGS[other]), PROBE, [
+                "--moments_out", out / other / "moments.pt", SFT,
+                *world_args(sft_assets, ranks, "--resume_from_checkpoint", resharded(other)[1])]))
+        launched = launch_together(runs, out, num_processes=ranks)
+        return {(other, ranks): launched[other].check() for other, _ in keys}
 
-    return get
+    launches = SharedLaunches([[(name, ranks) for name in STRATEGIES] for ranks in sorted({r for _, r in RESUMES})],
+                              launch)
+    return lambda name, ranks: (*resharded(name), launches((name, ranks)))
 
 
 @pytest.mark.parametrize("name, ranks", RESUMES)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import strategy_model_for as model_for
+from strategy_runs import strategy_model_for as model_for
 from shardscope.fit.configs import shipped_configs
 
 # tp.yaml and fsdp_tp.yaml shard while the model loads (transformers DistributedConfig), which the recipe

@@ -18,7 +18,7 @@ another family builds its own AcceleratorState over them: seen, ZeRO-3 then DDP 
 its own strategy's bytes; resetting PartialState as well made the DDP run train under DeepSpeed). The tests put DDP's
 and FSDP's runs before DeepSpeed's, and keep the loop shapes' DeepSpeed runs apart (tests/loop_runs.py says why).
 Each such run writes both environments to `OUT/logs/NAME.launch_env.rank{R}.json`, so a test can hold the computed
-one equal to what the launcher exported (tests/conftest.py does, for the launcher's own config).
+one equal to what the launcher exported (tests/launch.py launch_together does, for the launcher's own config).
 """
 import gc
 import json

@@ -1,9 +1,34 @@
-"""state_bytes caches what does not change between steps (the module walk, long-lived tensors' storage entries):
-the counts must still follow every change a strategy makes to the live tensors."""
+"""state_bytes, in process: each storage counted once and by device, optimizer wrappers walked once; and what it
+caches between steps (the module walk, long-lived tensors' storage entries): the counts must still follow every change
+a strategy makes to the live tensors. Launched: test_strategies.py (the profiler's bytes against an independent
+count on every shipped config)."""
 import torch
 
 from shardscope import state_bytes
 from shardscope.state_bytes import count_state
+
+
+def test_state_counting_counts_each_storage_once_and_by_device():
+    base = torch.zeros(10, 4)
+    view = base[2:5]  # a view shares the storage: counted once, at the storage's full size
+    other = torch.zeros(3, dtype=torch.bfloat16)
+    result = state_bytes.StateBytes()
+    tally = state_bytes.StorageTally(result)
+    for category, tensor, trainable in (("params", base, True), ("params", view, True), ("grads", other, False),
+                                        ("optimizer", base, False)):
+        tally.add(category, state_bytes.storage_entry(tensor), trainable)
+    assert result.total("params") == 40 * 4 and result.trainable_params == 40 * 4
+    assert result.total("grads") == 3 * 2 and result.total("optimizer") == 0  # already counted as params
+    assert dict(result.by_device["params"]) == {"cpu": 160}
+    assert state_bytes.storage_entry(torch.empty(3, device="meta")) is None
+
+
+def test_optimizer_layers_walk_wrappers_once():
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    outer = type("Wrapper", (), {})()
+    outer.optimizer = inner
+    assert state_bytes.optimizer_layers(outer) == [outer, inner]
+    assert state_bytes.base_optimizer(outer) is inner
 
 
 def test_counts_follow_swapped_resized_and_added_tensors():
