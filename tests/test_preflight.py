@@ -238,7 +238,7 @@ def test_deepspeed_hostfile_full_check(tmp_path):
 
 # ----------------------------------------------------------------------------- the pure pieces
 def test_fingerprint_differences_name_the_odd_members_and_the_majority():
-    from shardscope.preflight.fingerprint import differences
+    from shardscope.preflight.report import fingerprint_findings as differences
 
     prints = {0: {"torch": "2.13.0", "host": "a"}, 1: {"torch": "2.13.0", "host": "b"},
               2: {"torch": "2.12.1", "host": "c", "NCCL_IB_HCA": "mlx5_0"}}
@@ -252,7 +252,7 @@ def test_fingerprint_differences_name_the_odd_members_and_the_majority():
 
 def test_links_below_half_the_expected_speed_or_of_their_peers():
     from shardscope.plan.time_model import DATASHEETS, Hardware
-    from shardscope.preflight.verdict import COMPARED_FROM, expected_links, link_findings, slowest_pair
+    from shardscope.preflight.report import COMPARED_FROM, expected_links, link_findings, slowest_pair
 
     expected = expected_links("NVIDIA H100 80GB HBM3")
     assert expected["intra"] == DATASHEETS["H100"][2] * 1e9  # the fit model's table, not a copy
@@ -276,7 +276,7 @@ def test_links_below_half_the_expected_speed_or_of_their_peers():
 
 
 def test_stragglers_are_below_80_percent_of_the_median():
-    from shardscope.preflight.compute import stragglers
+    from shardscope.preflight.report import stragglers
 
     assert [f["ranks"] for f in stragglers({0: 100e12, 1: 100e12, 2: 100e12, 3: 79e12, 4: 81e12})] == [[3]]
     assert stragglers({0: 100e12}) == []
@@ -326,19 +326,18 @@ def test_the_meeting_names_late_and_miscounted_members():
 
 def test_a_group_that_never_forms_is_a_finding_not_a_hang():
     """After the meeting, a member that never joins the process group: gloo's own timeout, turned into a finding."""
-    import argparse
+    import threading
+    from pathlib import Path
 
     import torch
     import torch.distributed as dist
 
-    from shardscope.preflight.session import run_measurements
+    from shardscope.preflight.checks import PreflightOptions, run_measurements
 
-    import threading
-
-    args = argparse.Namespace(dtype=None, sizes=[2 ** 10], compute=False, test_slow_rank=None)
+    options = PreflightOptions("node", timeout=1.0, started=0.0, output_dir=Path("."), sizes=(2 ** 10,))  # no deadline read
     result = []
     check = threading.Thread(target=lambda: result.append(run_measurements(
-        dist.HashStore(), [{"node": 0}, {"node": 1}], 0, args, torch.device("cpu"), timeout_s=1.0)))
+        dist.HashStore(), [{"node": 0}, {"node": 1}], 0, options, torch.device("cpu"))))
     check.start()
     check.join(timeout=10)  # a hang fails here: gloo's 1 s timeout, not NCCL's 30 minutes
     assert not check.is_alive()

@@ -54,7 +54,7 @@ def calibrate_command(args) -> int:
         return 1
     import torch
 
-    from ..preflight.fingerprint import collect
+    from ..preflight.measurements import fingerprint as collect
 
     configs = [launcher_config(c.strategy, "accelerate") for c in found["fitting"]]
     problem = cpu_launch_problem(configs, "accelerate", None, args.launcher_args, torch.cuda.device_count())

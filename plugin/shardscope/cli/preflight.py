@@ -58,9 +58,12 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def check(args) -> str:
-    """'node' or 'full', after refusing bad options (UsageError)."""
-    args.sizes = parse_sizes(args.sizes)
+def options_of(args, started: float):
+    """The checked `preflight.checks.PreflightOptions` (bad ones: UsageError): which check runs, and what it was
+    asked."""
+    from ..preflight.checks import PreflightOptions
+
+    sizes = parse_sizes(args.sizes)
     given = [name for name in NODE_OPTIONS if getattr(args, name) is not None]
     if not 0 < args.timeout <= 86400:
         raise UsageError(f"--timeout must be between 0 and 86400 seconds, got {args.timeout:g}")
@@ -68,10 +71,12 @@ def check(args) -> str:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"--output-dir {args.output_dir}: cannot create the folder ({error.strerror or error})")
+    common = dict(timeout=args.timeout, started=started, output_dir=args.output_dir, sizes=tuple(sizes),
+                  dtype=args.dtype, slow_rank=args.test_slow_rank)
     if not given:
         if args.hosts:
             raise UsageError("--hosts belongs to the node check: give --nnodes, --node-rank and --master-addr too")
-        return "full"
+        return PreflightOptions("full", **common)
     if len(given) < len(NODE_OPTIONS):
         lacking = ", ".join("--" + n.replace("_", "-") for n in NODE_OPTIONS if n not in given)
         raise UsageError(f"the node check needs --nnodes, --node-rank and --master-addr: {lacking} missing")
@@ -82,16 +87,13 @@ def check(args) -> str:
         raise UsageError(f"--master-port must be a TCP port (1..65535), got {args.master_port}")
     if args.hosts and len(args.hosts.split(",")) != args.nnodes:
         raise UsageError(f"--hosts names {len(args.hosts.split(','))} host(s) but --nnodes is {args.nnodes}")
-    args.hosts = args.hosts.split(",") if args.hosts else None
-    return "node"
+    return PreflightOptions("node", nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                            master_port=args.master_port,
+                            hosts=tuple(args.hosts.split(",")) if args.hosts else None, **common)
 
 
 def run(args) -> int:
-    args.started = time.monotonic()  # the deadline counts from here, before torch is imported (seconds under load)
-    if check(args) == "node":
-        from ..preflight.node_check import run as node_check
+    started = time.monotonic()  # the deadline counts from here, before torch is imported (seconds under load)
+    from ..preflight.checks import run as preflight
 
-        return node_check(args)
-    from ..preflight.full_check import run as full_check
-
-    return full_check(args)
+    return preflight(options_of(args, started))

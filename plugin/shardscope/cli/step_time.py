@@ -15,7 +15,7 @@ def read_preflight(path) -> dict:
 def expectation(spec, setup) -> dict:
     """What a calibration.json given to --calibrate must have been measured on, and this machine's fingerprint."""
     def fingerprint():
-        from ..preflight.fingerprint import collect
+        from ..preflight.measurements import fingerprint as collect
 
         return collect()
 

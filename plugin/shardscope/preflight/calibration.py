@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from ..safe_io import load_json
-from .output import SCHEMA_VERSION
-from .verdict import largest
+from .report import SCHEMA_VERSION, largest
 
 
 def calibration_from_preflight(path) -> dict:
