@@ -157,7 +157,7 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
     out["tie"] = found["tie"]
     fitting = {c.strategy for c in found["fitting"]}
     out.update({
-        "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
+        "mesh": winner.mesh.as_dict(), "data_parallel_size": winner.mesh.dp,
         "global_batch": args.global_batch, "step": winner.step,
         "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..strategy import family, num_nodes, sequence_split, tp_strategy
+from ..strategy import Mesh, family, named, num_nodes, sequence_split, tp_strategy
 from ..units import as_int
 
 
@@ -113,7 +113,7 @@ def wrapper_strategy(model) -> dict | None:
         stage = int(model.zero_optimization_stage())
         offload = getattr(model.zero_offload_optimizer(), "device", None)
         offload = getattr(offload, "value", offload) or "none"
-        details = {"strategy": f"zero{stage}" + ("_offload" if offload != "none" else ""), "zero_stage": stage,
+        details = {"strategy": _zero_name(stage, offload != "none"), "zero_stage": stage,
                    "offload_optimizer": offload}
         if stage == 3:
             details["stage3_param_persistence_threshold"] = model.zero_param_persistence_threshold()
@@ -124,7 +124,7 @@ def wrapper_strategy(model) -> dict | None:
     if name == "FullyShardedDataParallel":
         sharding = model.sharding_strategy.name
         offload = bool(getattr(model.cpu_offload, "offload_params", False))
-        return {"strategy": "fsdp_offload" if offload else f"fsdp_{sharding.lower()}", "world_size": world,
+        return {"strategy": _fsdp_name(sharding, offload), "world_size": world,
                 "mesh": _mesh(1, world, 1), "wrapper": name, "fsdp_version": 1, "sharding_strategy": sharding}
     from torch.distributed.fsdp import FSDPModule
 
@@ -133,7 +133,7 @@ def wrapper_strategy(model) -> dict | None:
         unit = next((m for m in units if m is not model), units[0])
         group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
         sharding = "SHARD_GRAD_OP" if group is not None and group.post_forward_mesh_info is None else "FULL_SHARD"
-        return {"strategy": f"fsdp_{sharding.lower()}", "world_size": world, "mesh": _mesh(1, world, 1),
+        return {"strategy": _fsdp_name(sharding, False), "world_size": world, "mesh": _mesh(1, world, 1),
                 "wrapper": "fully_shard", "fsdp_version": 2, "sharding_strategy": sharding}
     return None
 
@@ -164,7 +164,17 @@ def zero_buckets(optimizer) -> dict:
 
 
 def _mesh(dp_replicate: int, dp_shard: int, tp: int) -> dict:
-    return {"dp_replicate": int(dp_replicate), "dp_shard": int(dp_shard), "tp": int(tp)}
+    return Mesh(int(dp_replicate), int(dp_shard), int(tp)).as_dict()
+
+
+def _zero_name(stage: int, offload: bool) -> str:
+    """The record of a ZeRO stage and offload (`strategy.named`); DeepSpeed without ZeRO is "zero0"."""
+    return named("deepspeed", zero_stage=stage, offload=offload) or f"zero{stage}"
+
+
+def _fsdp_name(sharding: str, offload: bool) -> str:
+    """The record of an FSDP sharding strategy and offload (`strategy.named`); FSDP1's NO_SHARD is "fsdp_no_shard"."""
+    return named("fsdp", sharding=sharding, offload=offload) or f"fsdp_{sharding.lower()}"
 
 
 def _deepspeed_details(plugin) -> dict:
@@ -172,7 +182,7 @@ def _deepspeed_details(plugin) -> dict:
     stage = int(zero.get("stage", 0))
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
     offload_param = (zero.get("offload_param") or {}).get("device", "none")
-    name = f"zero{stage}" + ("_offload" if offload_optimizer not in ("none", None) else "")
+    name = _zero_name(stage, offload_optimizer not in ("none", None))
     details = {"strategy": name, "zero_stage": stage, "offload_optimizer": offload_optimizer,
                "offload_param": offload_param}
     if stage == 3:  # effective values, DeepSpeed's defaults included: what is not sharded, what stays gathered
@@ -194,6 +204,6 @@ def _fsdp_details(plugin, parallelism_config) -> dict:
     else:
         sharding = getattr(plugin.sharding_strategy or plugin.reshard_after_forward, "name", "FULL_SHARD")
         sharding = "HYBRID_SHARD" if "HYBRID" in sharding else sharding
-    name = "fsdp_offload" if offload_params else f"fsdp_{sharding.lower()}"
+    name = _fsdp_name(sharding, offload_params)
     return {"strategy": name, "fsdp_version": version, "sharding_strategy": sharding, "offload_params": offload_params}
 
