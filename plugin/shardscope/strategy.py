@@ -153,10 +153,9 @@ def simplicity_order(prefer: str = "fsdp") -> tuple[str, ...]:
     return tuple(r.name for r in sorted(RECORDS, key=lambda r: (r.simplicity, r.family != prefer)))
 
 
-def tiers() -> list[tuple[str, ...]]:
-    """The records of each simplicity tier, in tier order (a tier: FSDP's and DeepSpeed's way to the same sharding)."""
-    ranks = sorted({r.simplicity for r in RECORDS})
-    return [tuple(r.name for r in RECORDS if r.simplicity == rank) for rank in ranks]
+def tier(name: str) -> tuple[str, ...]:
+    """The strategies of `name`'s simplicity tier (a tier: FSDP's and DeepSpeed's ways to the same sharding)."""
+    return tuple(r.name for r in RECORDS if r.simplicity == REGISTRY[name].simplicity)
 
 
 def named(library: str, *, zero_stage: int = 0, sharding: str = "", offload: bool = False) -> str | None:

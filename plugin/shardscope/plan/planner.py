@@ -10,7 +10,7 @@ from .formulas import Row, activation_bytes, counts, strategy_row
 from .mesh import LibraryKnobs, Setup, row_meshes, run_dict, tp_mesh, tp_rows
 from ..model.spec import ModelSpec, model_spec
 from .trace import regime_for
-from ..strategy import STRATEGIES, TP_STRATEGIES, family, strategy_record, tiers
+from ..strategy import STRATEGIES, TP_STRATEGIES, simplicity_order, strategy_record, tier
 from ..units import gb, gpu_size
 
 __all__ = ["Setup", "LibraryKnobs", "model_spec", "strategy_row", "estimate", "plan_dict", "recommend",
@@ -57,23 +57,22 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
     by_name = {r.strategy: r for r in rows}
     usable = usable_bytes(setup)
     tried = []
-    for tier in tiers():
-        for name in sorted(tier, key=lambda s: family(s) != setup.prefer):
-            row = by_name.get(name)
-            if row is None or strategy_record(name).repeats(row.mesh) or (
-                    name in TP_STRATEGIES and name not in chosen_tp_rows(setup, row.mesh.tp)):
-                continue  # hybrid on one node is full shard; the TP rows a run on every GPU can use
-            if row.fits:
-                why = (f"{name} needs {gb(row.peak_bytes)} GB per GPU of {gb(usable)} GB usable "
-                       f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
-                if name in TP_STRATEGIES:
-                    mesh = row.mesh
-                    why += (f", tensor parallel {mesh.tp} x FSDP {mesh.dp_shard}"
-                            + (f" x replicas {mesh.dp_replicate}" if mesh.dp_replicate > 1 else ""))
-                if tried:
-                    why += "; faster options do not fit: " + ", ".join(tried)
-                return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier, rows, setup)}
-            tried.append(f"{name} {gb(row.peak_bytes)} GB")
+    for name in simplicity_order(setup.prefer):
+        row = by_name.get(name)
+        if row is None or strategy_record(name).repeats(row.mesh) or (
+                name in TP_STRATEGIES and name not in chosen_tp_rows(setup, row.mesh.tp)):
+            continue  # hybrid on one node is full shard; the TP rows a run on every GPU can use
+        if row.fits:
+            why = (f"{name} needs {gb(row.peak_bytes)} GB per GPU of {gb(usable)} GB usable "
+                   f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
+            if name in TP_STRATEGIES:
+                mesh = row.mesh
+                why += (f", tensor parallel {mesh.tp} x FSDP {mesh.dp_shard}"
+                        + (f" x replicas {mesh.dp_replicate}" if mesh.dp_replicate > 1 else ""))
+            if tried:
+                why += "; faster options do not fit: " + ", ".join(tried)
+            return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier(name), rows, setup)}
+        tried.append(f"{name} {gb(row.peak_bytes)} GB")
     hint = "" if setup.activation_checkpointing else ", activation checkpointing"
     return {"strategy": None, "reason": f"nothing fits in {gb(usable)} GB usable per GPU; try more GPUs, "
                                          f"a smaller micro-batch{hint} or LoRA"}
