@@ -560,7 +560,8 @@ def test_tp_rows_shard_each_tensor_as_the_plan_says_and_fsdp_splits_the_tp_shard
     unit = max(spec.unit_numels)
     assert fsdp_tp.buffers_detail == {"gathered_units": 2 * -(-unit // t) * 4, "unit_grad": -(-unit // t) * 4}
     hsdp = strategy_row("hsdp_tp", spec, Setup(gpus_per_node=t * S, nodes=3, precision="fp32", tp_size=t))
-    assert hsdp.mesh.as_dict() == {"dp_replicate": 3, "dp_shard": S, "tp": t} and hsdp.params_bytes == fsdp_tp.params_bytes
+    assert hsdp.mesh.as_dict() == {"dp_replicate": 3, "dp_shard": S, "tp": t}
+    assert hsdp.params_bytes == fsdp_tp.params_bytes
 
 
 def test_zero3_keeps_gathered_only_what_its_reuse_distance_reaches():

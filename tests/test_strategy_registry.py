@@ -103,7 +103,8 @@ def test_fit_breaks_a_tie_in_the_registry_order(prefer):
     from shardscope.fit.search import Candidate, break_tie
 
     _, setup, result = _planned(prefer)
-    tied = [Candidate(r.strategy, 1, 1, False, r.mesh.tp, r.mesh, 10 * GIB, True, 1.0) for r in reversed(result["rows"])]
+    tied = [Candidate(r.strategy, 1, 1, False, r.mesh.tp, r.mesh, 10 * GIB, True, 1.0)
+            for r in reversed(result["rows"])]
     assert [c.strategy for c in sorted(tied, key=lambda c: c.key(prefer))] == list(simplicity_order(prefer))
     break_tie(tied, setup, 0.2)
     assert tied[0].strategy == simplicity_order(prefer)[0]

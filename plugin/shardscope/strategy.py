@@ -74,7 +74,7 @@ class Strategy:
 
     @property
     def node_local(self) -> bool:
-        """Shards inside a node and replicates across nodes: its gathers and reduce-scatters stay on the node's links."""
+        """Shards inside a node and replicates across nodes: its gathers and reduce-scatters stay on a node's links."""
         return {"dp_replicate", "dp_shard"} <= set(self.dims)
 
     def mesh_on(self, world: int, nodes: int, t: int = 1) -> Mesh:

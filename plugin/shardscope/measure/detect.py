@@ -113,8 +113,8 @@ def wrapper_strategy(model) -> dict | None:
         stage = int(model.zero_optimization_stage())
         offload = getattr(model.zero_offload_optimizer(), "device", None)
         offload = getattr(offload, "value", offload) or "none"
-        details = {"strategy": strategy_name("deepspeed", zero_stage=stage, offload=offload != "none"), "zero_stage": stage,
-                   "offload_optimizer": offload}
+        details = {"strategy": strategy_name("deepspeed", zero_stage=stage, offload=offload != "none"),
+                   "zero_stage": stage, "offload_optimizer": offload}
         if stage == 3:
             details["stage3_param_persistence_threshold"] = model.zero_param_persistence_threshold()
             details["stage3_max_reuse_distance"] = model.zero_max_reuse_distance()
