@@ -112,16 +112,11 @@ def test_fit_breaks_a_tie_in_the_registry_order(prefer):
 
 # --- each record complete -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def planned():
-    """`_planned`, or the (spec, setup, error) of an estimate a record breaks."""
-    try:
-        return _planned()
-    except Exception as error:  # noqa: BLE001 - each record's test names its own part
-        from shardscope.model.spec import model_spec
-        from shardscope.plan.mesh import Setup
+def run():
+    from shardscope.model.spec import model_spec
+    from shardscope.plan.mesh import Setup
 
-        return model_spec(None, params=7e9), Setup(gpus_per_node=GPUS, nodes=NODES, gpu_memory_bytes=80 * GIB,
-                                                   tp_size=TP), error
+    return model_spec(None, params=7e9), Setup(gpus_per_node=GPUS, nodes=NODES, gpu_memory_bytes=80 * GIB, tp_size=TP)
 
 
 @pytest.fixture(scope="module")
@@ -135,33 +130,31 @@ def doctor_model(tmp_path_factory):
     return str(path)
 
 
-def _planner_row(record, planned) -> tuple[list[str], object]:
-    """Its row from its family's formulas (`strategy_row`), and in `estimate`'s rows."""
+def _planner_row(record, run) -> tuple[list[str], object]:
+    """What `estimate` does for it: its mesh on this run (`row_meshes`), its row from its family's formulas."""
     from shardscope.plan.formulas import strategy_row
-    from shardscope.plan.mesh import tp_mesh
+    from shardscope.plan.mesh import row_meshes
 
-    spec, setup, result = planned
+    spec, setup = run
+    mesh = row_meshes(spec, setup, STRATEGIES).get(record.name)
+    if mesh is None:
+        return [f"a planner row (no mesh on {NODES} x {GPUS} GPUs, tp {TP}: plan/mesh.py's row_meshes)"], None
     try:
-        row = strategy_row(record.name, spec, setup, mesh=tp_mesh(record.name, setup, TP))
+        return [], strategy_row(record.name, spec, setup, mesh=mesh)
     except Exception as error:  # noqa: BLE001 - what a record lacks, named
         return [f"a planner row (its family's formulas: {type(error).__name__}: {error})"], None
-    if isinstance(result, Exception):
-        return [f"a planner row (estimate: {type(result).__name__}: {result})"], None
-    if record.name not in [r.strategy for r in result["rows"]]:
-        return [f"a planner row (estimate on {NODES} x {GPUS} GPUs, tp {TP} gives none)"], None
-    return [], row
 
 
-def _time_model_path(record, row, planned) -> list[str]:
+def _time_model_path(record, row, run) -> list[str]:
     """step_time prices the row: finite, every collective it plans of a kind the model times, and the figures its
     family's library work, host cost and offload need."""
     from shardscope.plan.time_model import (GATHERING_LIBRARIES, HOST_S_PER_MODULE, KIND_OF_TERM, datasheet_figures,
                                             hardware, step_time)
 
-    spec, setup, result = planned
+    spec, setup = run
+    model = {"params_total": spec.params_total, "trainable_params": spec.params_total}
     try:
-        step = step_time(row, spec, result["model"], setup, result["activations"]["tokens_per_sample"],
-                         datasheet_figures(hardware("H100", setup.precision)))
+        step = step_time(row, spec, model, setup, setup.seq_len, datasheet_figures(hardware("H100", setup.precision)))
     except Exception as error:  # noqa: BLE001 - what a record lacks, named
         return [f"a time-model path (step_time: {type(error).__name__}: {error})"]
     lacks = [] if math.isfinite(step["step_time_s"]) and step["step_time_s"] > 0 else ["a finite step time"]
@@ -229,9 +222,9 @@ def _doctor_entry(record, model: str) -> list[str]:
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.name)
-def test_record_has_what_every_tool_needs(record, planned, doctor_model):
+def test_record_has_what_every_tool_needs(record, run, doctor_model):
     """A planner row, a time-model path, its shipped configs, a detection rule, a doctor entry."""
-    lacks, row = _planner_row(record, planned)
-    lacks += _time_model_path(record, row, planned) if row is not None else ["a time-model path (no row to price)"]
+    lacks, row = _planner_row(record, run)
+    lacks += _time_model_path(record, row, run) if row is not None else ["a time-model path (no row to price)"]
     lacks += _shipped_configs(record) + _detection(record) + _doctor_entry(record, doctor_model)
     assert not lacks, f"{record.name} lacks: " + "; ".join(lacks)
