@@ -93,6 +93,8 @@ class Strategy:
         return bool(self.distinct) and getattr(mesh, self.distinct) == 1
 
 
+# name, family, mesh dimensions, simplicity tier, shipped accelerate yaml; then what differs from the defaults.
+# Order: the rows' order in `plan`'s table (`STRATEGIES`).
 RECORDS = (
     Strategy("ddp", "torch", ("dp_replicate",), 1, "ddp", multinode_config="ddp_multinode"),
     Strategy("zero1", "deepspeed", ("dp_shard",), 3, "zero1", zero_stage=1, overlapped=False, autocast=False,
