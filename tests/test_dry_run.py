@@ -194,7 +194,7 @@ def test_tp_planner_equals_transformers_sharding_on_every_rank(family, strategy,
     spec = model_spec(config)
     _, setup = setup_for_mesh(Setup(precision="fp32"), {"dp_replicate": r, "dp_shard": s, "tp": t})
     row = strategy_row(strategy, spec, setup)
-    assert row.mesh == {"dp_replicate": r, "dp_shard": s, "tp": t}
+    assert row.mesh.as_dict() == {"dp_replicate": r, "dp_shard": s, "tp": t}
     heaviest = result.ranks[0]
     assert (row.params_bytes, row.grads_bytes, row.optimizer_bytes) == (
         heaviest.params_bytes, heaviest.grads_bytes, heaviest.optimizer_bytes)

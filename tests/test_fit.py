@@ -32,7 +32,7 @@ def test_global_batch_is_kept_by_every_candidate(kw, global_batch):
     candidates = found["fitting"] + list(found["smallest"].values())
     assert found["fitting"] and len({c.strategy for c in candidates}) >= 5
     for c in candidates:
-        dp = c.mesh["dp_replicate"] * c.mesh["dp_shard"]
+        dp = c.mesh.dp_replicate * c.mesh.dp_shard
         assert c.per_device_train_batch_size * c.gradient_accumulation_steps * dp == global_batch, c
 
 
@@ -55,7 +55,7 @@ def test_fitting_candidates_are_a_brute_force_over_the_planners_rows():
             for checkpointing in (False, True):
                 trial = replace(base, micro_batch=micro, grad_accum_steps=per_rank // micro,
                                 activation_checkpointing=checkpointing, tp_size=tp)
-                expected |= {(r.strategy, r.mesh["tp"], micro, per_rank // micro, checkpointing, r.peak_bytes)
+                expected |= {(r.strategy, r.mesh.tp, micro, per_rank // micro, checkpointing, r.peak_bytes)
                              for r in estimate(SPEC, trial)["rows"] if r.strategy in names and r.peak_bytes <= usable}
     assert len(expected) > 20 and fitting_set(search(SPEC, base, global_batch, H100)) == expected
 

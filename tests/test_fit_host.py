@@ -7,7 +7,7 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.errors import UsageError
-from shardscope.plan.time_model import OFFLOAD
+from shardscope.strategy import OFFLOAD
 from shardscope.plan.mesh import Setup
 from shardscope.model.spec import spec_from_count
 from shardscope.plan.planner import estimate

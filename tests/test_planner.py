@@ -554,13 +554,14 @@ def test_tp_rows_shard_each_tensor_as_the_plan_says_and_fsdp_splits_the_tp_shard
     assert (tp.params_bytes, tp.grads_bytes) == (4 * tp_local, 4 * (tp_local + embed_grad_extra))
     assert tp.optimizer_bytes == 8 * tp_local + 4 * tensors and tp.buffers_bytes == 0
     fsdp_tp = strategy_row("fsdp_tp", spec, fp32)
-    assert fsdp_tp.mesh == {"dp_replicate": 1, "dp_shard": S, "tp": t} and fsdp_tp.shard_degree == t * S
+    assert fsdp_tp.mesh.as_dict() == {"dp_replicate": 1, "dp_shard": S, "tp": t} and fsdp_tp.shard_degree == t * S
     # Every dim here divides evenly, so FSDP2 over S halves the TP shard exactly.
     assert (fsdp_tp.params_bytes, fsdp_tp.grads_bytes) == (4 * tp_local // S, 4 * tp_local // S)
     unit = max(spec.unit_numels)
     assert fsdp_tp.buffers_detail == {"gathered_units": 2 * -(-unit // t) * 4, "unit_grad": -(-unit // t) * 4}
     hsdp = strategy_row("hsdp_tp", spec, Setup(gpus_per_node=t * S, nodes=3, precision="fp32", tp_size=t))
-    assert hsdp.mesh == {"dp_replicate": 3, "dp_shard": S, "tp": t} and hsdp.params_bytes == fsdp_tp.params_bytes
+    assert hsdp.mesh.as_dict() == {"dp_replicate": 3, "dp_shard": S, "tp": t}
+    assert hsdp.params_bytes == fsdp_tp.params_bytes
 
 
 def test_zero3_keeps_gathered_only_what_its_reuse_distance_reaches():
@@ -590,7 +591,7 @@ def test_comm_per_step_is_the_documented_ring_formula():
     tp_terms = {"tp_all_reduce": int(2 * (t - 1) / t * ((2 + 5) * L + 2) * b * s * h * e),  # 5 colwise: q k v gate up
                 "tp_logits_all_gather": int((t - 1) / t * b * s * V * e)}
     assert r["tp"].comm == tp_terms
-    S = r["fsdp_tp"].mesh["dp_shard"]
+    S = r["fsdp_tp"].mesh.dp_shard
     local = r["tp"].params_bytes // 4  # elements of a TP shard (t = 8, no FSDP)
     assert r["fsdp_tp"].comm == {**tp_terms, "param_all_gather": int(2 * (S - 1) / S * local * 4),
                                     "grad_reduce_scatter": int((S - 1) / S * local * 4)}
@@ -677,13 +678,13 @@ def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys
 
 def test_tensor_parallel_rows_show_each_mesh_once():
     spec = model_spec("llama-2-70b")
-    meshes = {r.strategy: r.mesh for r in estimate(spec, Setup(gpus_per_node=8, nodes=2, tp_size=4))["rows"]
+    meshes = {r.strategy: r.mesh.as_dict() for r in estimate(spec, Setup(gpus_per_node=8, nodes=2, tp_size=4))["rows"]
               if r.strategy in ("tp", "fsdp_tp", "hsdp_tp")}
     assert meshes == {"tp": {"dp_replicate": 1, "dp_shard": 1, "tp": 4},
                       "fsdp_tp": {"dp_replicate": 1, "dp_shard": 4, "tp": 4},
                       "hsdp_tp": {"dp_replicate": 2, "dp_shard": 2, "tp": 4}}
     one_node = estimate(spec, Setup(gpus_per_node=8, tp_size=4))
-    assert [r.strategy for r in one_node["rows"] if "tp" in r.mesh and r.mesh["tp"] > 1] == ["tp", "fsdp_tp"]
+    assert [r.strategy for r in one_node["rows"] if r.mesh.tp > 1] == ["tp", "fsdp_tp"]
     assert any("hsdp_tp left out" in note for note in one_node["notes"])
 
 

@@ -116,7 +116,7 @@ def test_planned_row_model_states_exact_and_peak_within_5_percent(sp_runs):
     knobs = LibraryKnobs(bucket_elements=detail["reduce_bucket_size"],
                          zero3_persistence_threshold=detail["stage3_param_persistence_threshold"])
     row = split_row("zero3", spec, setup, "sp", SP, traces["fp32"], knobs)
-    assert row.strategy == "zero3/sp2" and row.mesh["sp"] == SP
+    assert row.strategy == "zero3/sp2" and row.mesh.sp == SP
     for rank in run["ranks"]:
         assert rank["peak_step"]["seq_len"] == SEQ // SP  # the rank's slice, as the planner's row traces it
         assert (rank["params_bytes"], rank["grads_bytes"], rank["optimizer_bytes"]) == \

@@ -195,7 +195,8 @@ def test_split_row_divides_activations_not_model_states():
         assert (row.params_bytes, row.grads_bytes, row.optimizer_bytes) == \
             (plain.params_bytes, plain.grads_bytes, plain.optimizer_bytes)  # shards span all 8 ranks either way
         assert row.activations_bytes == local.activations_bytes < whole.activations_bytes
-        assert row.mesh == {**plain.mesh, "dp_shard": 2, kind: 4} and row.shard_degree == plain.shard_degree
+        assert row.mesh.as_dict() == {**plain.mesh.as_dict(), "dp_shard": 2, kind: 4}
+        assert row.shard_degree == plain.shard_degree
         extra = row.comm_bytes_per_step - plain.comm_bytes_per_step
         assert extra == sum(comm_terms(SPEC, setup, kind, 4).values()) > 0
         kv = split_facts(SPEC, setup, kind, 4)["cp_kv_gathered_bytes"]
@@ -260,8 +261,8 @@ def test_fit_searches_the_degree_and_keeps_the_global_batch():
     split = [c for c in found["fitting"] if "/" in c.strategy]
     assert {c.strategy for c in split} >= {"zero3/sp4", "zero3/sp8", "fsdp_full_shard/cp4", "fsdp_full_shard/cp8"}
     for c in split:
-        degree = c.mesh.get("sp", c.mesh.get("cp"))
-        dp = c.mesh["dp_replicate"] * c.mesh["dp_shard"]
+        degree = c.mesh.sp * c.mesh.cp  # one of them split
+        dp = c.mesh.dp_replicate * c.mesh.dp_shard
         assert dp * degree == 8 and c.per_device_train_batch_size * c.gradient_accumulation_steps * dp == 16
     plain = search(SPEC, setup, 16, hardware("H100", "bf16-mixed"))  # the split configs only when named
     assert plain["fitting"] and not any("/" in c.strategy for c in plain["fitting"])

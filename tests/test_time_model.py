@@ -17,6 +17,7 @@ from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
 from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, hardware, model_error, pipelined,
                                         step_time, term_seconds)
+from shardscope.strategy import Mesh
 
 
 def calibrate(paths, base):
@@ -33,7 +34,7 @@ FIG = Figures(flops_per_s=1e12, bus_bytes_per_s=dict.fromkeys(KINDS, 1e9), netwo
               pcie_bytes_per_s=1e9, cpu_adam_params_per_s=1e9, zero_step_s_per_param=0.5e-9, sources=dict.fromkeys(
                   ("flops_per_s", "bus_bytes_per_s", "hidden_share", "optimizer_s_per_param", "overhead_s",
                    "zero_step_s_per_param"), "test"))
-MESH = {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
+MESH = Mesh(dp_shard=4)
 
 
 def row(strategy, comm, shard=4):

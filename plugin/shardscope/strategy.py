@@ -1,23 +1,183 @@
-"""The strategy vocabulary, and which strategy a run, a summary or a config file is using.
+"""The strategy registry (one record per strategy), the run's mesh, the precision vocabulary, and which strategy a
+summary or a config file is using.
 
-One owner for the names every tool shares: the planner's rows, the shipped configs, the profiler
-summary's `strategy`, doctor's findings. Nothing here imports torch or transformers at import time.
+One owner for what every tool shares about a strategy: the planner's rows and their order, the time model's
+terms, the shipped configs, detection from a config, a summary or a live run, doctor's findings. A new strategy
+is one `Strategy` record here plus its formulas (plan/formulas.py's `FamilyRow` of its family);
+tests/test_strategy_registry.py names what a record still lacks. Nothing here imports torch or transformers at
+import time.
 """
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 from .units import as_int
 
-TP_STRATEGIES = ("tp", "fsdp_tp", "hsdp_tp")  # transformers DistributedConfig(tp_size, fsdp_size, dp_replicate_size)
-STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload",
-              "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_offload", *TP_STRATEGIES)
+DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The degrees a run's ranks are split into (torchtitan's `ParallelDims`): data-parallel replicas x data-parallel
+    shards x tensor-parallel, and a sequence split's cp (torch context parallelism) or sp (DeepSpeed Ulysses);
+    ranks laid out row-major over (dp_replicate, dp_shard, tp), as transformers' and accelerate's meshes are.
+    Written as `as_dict` wherever JSON holds a mesh (`plan --json`, `fit --json`, the summary's `mesh`)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    sp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def ranks(self) -> int:
+        """The ranks it spans."""
+        return self.dp * self.tp * self.cp * self.sp
+
+    def as_dict(self) -> dict:
+        """{"dp_replicate", "dp_shard", "tp"}, plus cp or sp where a sequence is split."""
+        out = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {**out, **{k: getattr(self, k) for k in ("cp", "sp") if getattr(self, k) > 1}}
+
+    @classmethod
+    def of(cls, mesh) -> "Mesh":
+        """A mesh from its dict (a summary's, a config's) or itself; missing degrees are 1."""
+        return mesh if isinstance(mesh, Mesh) else cls(**{k: int(mesh.get(k) or 1) for k in DIMS})
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy: who shards what, how its ranks are laid out, where it ranks, how it is launched and named."""
+
+    name: str
+    family: str                # who owns the optimizer and the sharding: "torch" (DDP), "deepspeed", "fsdp", "tp"
+    dims: tuple[str, ...]      # the mesh dimensions its ranks span (`mesh_on`)
+    simplicity: int            # its tier in `recommend`'s decision tree and `fit`'s tie rule (`simplicity_order`)
+    config: str                # the shipped accelerate yaml `accelerate launch --config_file` reads
+    zero_stage: int = 0        # DeepSpeed ZeRO's stage (0: not DeepSpeed)
+    sharding: str = ""         # FSDP's sharding strategy (torch's ShardingStrategy names); "" for other families
+    offload: tuple[str, ...] = ()  # what it moves to the CPU: "params", "optimizer" (the step runs there)
+    gathers: str = ""          # what it gathers, one at a time, to compute: "units" (FSDP's wrap units),
+    #                            "submodules" (DeepSpeed's modules with parameters); "" when it keeps weights whole
+    overlapped: bool = True    # its library reduces gradients beside backward (ZeRO-1/2: after it, overlap_comm off)
+    autocast: bool = True      # computes under autocast over fp32 weights (DeepSpeed, FSDP: on 16-bit weights)
+    distinct: str = ""         # the mesh dimension that must exceed 1 for its mesh to differ from a simpler record's
+    multinode_config: str = ""  # the shipped accelerate yaml for several nodes, where it has its own
+    library_config: str = ""   # the library's own shipped file (the `deepspeed` launcher's ds/ JSON)
+
+    @property
+    def node_local(self) -> bool:
+        """Shards inside a node and replicates across nodes: its gathers and reduce-scatters stay on a node's links."""
+        return {"dp_replicate", "dp_shard"} <= set(self.dims)
+
+    def mesh_on(self, world: int, nodes: int, t: int = 1) -> Mesh:
+        """Its mesh on `world` ranks over `nodes` nodes at tensor-parallel degree t: replicas across nodes and shards
+        inside each where it spans both, else all the data-parallel ranks in the one it spans; tp: t (world = t when
+        it spans nothing else)."""
+        t = t if "tp" in self.dims else 1
+        if self.node_local:
+            return Mesh(nodes, world // (nodes * t), t)
+        return Mesh(dp_replicate=world // t if "dp_replicate" in self.dims else 1,
+                    dp_shard=world // t if "dp_shard" in self.dims else 1, tp=t)
+
+    def repeats(self, mesh: Mesh) -> bool:
+        """Whether its mesh is a simpler record's on this run (its `distinct` dimension at 1): hybrid sharding on one
+        node is full sharding, FSDP x TP with TP on every GPU is TP."""
+        return bool(self.distinct) and getattr(mesh, self.distinct) == 1
+
+
+# name, family, mesh dimensions, simplicity tier, shipped accelerate yaml; then what differs from the defaults.
+# Order: the rows' order in `plan`'s table (`STRATEGIES`).
+RECORDS = (
+    Strategy("ddp", "torch", ("dp_replicate",), 1, "ddp", multinode_config="ddp_multinode"),
+    Strategy("zero1", "deepspeed", ("dp_shard",), 3, "zero1", zero_stage=1, overlapped=False, autocast=False,
+             library_config="ds/zero1"),
+    Strategy("zero2", "deepspeed", ("dp_shard",), 2, "zero2", zero_stage=2, overlapped=False, autocast=False,
+             library_config="ds/zero2"),
+    Strategy("zero2_offload", "deepspeed", ("dp_shard",), 9, "zero2_offload", zero_stage=2, offload=("optimizer",),
+             overlapped=False, autocast=False, library_config="ds/zero2_offload"),
+    Strategy("zero3", "deepspeed", ("dp_shard",), 5, "zero3", zero_stage=3, gathers="submodules", autocast=False,
+             multinode_config="zero3_multinode", library_config="ds/zero3"),
+    Strategy("zero3_offload", "deepspeed", ("dp_shard",), 10, "zero3_offload", zero_stage=3,
+             offload=("params", "optimizer"), gathers="submodules", autocast=False, library_config="ds/zero3_offload"),
+    Strategy("fsdp_full_shard", "fsdp", ("dp_shard",), 5, "fsdp_full_shard", sharding="FULL_SHARD", gathers="units",
+             autocast=False),
+    Strategy("fsdp_shard_grad_op", "fsdp", ("dp_shard",), 2, "fsdp_shard_grad_op", sharding="SHARD_GRAD_OP",
+             gathers="units", autocast=False),
+    Strategy("fsdp_hybrid_shard", "fsdp", ("dp_replicate", "dp_shard"), 4, "fsdp_hybrid_shard",
+             sharding="HYBRID_SHARD", gathers="units", autocast=False, distinct="dp_replicate"),
+    Strategy("fsdp_offload", "fsdp", ("dp_shard",), 10, "fsdp_offload", sharding="FULL_SHARD",
+             offload=("params", "optimizer"), gathers="units", autocast=False),
+    # transformers DistributedConfig(tp_size, fsdp_size, dp_replicate_size): torch AdamW on DTensors
+    Strategy("tp", "tp", ("tp",), 7, "tp"),
+    Strategy("fsdp_tp", "tp", ("dp_shard", "tp"), 8, "fsdp_tp", distinct="dp_shard"),
+    Strategy("hsdp_tp", "tp", ("dp_replicate", "dp_shard", "tp"), 6, "hsdp_tp", distinct="dp_replicate"),
+)
+REGISTRY = {r.name: r for r in RECORDS}
+STRATEGIES = tuple(REGISTRY)
+TP_STRATEGIES = tuple(r.name for r in RECORDS if "tp" in r.dims)
+OFFLOAD = tuple(r.name for r in RECORDS if r.offload)
+# FSDP's sharding as configs spell it (FSDP1's name or number, FSDP2's reshard_after_forward) -> torch's name
+SHARDINGS = {"FULL_SHARD": "FULL_SHARD", "TRUE": "FULL_SHARD", "1": "FULL_SHARD", "SHARD_GRAD_OP": "SHARD_GRAD_OP",
+             "FALSE": "SHARD_GRAD_OP", "2": "SHARD_GRAD_OP", "NO_SHARD": "NO_SHARD", "3": "NO_SHARD",
+             "HYBRID_SHARD": "HYBRID_SHARD", "4": "HYBRID_SHARD", "HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum")
 # How runs and configs spell a precision -> the planner's name (a summary's "bf16" -> "bf16-mixed").
 PRECISION_ALIASES = {"no": "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "bf16-mixed",
                      "fp16": "fp16-mixed", "bf16-mixed": "bf16-mixed", "fp16-mixed": "fp16-mixed",
                      "bf16-pure": "bf16-pure", "bf16-true": "bf16-pure"}
+
+
+def strategy_record(name: str) -> Strategy:
+    """The record of a strategy, or of a sequence-split row of it (plan/sequence.py's "zero3/sp4": zero3's)."""
+    return REGISTRY[name.partition("/")[0]]
+
+
+def family(strategy: str) -> str:
+    """Who owns the optimizer and the sharding: "torch" (DDP, and a run with no library: "single"), "deepspeed",
+    "fsdp" or "tp"."""
+    record = REGISTRY.get(strategy.partition("/")[0])
+    return record.family if record else "torch"
+
+
+@functools.cache
+def simplicity_order(prefer: str = "fsdp") -> tuple[str, ...]:
+    """Every strategy, simplest first: by tier (`Strategy.simplicity`), `prefer`'s family ("fsdp" or "deepspeed")
+    first inside a tier. `recommend` walks it; `fit` breaks ties with it."""
+    return tuple(r.name for r in sorted(RECORDS, key=lambda r: (r.simplicity, r.family != prefer)))
+
+
+def tier(name: str) -> tuple[str, ...]:
+    """The strategies of `name`'s simplicity tier (a tier: FSDP's and DeepSpeed's ways to the same sharding)."""
+    return tuple(r.name for r in RECORDS if r.simplicity == REGISTRY[name].simplicity)
+
+
+def named(library: str, *, zero_stage: int = 0, sharding: str = "", offload: bool = False) -> str | None:
+    """The record a library's settings describe, or None: offloaded, the library's offload record of that stage
+    (FSDP's whatever its sharding) where there is one, else the record without offload (ZeRO-1 has no offload
+    record: planned as ZeRO-1)."""
+    def first(offloaded: bool, **want) -> str | None:
+        return next((r.name for r in RECORDS if bool(r.offload) == offloaded and r.family == library
+                     and all(getattr(r, k) == v for k, v in want.items())), None)
+
+    found = first(True, zero_stage=zero_stage) if offload else None
+    return found or first(False, zero_stage=zero_stage, **({"sharding": sharding} if sharding else {}))
+
+
+def tp_strategy(mesh) -> str:
+    """The TP record of a mesh (a `Mesh` or its dict): the one whose `distinct` dimension is above 1, the most
+    dimensions first (replicas -> hsdp_tp, shards -> fsdp_tp), else the one that spans TP alone."""
+    mesh = Mesh.of(mesh)
+    ranked = sorted((r for r in RECORDS if "tp" in r.dims), key=lambda r: -len(r.dims))
+    return next(r.name for r in ranked if not r.distinct or getattr(mesh, r.distinct) > 1)
 
 
 def trainer_precision(bf16: bool, fp16: bool) -> str:
@@ -31,18 +191,6 @@ def configured_precision(bf16: bool, fp16: bool) -> str:
     return PRECISION_ALIASES[trainer_precision(bf16, fp16)]
 
 
-def family(strategy: str) -> str:
-    """Who owns the optimizer and the sharding: "torch" (DDP), "deepspeed", "fsdp" or "tp"."""
-    if strategy in TP_STRATEGIES:
-        return "tp"  # torch AdamW on DTensors, bytes per element as DDP / FSDP
-    return "deepspeed" if strategy.startswith("zero") else "fsdp" if strategy.startswith("fsdp") else "torch"
-
-
-def tp_strategy(mesh: dict) -> str:
-    """The shipped config name of a tensor-parallel mesh: replicas -> hsdp_tp, shards -> fsdp_tp, else tp."""
-    return "hsdp_tp" if mesh["dp_replicate"] > 1 else "fsdp_tp" if mesh["dp_shard"] > 1 else "tp"
-
-
 def strategy_from_summary(summary: dict) -> str | None:
     """The planner's name for a profiler summary's `strategy` (+ `strategy_detail`), or None."""
     name = str(summary.get("strategy", "")).lower().replace("-", "_")
@@ -51,12 +199,11 @@ def strategy_from_summary(summary: dict) -> str | None:
     detail = summary.get("strategy_detail") or {}
     if name.startswith(("deepspeed", "zero")) and detail.get("stage") is not None:
         offload = detail.get("offload_optimizer") or detail.get("offload_param")
-        return f"zero{int(detail['stage'])}" + ("_offload" if offload and int(detail["stage"]) in (2, 3) else "")
+        return named("deepspeed", zero_stage=int(detail["stage"]), offload=bool(offload))
     if name.startswith("fsdp"):
-        sharding = str(detail.get("sharding_strategy", "FULL_SHARD")).lower()
-        if detail.get("cpu_offload") or detail.get("offload_params"):
-            return "fsdp_offload"
-        return "fsdp_" + sharding.split(".")[-1] if "fsdp_" + sharding.split(".")[-1] in STRATEGIES else None
+        sharding = str(detail.get("sharding_strategy", "FULL_SHARD")).split(".")[-1].upper()
+        offload = bool(detail.get("cpu_offload") or detail.get("offload_params"))
+        return named("fsdp", sharding=sharding, offload=offload) if offload or sharding in SHARDINGS else None
     if name in ("single", "multi_gpu", "multi_cpu", "no"):
         return "ddp"
     return None
@@ -87,8 +234,7 @@ def strategy_of_config(kind: str, raw: dict, read=None) -> str | None:
         stage = as_int(zero.get("stage")) or 0
         offload = any(str((zero.get(k) or {}).get("device", "none")).lower() != "none"
                       for k in ("offload_optimizer", "offload_param"))
-        return {0: "ddp", 1: "zero1", 2: "zero2_offload" if offload else "zero2",
-                3: "zero3_offload" if offload else "zero3"}.get(stage)
+        return "ddp" if stage == 0 else named("deepspeed", zero_stage=stage, offload=offload)
     if kind == "accelerate":
         mesh = tp_mesh_of_config(raw)
         if mesh:
@@ -104,13 +250,13 @@ def strategy_of_config(kind: str, raw: dict, read=None) -> str | None:
         if dtype != "FSDP":
             return "ddp"
     settings = fsdp_settings(kind, raw)
-    if str(settings.get("fsdp_offload_params", settings.get("fsdp_cpu_offload", False))).lower() == "true":
-        return "fsdp_offload"
+    offload = str(settings.get("fsdp_offload_params", settings.get("fsdp_cpu_offload", False))).lower() == "true"
     mode = str(settings.get("fsdp_sharding_strategy", settings.get("fsdp_reshard_after_forward", "true"))).upper()
-    return {"TRUE": "fsdp_full_shard", "FULL_SHARD": "fsdp_full_shard", "1": "fsdp_full_shard",
-            "FALSE": "fsdp_shard_grad_op", "SHARD_GRAD_OP": "fsdp_shard_grad_op", "2": "fsdp_shard_grad_op",
-            "NO_SHARD": "ddp", "3": "ddp", "HYBRID_SHARD": "fsdp_hybrid_shard", "4": "fsdp_hybrid_shard",
-            "HYBRID_SHARD_ZERO2": "fsdp_hybrid_shard"}.get(mode, "fsdp_full_shard")
+    sharding = SHARDINGS.get(mode, "FULL_SHARD")
+    replicas = as_int((raw.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size")) or 1
+    if kind == "accelerate" and replicas > 1:  # FSDP2's 2-D mesh: replicas x shards, as a live run detects it
+        sharding = "HYBRID_SHARD"
+    return "ddp" if sharding == "NO_SHARD" and not offload else named("fsdp", sharding=sharding, offload=offload)
 
 
 def num_nodes() -> int:

@@ -158,7 +158,7 @@ def fit_result(spec, setup: Setup, fig: Figures, found: dict, args, traces=None,
     out["candidates"] = [c.considered() for c in found["fitting"]]  # every fitting one, in the order ranked
     fitting = {c.strategy for c in found["fitting"]}
     out.update({
-        "mesh": winner.mesh, "data_parallel_size": winner.mesh["dp_replicate"] * winner.mesh["dp_shard"],
+        "mesh": winner.mesh.as_dict(), "data_parallel_size": winner.mesh.dp,
         "global_batch": args.global_batch, "step": winner.step,
         "usable_bytes": int(usable), "gpu_memory_bytes": setup.gpu_memory_bytes, "headroom": setup.headroom,
         "not_fitting": {name: {"smallest_peak_bytes": c.peak_bytes, "at": f"micro-batch {c.per_device_train_batch_size}"
@@ -194,7 +194,7 @@ def format_fit(r: dict) -> str:
         "",
         f"winner: {describe(r)}",
         *([f"  a tie within the model's error of {r['tie']['error']:.0%} (docs/fit.md): {r['tie']['candidates']} "
-           f"candidates of {', '.join(r['tie']['strategies'])}; chosen by memory headroom, then simplicity "
+           f"candidates of {', '.join(r['tie']['strategies'])}; {r['tie']['rule'].split(': ', 1)[1]} "
            f"(predicted fastest: {r['tie']['fastest_predicted']})"] if r.get("tie") else []),
         f"  step {r['step_time_s']:.3g} s = " + " + ".join(f"{k.replace('_', ' ')} {v:.3g}"
                                                       for k, v in step["step_time_parts"].items()),

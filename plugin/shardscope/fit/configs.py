@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 from ..errors import UsageError
 from ..safe_io import parse_json, parse_yaml, read_text
+from ..strategy import RECORDS
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 # folder -> (kind by file suffix, prefix of the qualified name)
@@ -131,8 +132,9 @@ def launcher_config(name: str, launcher: str) -> Path:
     try:
         return resolve_config(name, "deepspeed")
     except UsageError:
+        shipped = ", ".join(r.library_config.removeprefix("ds/") for r in RECORDS if r.library_config)
         raise UsageError(f"--launcher deepspeed needs a DeepSpeed JSON config: '{name}' is not one of the shipped "
-                         "ds/ configs (zero1, zero2, zero2_offload, zero3, zero3_offload) nor a file") from None
+                         f"ds/ configs ({shipped}) nor a file") from None
 
 
 # ----------------------------------------------------------------------------- validation

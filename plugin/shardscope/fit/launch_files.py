@@ -9,11 +9,10 @@ from ..errors import UsageError
 from ..model.spec import resolve_model
 from ..plan.mesh import Setup
 from ..plan.sequence import SPLIT_CONFIGS, parse_row_name
-from ..strategy import TP_STRATEGIES, family
+from ..strategy import TP_STRATEGIES, family, strategy_record
 from ..units import gb
 
 ACCELERATE_FILE, TRAINING_FILE, RESULT_FILE = "accelerate_config.yaml", "training_args.yaml", "fit.json"
-MULTINODE_CONFIGS = {"ddp": "ddp_multinode", "zero3": "zero3_multinode"}
 MIXED = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}
 
 
@@ -37,8 +36,11 @@ def accelerate_config(result: dict) -> tuple[dict, str]:
 
     strategy, setup, mesh = result["strategy"], result["setup"], result["mesh"]
     split = parse_row_name(strategy)  # "zero3/sp4": the shipped split config, its degree below
-    strategy = SPLIT_CONFIGS[split[1]] if split else strategy
-    name = MULTINODE_CONFIGS.get(strategy, strategy) if setup["nodes"] > 1 else strategy
+    if split:
+        name = SPLIT_CONFIGS[split[1]]
+    else:  # the record's shipped yaml, its multi-node one on several nodes where it has one
+        record = strategy_record(strategy)
+        name = (setup["nodes"] > 1 and record.multinode_config) or record.config
     shipped = find_config(name)
     config = yaml.safe_load(shipped.path.read_text())
     config["num_processes"] = setup["world_size"]

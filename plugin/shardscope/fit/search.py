@@ -16,20 +16,22 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UsageError
 from ..model.spec import ModelSpec
 from ..plan.formulas import Row
-from ..plan.mesh import LibraryKnobs, Setup, valid_tp_degrees
+from ..plan.mesh import LibraryKnobs, Setup, tp_mesh, valid_tp_degrees
 from ..plan.planner import chosen_tp_rows, estimate, fits, host_fits as planner_host_fits, usable_bytes
 from ..plan.sequence import KINDS, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name, search_groups
-from ..plan.time_model import OFFLOAD, Figures, Hardware, datasheet_figures, model_error, step_time
-from ..strategy import STRATEGIES, TP_STRATEGIES, family
+from ..plan.time_model import Figures, Hardware, datasheet_figures, model_error, step_time
+from ..strategy import OFFLOAD, STRATEGIES, TP_STRATEGIES, Mesh, family, simplicity_order, strategy_record
 from ..units import gb
 
-# Candidates tied within the model's error: the most memory headroom first, then the simplest (DDP, ZeRO-1/2, the
-# gathering strategies, tensor parallelism, offload; then the sequence-split rows of plan/sequence.py, "zero3/sp4",
-# lower degrees first).
-SIMPLICITY = ["ddp", "zero1", "zero2", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_full_shard", "zero3", "tp",
-              "fsdp_tp", "hsdp_tp", "zero2_offload", "fsdp_offload", "zero3_offload"]
-SIMPLICITY += [s for s in STRATEGIES if s not in SIMPLICITY]
-SIMPLICITY += [row_name(s, kind, 2 ** i) for i in range(1, 11) for kind in KINDS for s in SPLIT_STRATEGIES[kind]]
+# Candidates tied within the model's error: the most memory headroom first, then the simplest: the registry's order
+# (`simplicity_order`, the one `recommend` walks), then the sequence-split rows of plan/sequence.py, "zero3/sp4",
+# lower degrees first.
+SPLIT_ROWS = tuple(row_name(s, kind, 2 ** i) for i in range(1, 11) for kind in KINDS for s in SPLIT_STRATEGIES[kind])
+
+
+def simplicity(name: str, prefer: str) -> int:
+    """A candidate's place in the simplicity order (`prefer`: the family first inside a tier, as `recommend`)."""
+    return (simplicity_order(prefer) + SPLIT_ROWS).index(name)
 
 
 # ----------------------------------------------------------------------------- search
@@ -40,7 +42,7 @@ class Candidate:
     gradient_accumulation_steps: int
     gradient_checkpointing: bool
     tp: int
-    mesh: dict
+    mesh: Mesh
     peak_bytes: int
     fits: bool
     step_time_s: float
@@ -48,15 +50,15 @@ class Candidate:
     cpu_bytes: int = 0
     model_states_bytes: int = 0
 
-    @property
-    def key(self) -> tuple:
+    def key(self, prefer: str) -> tuple:
         """Ranking: predicted time, then simplicity, then fewer micro-batches."""
-        return (round(self.step_time_s, 9), SIMPLICITY.index(self.strategy), self.gradient_accumulation_steps,
+        return (round(self.step_time_s, 9), simplicity(self.strategy, prefer), self.gradient_accumulation_steps,
                 self.tp)
 
     def public(self) -> dict:
         out = asdict(self)
-        out["data_parallel_size"] = self.mesh["dp_replicate"] * self.mesh["dp_shard"]
+        out["mesh"] = self.mesh.as_dict()
+        out["data_parallel_size"] = self.mesh.dp
         return out
 
     def considered(self) -> dict:
@@ -76,8 +78,8 @@ def strategy_groups(spec: ModelSpec, setup: Setup, allowed) -> list[tuple[int | 
     all GPUs; per TP degree t (`setup.tp_size`, else each that divides both head counts) the TP rows a run on
     every GPU can use (`planner.chosen_tp_rows`), dp = world / t."""
     world, groups = setup.world_size, []
-    plain = tuple(s for s in allowed if s in STRATEGIES and s not in TP_STRATEGIES
-                  and (s != "fsdp_hybrid_shard" or setup.nodes > 1))
+    plain = tuple(s for s in allowed if s in STRATEGIES and s not in TP_STRATEGIES  # hybrid: not on one node
+                  and not strategy_record(s).repeats(tp_mesh(s, setup, 1)))
     if plain:
         groups.append((None, plain, world))
     if spec.tp_plan:
@@ -145,7 +147,7 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
                     break
     if not smallest:
         raise UsageError(not_divisible_message(global_batch, skipped))
-    fitting.sort(key=lambda c: c.key)
+    fitting.sort(key=lambda c: c.key(setup.prefer))
     tie = break_tie(fitting, setup, model_error(fig))
     notes = [f"{', '.join(names)} left out: --global-batch {global_batch} is not a multiple of their data-parallel "
              f"size {dp} (nearest: {nearest_multiples(global_batch, dp)})" for names, dp in skipped]
@@ -153,11 +155,17 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
             "host": host, "tie": tie}
 
 
+TIE_RULE = ("tied within the model's error: the simplest wins (the strategy order, then checkpointing off, then fewer "
+            "micro-batches, then the most memory headroom)")
+
+
 def break_tie(fitting: list[Candidate], setup: Setup, error: float) -> dict | None:
     """Every candidate predicted within `error` (a fraction) of the fastest is a tie, inside a strategy too (another
-    micro-batch, checkpointing, accumulation): the model cannot tell them apart. Among them the most memory headroom
-    wins, then the simplest, then fewer micro-batches; the winner moves to the front of `fitting`. None when the
-    fastest candidate is clearly fastest."""
+    micro-batch, checkpointing, accumulation): the model cannot tell them apart, so the winner is the simplest
+    (`TIE_RULE`): the strategy first in the registry's order, then without checkpointing, then with fewer
+    micro-batches, then with the most memory headroom (every candidate fits already). Memory headroom first picked
+    checkpointing and TP almost always, settings known to be slower that the model's error then hid. The winner
+    moves to the front of `fitting`; None when the fastest candidate is clearly fastest."""
     if not fitting:
         return None
     fastest = fitting[0]  # sorted fastest first
@@ -165,12 +173,13 @@ def break_tie(fitting: list[Candidate], setup: Setup, error: float) -> dict | No
     if len(tied) < 2:
         return None
     usable = usable_bytes(setup)
-    tied.sort(key=lambda c: (-(usable - c.peak_bytes), SIMPLICITY.index(c.strategy), c.gradient_accumulation_steps))
+    tied.sort(key=lambda c: (simplicity(c.strategy, setup.prefer), c.gradient_checkpointing,
+                             c.gradient_accumulation_steps, -(usable - c.peak_bytes)))
     fitting.remove(tied[0])
     fitting.insert(0, tied[0])
     return {"error": error, "strategies": list(dict.fromkeys(label(c) for c in tied)), "candidates": len(tied),
             "fastest_predicted": fastest.strategy,
-            "rule": "tied within the model's error: the most memory headroom, then the simplest"}
+            "rule": TIE_RULE}
 
 
 def label(cand: Candidate) -> str:
@@ -216,10 +225,10 @@ def host_lines(host: dict, bound: str = "--cpu-memory") -> list[str]:
 
 def candidate(row: Row, spec, model, setup: Setup, tokens: int, fig: Figures) -> Candidate:
     split = parse_row_name(row.strategy)  # a rank computes 1/degree of each sequence, attention at its full length:
-    timed = replace(row, mesh={**row.mesh, "tp": row.mesh["tp"] * split[2]}) if split else row  # timed as a TP share
+    timed = replace(row, mesh=replace(row.mesh, tp=row.mesh.tp * split[2])) if split else row  # timed as a TP share
     step = step_time(timed, spec, model, setup, setup.seq_len if split else tokens, fig)
     return Candidate(row.strategy, setup.micro_batch, setup.grad_accum_steps, setup.activation_checkpointing,
-                     row.mesh["tp"], row.mesh, row.peak_bytes, bool(row.fits), step["step_time_s"],
+                     row.mesh.tp, row.mesh, row.peak_bytes, bool(row.fits), step["step_time_s"],
                      step, row.cpu_bytes, row.model_states_bytes)
 
 
@@ -240,9 +249,8 @@ def why_lost(cand: Candidate, winner: Candidate, tie: dict | None = None) -> str
     """One line: which part of the predicted step makes `cand` slower than the winner (or what breaks the tie)."""
     delta = cand.step_time_s - winner.step_time_s
     if tie and label(cand) in tie["strategies"]:
-        more = "less memory headroom" if cand.peak_bytes > winner.peak_bytes else "not simpler"
         return (f"{delta / winner.step_time_s:+.1%} step time, within the model's error of {tie['error']:.0%}: a tie; "
-                f"{more} than {winner.strategy}")
+                f"{label(winner)} is simpler")
     if delta <= 1e-9 * max(winner.step_time_s, 1e-12):
         if cand.strategy != winner.strategy:
             return (f"same predicted time; {winner.strategy} comes first in the planner's order (fewer "
@@ -331,7 +339,7 @@ def larger_micro_batch(spec: ModelSpec, setup: Setup, winner: Candidate, global_
                        traces=None) -> dict | None:
     """When the kept global batch forces a smaller micro-batch than fits (no divisor in between), the
     largest micro-batch that fits and the nearest global batches that allow it."""
-    dp = winner.mesh["dp_replicate"] * winner.mesh["dp_shard"]
+    dp = winner.mesh.dp
     per_rank, micro, best = global_batch // dp, winner.per_device_train_batch_size, None
     for m in range(micro + 1, min(per_rank, micro + limit)):
         trial = replace(setup, micro_batch=m, grad_accum_steps=1, activation_checkpointing=winner.gradient_checkpointing,

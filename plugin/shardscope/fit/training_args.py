@@ -21,7 +21,7 @@ from ..errors import UsageError
 from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
 from ..plan.planner import usable_bytes
 from ..plan.time_model import hardware
-from ..strategy import STRATEGIES, configured_precision, num_nodes, strategy_of_config, tp_strategy
+from ..strategy import STRATEGIES, configured_precision, family, num_nodes, strategy_of_config, tp_strategy
 from ..summary import FIT_ATTRIBUTE
 from ..units import as_int, gb, parse_size
 from .search import below_model_states, host_lines, nothing_fits, search
@@ -144,7 +144,7 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         raise UsageError(f"fit_training_args: strategy {strategy!r} is not one the planner knows")
     world, nodes = args.world_size, num_nodes()
     precision = configured_precision(args.bf16, args.fp16)
-    if precision == "bf16-mixed" and not strategy.startswith("zero") and _param_dtype(base) == "torch.bfloat16":
+    if precision == "bf16-mixed" and family(strategy) != "deepspeed" and _param_dtype(base) == "torch.bfloat16":
         precision = "bf16-pure"  # bf16 weights under autocast: no fp32 master anywhere
     if spec.kind == "text":
         seq_len = seq_len or getattr(config, "max_position_embeddings", None) or 2048

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..strategy import family, num_nodes, sequence_split, tp_strategy
+from ..strategy import Mesh, family, named, num_nodes, sequence_split, tp_strategy
 from ..units import as_int
 
 
@@ -73,7 +73,7 @@ def detect_strategy(model=None) -> dict:
     else:
         mesh = None
     if mesh is not None:
-        return {"strategy": tp_strategy(mesh), "world_size": world_size, "mesh": mesh,
+        return {"strategy": strategy_name("tp", mesh=mesh), "world_size": world_size, "mesh": mesh,
                 "sharded_by": "transformers DistributedConfig" if loaded is not None else "accelerate"}
     split = sequence_split(pc)
     if kind == DistributedType.DEEPSPEED:
@@ -89,7 +89,7 @@ def detect_strategy(model=None) -> dict:
                                                          1), **split.get("mesh", {})},
                 **details, **split.get("details", {})}
     if world_size > 1:
-        return {"strategy": "ddp", "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
+        return {"strategy": strategy_name("torch"), "world_size": world_size, "mesh": _mesh(world_size, 1, 1),
                 "distributed_type": str(kind.value)}
     launched = as_int(os.environ.get("WORLD_SIZE")) or 1
     if launched > 1:  # e.g. torchrun on CPU without use_cpu: transformers runs every process on its own
@@ -113,18 +113,18 @@ def wrapper_strategy(model) -> dict | None:
         stage = int(model.zero_optimization_stage())
         offload = getattr(model.zero_offload_optimizer(), "device", None)
         offload = getattr(offload, "value", offload) or "none"
-        details = {"strategy": f"zero{stage}" + ("_offload" if offload != "none" else ""), "zero_stage": stage,
-                   "offload_optimizer": offload}
+        details = {"strategy": strategy_name("deepspeed", zero_stage=stage, offload=offload != "none"),
+                   "zero_stage": stage, "offload_optimizer": offload}
         if stage == 3:
             details["stage3_param_persistence_threshold"] = model.zero_param_persistence_threshold()
             details["stage3_max_reuse_distance"] = model.zero_max_reuse_distance()
         return {"world_size": world, "mesh": _mesh(1, world, 1), "wrapper": name, **details}
     if name == "DistributedDataParallel":
-        return {"strategy": "ddp", "world_size": world, "mesh": _mesh(world, 1, 1), "wrapper": name}
+        return {"strategy": strategy_name("torch"), "world_size": world, "mesh": _mesh(world, 1, 1), "wrapper": name}
     if name == "FullyShardedDataParallel":
         sharding = model.sharding_strategy.name
         offload = bool(getattr(model.cpu_offload, "offload_params", False))
-        return {"strategy": "fsdp_offload" if offload else f"fsdp_{sharding.lower()}", "world_size": world,
+        return {"strategy": strategy_name("fsdp", sharding=sharding, offload=offload), "world_size": world,
                 "mesh": _mesh(1, world, 1), "wrapper": name, "fsdp_version": 1, "sharding_strategy": sharding}
     from torch.distributed.fsdp import FSDPModule
 
@@ -133,7 +133,7 @@ def wrapper_strategy(model) -> dict | None:
         unit = next((m for m in units if m is not model), units[0])
         group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
         sharding = "SHARD_GRAD_OP" if group is not None and group.post_forward_mesh_info is None else "FULL_SHARD"
-        return {"strategy": f"fsdp_{sharding.lower()}", "world_size": world, "mesh": _mesh(1, world, 1),
+        return {"strategy": strategy_name("fsdp", sharding=sharding), "world_size": world, "mesh": _mesh(1, world, 1),
                 "wrapper": "fully_shard", "fsdp_version": 2, "sharding_strategy": sharding}
     return None
 
@@ -164,7 +164,21 @@ def zero_buckets(optimizer) -> dict:
 
 
 def _mesh(dp_replicate: int, dp_shard: int, tp: int) -> dict:
-    return {"dp_replicate": int(dp_replicate), "dp_shard": int(dp_shard), "tp": int(tp)}
+    return Mesh(int(dp_replicate), int(dp_shard), int(tp)).as_dict()
+
+
+def strategy_name(library: str, *, zero_stage: int = 0, sharding: str = "", offload: bool = False,
+                  mesh: dict | None = None) -> str | None:
+    """The strategy a live run's library names (the registry's record, `strategy.named`): DeepSpeed's ZeRO stage and
+    offload, FSDP's sharding and offload, the TP mesh, torch's DDP; the library's own spelling where no record
+    matches (DeepSpeed without ZeRO: "zero0", FSDP1's NO_SHARD: "fsdp_no_shard"); None for a library not read here."""
+    if library == "deepspeed":
+        return named("deepspeed", zero_stage=zero_stage, offload=offload) or f"zero{zero_stage}"
+    if library == "fsdp":
+        return named("fsdp", sharding=sharding, offload=offload) or f"fsdp_{sharding.lower()}"
+    if library == "tp":
+        return tp_strategy(mesh)
+    return named("torch") if library == "torch" else None
 
 
 def _deepspeed_details(plugin) -> dict:
@@ -172,7 +186,7 @@ def _deepspeed_details(plugin) -> dict:
     stage = int(zero.get("stage", 0))
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
     offload_param = (zero.get("offload_param") or {}).get("device", "none")
-    name = f"zero{stage}" + ("_offload" if offload_optimizer not in ("none", None) else "")
+    name = strategy_name("deepspeed", zero_stage=stage, offload=offload_optimizer not in ("none", None))
     details = {"strategy": name, "zero_stage": stage, "offload_optimizer": offload_optimizer,
                "offload_param": offload_param}
     if stage == 3:  # effective values, DeepSpeed's defaults included: what is not sharded, what stays gathered
@@ -194,6 +208,6 @@ def _fsdp_details(plugin, parallelism_config) -> dict:
     else:
         sharding = getattr(plugin.sharding_strategy or plugin.reshard_after_forward, "name", "FULL_SHARD")
         sharding = "HYBRID_SHARD" if "HYBRID" in sharding else sharding
-    name = "fsdp_offload" if offload_params else f"fsdp_{sharding.lower()}"
+    name = strategy_name("fsdp", sharding=sharding, offload=offload_params)
     return {"strategy": name, "fsdp_version": version, "sharding_strategy": sharding, "offload_params": offload_params}
 

@@ -18,7 +18,7 @@ import torch
 
 from .guard import Instrument, WarnOnce
 from .rank_gather import gather_objects
-from ..strategy import configured_precision, trainer_precision
+from ..strategy import REGISTRY, configured_precision, trainer_precision
 from ..state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
                           storage_entry, zero_optimizer)
 
@@ -164,7 +164,7 @@ def verdict(configured: str, facts: dict, strategy: str | None = None, loaded_dt
     """`{"configured", "effective", "ok", "reason"}`; `loaded_dtype`: the dtype the model's config says
     its weights were saved/loaded in ("bf16", ...), `strategy` the detected strategy name."""
     effective = effective_precision(facts)
-    strategy = strategy or ""
+    zero_stage = REGISTRY[strategy].zero_stage if strategy in REGISTRY else 0  # DeepSpeed's, by the record
     ok, reason = effective == configured, None
     if effective.startswith("unknown"):
         ok, reason = False, f"parameters or compute in {effective.removeprefix('unknown: ')}, which shardscope " \
@@ -176,11 +176,11 @@ def verdict(configured: str, facts: dict, strategy: str | None = None, loaded_dt
         reason = (f"the parameters are {effective[:4]} and the optimizer steps them with no fp32 master copy "
                   f"(the model was loaded in {effective[:4]}): load it in float32 (from_pretrained(..., dtype=torch.float32)) "
                   f"so autocast computes in {effective[:4]} over fp32 weights, or accept {effective} on purpose")
-    elif strategy.startswith("zero3") and loaded_dtype in HALF and effective == "fp32":
+    elif zero_stage == 3 and loaded_dtype in HALF and effective == "fp32":
         ok, reason = False, (f"the checkpoint is {loaded_dtype} but DeepSpeed ZeRO-3 built fp32 parameters "
                              f"(neither --{loaded_dtype} nor the JSON's {loaded_dtype} section is on): twice the "
                              f"parameter memory; pass --{loaded_dtype}")
-    elif not ok and strategy.startswith("zero"):
+    elif not ok and zero_stage:
         reason = (f"the Trainer's flags ask for {configured} but DeepSpeed trains {effective}: the DeepSpeed "
                   "config's fp16/bf16 section disagrees with them; set it to \"auto\"")
     elif not ok:

@@ -72,11 +72,11 @@ from .formulas import chunk, strategy_row
 from .mesh import LibraryKnobs, check_tp_heads, setup_for_mesh, tp_degree
 from ..model import cache as model_cache
 from ..model.spec import attention_heads, config_bytes, load_model_config, meta_model, model_spec, resolve_model
-from ..strategy import TP_STRATEGIES
+from ..strategy import RECORDS, TP_STRATEGIES, Mesh, strategy_record
 
-DRY_RUN_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", *TP_STRATEGIES)
+# What FSDP2 and transformers' TP plan build on the meta device: the FSDP records that keep states on the GPU, TP's
+DRY_RUN_STRATEGIES = tuple(r.name for r in RECORDS if r.family in ("fsdp", "tp") and not r.offload)
 FSDP_MESH_DIMS = ("shard", "fsdp")  # the mesh dims FSDP2 shards over (ours; transformers')
-RESHARD_AFTER_FORWARD = {"fsdp_full_shard": True, "fsdp_shard_grad_op": False, "fsdp_hybrid_shard": True}
 NOT_DRY_RUN = {
     "zero3": ("not dry-run: DeepSpeed ZeRO-3 partitions parameters (deepspeed.zero.Init) by allocating each "
               "rank's ds_tensor as real memory and needs deepspeed.comm over a real backend; there is no "
@@ -268,14 +268,15 @@ def _shard_model(model, config, strategy: str, mesh_shape: tuple):
             raise LibraryRefused(f"not dry-run: transformers {_version('transformers')} could not apply its "
                                  f"tensor-parallel plan to this model ({type(error).__name__}: {first})") from None
         return model, ("dp_replicate", "fsdp", "tp")
-    names = ("replicate", "shard") if strategy == "fsdp_hybrid_shard" else ("shard",)
+    record = strategy_record(strategy)
+    names = ("replicate", "shard") if record.node_local else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     wrapped = [m for m in model.modules() if type(m).__name__ in blocks]
     if not wrapped:
         raise UsageError(f"model type '{config.model_type}' names no transformer block class "
                          f"(_no_split_modules) to wrap per layer")
-    reshard = RESHARD_AFTER_FORWARD[strategy]
+    reshard = record.sharding != "SHARD_GRAD_OP"
     for module in wrapped:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -297,7 +298,7 @@ def _build_rank(template, config, strategy: str, rank: int, mesh_shape: tuple, m
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(mesh_shape))
     try:
         model, names = _shard_model(copy.deepcopy(base), config, strategy, mesh_shape)
-        tp_alone = strategy == "tp"
+        tp_alone = _tp_alone(strategy)
         if tp_alone:
             _meta_backward(model)
         params = grads = elements = optim = 0
@@ -328,7 +329,7 @@ def tp_mesh_shape(config, strategy: str, world_size: int, nodes: int, tp: int | 
     heads, kv = attention_heads(config)
     heads = heads or 1
     kv = kv or heads
-    if strategy == "tp":
+    if _tp_alone(strategy):
         t = world_size if tp is None else tp
         if t != world_size or nodes != 1:
             raise UsageError(f"--dry-run tp: tensor parallelism alone runs on --tp ranks of one node; got --tp {t} "
@@ -344,9 +345,13 @@ def tp_mesh_shape(config, strategy: str, world_size: int, nodes: int, tp: int | 
     if not getattr(config, "base_model_tp_plan", None):
         raise UsageError(f"--dry-run {strategy}: transformers has no tensor-parallel plan for model type "
                          f"'{config.model_type}' (config.base_model_tp_plan)")
-    if strategy == "hsdp_tp":
-        return nodes, gpus // t, t
-    return 1, world_size // t, t
+    mesh = strategy_record(strategy).mesh_on(world_size, nodes, t)
+    return mesh.dp_replicate, mesh.dp_shard, mesh.tp
+
+
+def _tp_alone(strategy: str) -> bool:
+    """Tensor parallelism with no data-parallel dimension (no FSDP over its shards)."""
+    return strategy_record(strategy).dims == ("tp",)
 
 
 def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: str = "bf16-mixed",
@@ -372,7 +377,8 @@ def dry_run(config, strategy: str, world_size: int, nodes: int = 1, precision: s
         mesh_shape = tp_mesh_shape(config, strategy, world_size, nodes, tp)
         shard_degree = mesh_shape[1] * mesh_shape[2]  # ranks that divide the model states
     else:
-        mesh_shape = (nodes, world_size // nodes) if strategy == "fsdp_hybrid_shard" else (world_size,)
+        mesh = strategy_record(strategy).mesh_on(world_size, nodes)
+        mesh_shape = (mesh.dp_replicate, mesh.dp_shard) if strategy_record(strategy).node_local else (mesh.dp_shard,)
         shard_degree = mesh_shape[-1]
     dtype, moments = _dtype(precision), MOMENTS[optimizer]
     models = {} if models is None else models
@@ -402,7 +408,7 @@ def compare_rows(result: DryRun, spec, setup, knobs: LibraryKnobs | None = None)
     """The dry-run's extreme ranks beside the planner's formula row for the same strategy and setup (FSDP2)."""
     if result.strategy in TP_STRATEGIES:
         r, s, t = result.mesh
-        _, row_setup = setup_for_mesh(setup, {"dp_replicate": r, "dp_shard": s, "tp": t})
+        _, row_setup = setup_for_mesh(setup, Mesh(r, s, t))
     else:
         row_setup = replace(setup, gpus_per_node=result.gpus_per_node, nodes=result.nodes)
     row = strategy_row(result.strategy, spec, row_setup, knobs=replace(knobs or LibraryKnobs(), fsdp_version=2))
@@ -424,7 +430,7 @@ def default_strategies(config, world_size: int, nodes: int, tp: int | None) -> l
     model and the TP degree is above 1 (hsdp_tp only over several nodes), and zero3."""
     tp_default = bool(getattr(config, "base_model_tp_plan", None)) and (
         tp_mesh_shape(config, "fsdp_tp", world_size, nodes, tp)[2] > 1)
-    return [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN) if (s not in ("fsdp_hybrid_shard", "hsdp_tp") or nodes > 1)
+    return [s for s in (*DRY_RUN_STRATEGIES, *NOT_DRY_RUN) if (not strategy_record(s).node_local or nodes > 1)
             and (s not in TP_STRATEGIES or tp_default)]
 
 
@@ -457,13 +463,13 @@ def _dry_run_all(config, strategies, world_size: int, nodes: int, setup, knobs: 
     spec, results, models = model_spec(config), [], {}
     for strategy in strategies or default_strategies(config, world_size, nodes, setup.tp_size):
         world, where = world_size, nodes
-        if strategy == "tp":  # TP alone: the t GPUs of one node, as the planner's tp row
+        if _tp_alone(strategy):  # TP alone: the t GPUs of one node, as the planner's tp row
             world, where = tp_degree(spec, replace(setup, gpus_per_node=world_size // nodes)), 1
         note = NOT_DRY_RUN.get(strategy)
         if note is None:
             try:
                 result = dry_run(config, strategy, world, where, setup.precision, setup.optimizer,
-                                 setup.tp_size if strategy != "tp" else world, models)
+                                 world if _tp_alone(strategy) else setup.tp_size, models)
             except LibraryRefused as refused:
                 note = str(refused)
         if note is not None:  # the planner's formula row, and why there is no dry run beside it

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from .mesh import LibraryKnobs, Setup, tp_degree, tp_mesh
 from ..model.spec import LORA_DEFAULT_TARGETS, ModelSpec
 from .peak import formula_moments, step_peak
-from ..strategy import family
+from ..strategy import Mesh, Strategy, strategy_record
 from ..units import ceil_div
 
 # A row's `activations_source` where no trace applies (TP rows, untraceable models, --params)
@@ -243,7 +243,7 @@ class Row:
     model_states_bytes: int = 0
     buffers_detail: dict = field(default_factory=dict)
     shard_degree: int = 1
-    mesh: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp"}
+    mesh: Mesh = field(default_factory=Mesh)  # written as its `as_dict`: {"dp_replicate", "dp_shard", "tp"}
     per_param: PerParam | None = None         # B per trainable param: weights, grads, master, moments
     comm_bytes_per_step: int = 0              # computed: bytes each rank sends per optimizer step
     comm: dict = field(default_factory=dict)  # its terms
@@ -259,7 +259,7 @@ class Row:
         peak_bytes) where that key has always stood."""
         out = {}
         for key, value in asdict(self).items():
-            out[key] = value
+            out[key] = self.mesh.as_dict() if key == "mesh" else value
             if key == "frozen_bytes":
                 out["total_bytes"] = self.peak_bytes
         return out
@@ -274,7 +274,7 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
     None: computed here). The formula of each family, its terms and its sources: docs/planner.md, "The formulas as
     the code computes them"."""
     ctx = family_row(strategy, spec, setup, c or counts(spec, setup), knobs or LibraryKnobs(), mesh)
-    act = activation_bytes(spec, setup, ctx.mesh["tp"])["total"] if activations is None else activations
+    act = activation_bytes(spec, setup, ctx.mesh.tp)["total"] if activations is None else activations
     row, cpu, detail = ctx.states()
     comm = {k: int(v) for k, v in ctx.comm().items()}
     if trace is not None and not isinstance(ctx, TpRow):
@@ -298,16 +298,20 @@ def strategy_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts | None 
 
 
 def family_row(strategy: str, spec: ModelSpec, setup: Setup, c: Counts, knobs: LibraryKnobs,
-               mesh: dict | None = None) -> "FamilyRow":
-    """The context of one strategy's row: its family's class with the counts, element bytes and mesh."""
-    fam = family(strategy)
+               mesh: Mesh | None = None) -> "FamilyRow":
+    """The context of one strategy's row: its family's class (`row_class`) with the counts, element bytes and mesh."""
+    record = strategy_record(strategy)
     if mesh is None:
-        mesh = tp_mesh(strategy, setup, tp_degree(spec, setup) if fam == "tp" else 1)
-    stage = int(strategy[4]) if fam == "deepspeed" else 0
-    eb = element_bytes(setup.precision, fam, setup.optimizer, knobs.fp32_grads, stage)
-    kind = {"torch": TorchRow, "deepspeed": Zero12Row if stage in (1, 2) else Zero3Row, "fsdp": FsdpRow,
-            "tp": TpRow}[fam]
-    return kind(strategy, spec, setup, knobs, c, eb, mesh)
+        mesh = tp_mesh(strategy, setup, tp_degree(spec, setup) if record.family == "tp" else 1)
+    eb = element_bytes(setup.precision, record.family, setup.optimizer, knobs.fp32_grads, record.zero_stage)
+    return row_class(record)(strategy, spec, setup, knobs, c, eb, mesh)
+
+
+def row_class(record: Strategy) -> type["FamilyRow"]:
+    """The formulas of a record: its family's `FamilyRow` (DeepSpeed's by ZeRO stage: 3 partitions parameters)."""
+    if record.family == "deepspeed":
+        return Zero3Row if record.zero_stage == 3 else Zero12Row
+    return {"torch": TorchRow, "fsdp": FsdpRow, "tp": TpRow}[record.family]
 
 
 @dataclass
@@ -323,9 +327,13 @@ class FamilyRow:
     knobs: LibraryKnobs
     c: Counts
     eb: ElementBytes
-    mesh: dict
+    mesh: Mesh
 
     shards = 1
+
+    @property
+    def record(self) -> Strategy:
+        return strategy_record(self.strategy)
 
     def states(self) -> tuple[dict, int, dict]:
         raise NotImplementedError
@@ -337,28 +345,28 @@ class FamilyRow:
         """What `plan/peak.py`'s `step_peak` adds to the states (see its docstring): what a rank gathers to compute
         and the fresh gradient of the unit or layer being reduced, the gradients it holds at the end of backward
         where they are not its shard (ZeRO-1), and what it carries from earlier micro-batches into a later one."""
-        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
-        fam, g, held = family(strategy), eb.grad, {}
+        record, spec, setup, c, eb = self.record, self.spec, self.setup, self.c, self.eb
+        fam, g, held = record.family, eb.grad, {}
         if fam == "fsdp":
             unit = detail["unit_grad"]  # the largest unit in the compute dtype (FsdpRow.states)
             held = {"gathered": detail.get("gathered_params", unit), "gathered_end": unit,
                     "reduce_copy": detail["reduce_scatter_input"], "fresh_unit": unit}
         elif detail.get("gathered_units"):  # TP + FSDP2
             held = {"gathered": detail["gathered_units"] // 2, "reduce_copy": detail.get("unit_grad", 0)}
-        elif strategy.startswith("zero3"):  # carried: the gradient partitions' flat buffer, allocated when DeepSpeed
+        elif record.zero_stage == 3:  # carried: the gradient partitions' flat buffer, allocated when DeepSpeed
             # starts (`grad_partitions_flat_buffer`) and held at every moment, whatever the accumulation (seen on
             # an H200: benchmarks/results/gpu_check.md)
             return {"gathered": spec.largest_layer_params * eb.param + detail["kept_gathered"],
                     "fresh_unit": spec.largest_layer_params * g, "carried": row["grads_bytes"]}
-        if strategy == "zero1":
+        if record.zero_stage == 1:  # whole gradients until the step, as torch's
             held["backward_grads"] = c.trainable * g
         if setup.grad_accum_steps == 1 or fam == "tp":
             return held
-        if fam == "torch" or strategy == "zero1":  # torch's AccumulateGrad adds each fresh gradient into .grad
+        if fam == "torch" or record.zero_stage == 1:  # torch's AccumulateGrad adds each fresh gradient into .grad
             return {**held, "carried": c.trainable * g}
         if fam == "fsdp":  # unsharded, reduce-scattered unit by unit in the last micro-batch
             return {**held, "carried": c.trainable * eb.compute}
-        return {**held, "carried": row["grads_bytes"], "carried_kept": strategy == "zero2"}
+        return {**held, "carried": row["grads_bytes"], "carried_kept": record.zero_stage == 2 and not record.offload}
 
 
 class TorchRow(FamilyRow):
@@ -384,17 +392,17 @@ class Zero12Row(FamilyRow):
         return self.setup.world_size
 
     def states(self):
-        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        record, spec, setup, c, eb = self.record, self.spec, self.setup, self.c, self.eb
         n, g = self.shards, eb.grad
         shard = ceil_div(c.trainable, 2 * n) * 2
         optim = int(shard * (eb.master + eb.moments)) + _step_tensors(setup, self.knobs.zero_param_groups)
         detail = {"reduce_buckets": (2 if _overlap(self.knobs, 2) else 1) * _bucket(spec, self.knobs) * g}
-        if strategy == "zero2_offload":
+        if record.offload:  # the optimizer and its gradients
             return dict(params_bytes=c.total * eb.param, grads_bytes=0, optimizer_bytes=0), \
                 shard * (4 + eb.param) + optim, detail
         detail["fp32_grad_copy_in_step"] = shard * 4 if g < 4 else 0
-        grads = zero2_grad_partition(c, n) if strategy == "zero2" else shard
-        if strategy == "zero2":  # the flat partition DeepSpeed's end-of-backward epilogue builds for the step
+        grads = zero2_grad_partition(c, n) if record.zero_stage == 2 else shard
+        if record.zero_stage == 2:  # the flat partition DeepSpeed's end-of-backward epilogue builds for the step
             detail["flat_grad_partition"] = shard * g
         return dict(params_bytes=c.total * eb.param, grads_bytes=grads * g, optimizer_bytes=optim), 0, detail
 
@@ -402,7 +410,7 @@ class Zero12Row(FamilyRow):
         c, N, A = self.c, self.setup.world_size, self.setup.grad_accum_steps
         # stage 1 all-reduces whole gradients once per step; stage 2 all-reduces buckets every micro-batch
         # (use_multi_rank_bucket_allreduce)
-        per_step = 1 if self.strategy.startswith("zero1") else A
+        per_step = 1 if self.record.zero_stage == 1 else A
         return {"grad_all_reduce": 2 * _ring(N) * c.trainable * self.eb.grad * per_step,
                 "param_all_gather": _ring(N) * c.total * self.eb.param}
 
@@ -416,7 +424,7 @@ class Zero3Row(FamilyRow):
         return self.setup.world_size
 
     def states(self):
-        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        spec, setup, c, eb = self.spec, self.setup, self.c, self.eb
         n, p, g = self.shards, eb.param, eb.grad
         pshard, tshard = shard_tensors(c, n), shard_tensors(c, n, trainable_only=True)
         knobs = self.knobs
@@ -430,15 +438,19 @@ class Zero3Row(FamilyRow):
         # Tensors at or below the persistence threshold also stay whole on every rank, on the GPU.
         persistent = (c.total - gathered) * p
         on_gpu = dict(params_bytes=pshard * p + persistent, grads_bytes=tshard * g, optimizer_bytes=optim)
-        cpu = 0
-        if strategy == "zero3_offload" and knobs.zero3_offload in ("all", "params"):  # offload_param
+        cpu, moved = 0, self.moved()
+        if "params" in moved:  # offload_param
             on_gpu["params_bytes"], cpu = persistent, pshard * p
-        if strategy == "zero3_offload" and knobs.zero3_offload in ("all", "optimizer"):  # offload_optimizer
+        if "optimizer" in moved:  # offload_optimizer
             on_gpu.update(grads_bytes=0, optimizer_bytes=0)
             return on_gpu, cpu + tshard * (g + 4) + optim, detail
         # DeepSpeed's step builds fp32 gradients one sub-group (sub_group_size elements) at a time
         detail["fp32_grad_copy_in_step"] = min(tshard, knobs.zero_sub_group_size) * 4
         return on_gpu, cpu, detail
+
+    def moved(self) -> tuple[str, ...]:
+        """What the record offloads that `knobs.zero3_offload` ("all", "params", "optimizer") moves."""
+        return tuple(k for k in self.record.offload if self.knobs.zero3_offload in ("all", k))
 
     def comm(self):
         c, N, A = self.c, self.setup.world_size, self.setup.grad_accum_steps
@@ -453,11 +465,10 @@ class FsdpRow(FamilyRow):
 
     @property
     def shards(self) -> int:
-        setup = self.setup
-        return setup.gpus_per_node if self.strategy == "fsdp_hybrid_shard" else setup.world_size
+        return self.mesh.dp_shard
 
     def states(self):
-        strategy, spec, setup, c, eb = self.strategy, self.spec, self.setup, self.c, self.eb
+        record, spec, setup, c, eb = self.record, self.spec, self.setup, self.c, self.eb
         n = self.shards
         if self.knobs.fsdp_version == 1:  # one padded flat parameter per unit
             pshard = sum(ceil_div(u, n) for u in c.units)
@@ -467,12 +478,12 @@ class FsdpRow(FamilyRow):
             tshard = shard_tensors(c, n, trainable_only=True, by_rows=True)
         optim = int(tshard * (eb.master + eb.moments)) + _step_tensors(setup, c.n_trainable_tensors)
         unit, e = max(_fsdp_units(spec, self.knobs, c)), eb.compute
-        if strategy == "fsdp_shard_grad_op":
+        if record.sharding == "SHARD_GRAD_OP":  # gathered in forward, kept through backward
             detail = {"gathered_params": c.total * e, "unit_grad": unit * e}
         else:
             detail = {"gathered_units": 2 * unit * e, "unit_grad": unit * e}
         detail["reduce_scatter_input"] = unit * e  # FSDP2 copies the unit's grads in; the output is the rank's shard
-        if strategy == "fsdp_offload":
+        if record.offload:
             return dict(params_bytes=0, grads_bytes=0, optimizer_bytes=0), \
                 pshard * eb.param + tshard * eb.grad + optim, detail
         return dict(params_bytes=pshard * eb.param, grads_bytes=tshard * eb.grad, optimizer_bytes=optim), 0, detail
@@ -481,11 +492,11 @@ class FsdpRow(FamilyRow):
         spec, setup, c, n, e = self.spec, self.setup, self.c, self.shards, self.eb.compute
         root = c.units[-1] if len(c.units) > 1 else 0
         once = root - (spec.untied_embedding_params if self.knobs.fsdp_version == 2 else 0)
-        gathered = c.total if self.strategy == "fsdp_shard_grad_op" else 2 * c.total - once
+        gathered = c.total if self.record.sharding == "SHARD_GRAD_OP" else 2 * c.total - once
         comm = {"param_all_gather": setup.grad_accum_steps * _ring(n) * gathered * e,
                 "grad_reduce_scatter": _ring(n) * c.trainable * e}
-        if self.strategy == "fsdp_hybrid_shard" and setup.nodes > 1:
-            comm["grad_all_reduce"] = 2 * _ring(setup.nodes) * ceil_div(c.trainable, n) * e
+        if self.mesh.dp_replicate > 1:  # hybrid: the shards' gradients all-reduced across the replicas
+            comm["grad_all_reduce"] = 2 * _ring(self.mesh.dp_replicate) * ceil_div(c.trainable, n) * e
         return comm
 
 
@@ -494,11 +505,11 @@ class TpRow(FamilyRow):
 
     @property
     def shards(self) -> int:
-        return self.mesh["tp"] * self.mesh["dp_shard"]
+        return self.mesh.tp * self.mesh.dp_shard
 
     def states(self):
         setup, c, eb = self.setup, self.c, self.eb
-        t, S, R = self.mesh["tp"], self.mesh["dp_shard"], self.mesh["dp_replicate"]
+        t, S, R = self.mesh.tp, self.mesh.dp_shard, self.mesh.dp_replicate
         pshard, tshard = tp_fsdp_shard(c, t, S), tp_fsdp_shard(c, t, S, trainable_only=True)
         gshard = tshard if R * S > 1 else tp_fsdp_shard(c, t, 1, trainable_only=True, tp_grads=True)
         row = dict(params_bytes=pshard * eb.param, grads_bytes=gshard * eb.grad,
@@ -512,7 +523,7 @@ class TpRow(FamilyRow):
 
     def comm(self):
         c, p, g, A = self.c, self.eb.param, self.eb.grad, self.setup.grad_accum_steps
-        t, S, R = self.mesh["tp"], self.mesh["dp_shard"], self.mesh["dp_replicate"]
+        t, S, R = self.mesh.tp, self.mesh.dp_shard, self.mesh.dp_replicate
         comm = _tp_comm(self.spec, self.setup, t, self.eb.compute)
         if R * S > 1:
             ptp, ttp = tp_fsdp_shard(c, t, 1), tp_fsdp_shard(c, t, 1, trainable_only=True)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..errors import UsageError
 from ..model.spec import LORA_DEFAULT_TARGETS, ModelSpec
-from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES, tp_strategy
+from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES, Mesh, strategy_record, tp_strategy
 
 
 # The fraction of GPU memory a plan leaves free (`Setup.headroom`, `--headroom`): what no planned tensor
@@ -118,11 +118,10 @@ def row_meshes(spec: ModelSpec, setup: Setup, strategies) -> dict:
 
 
 def tp_rows(setup: Setup, t: int, strategies=TP_STRATEGIES) -> tuple[str, ...]:
-    """The TP rows of `strategies` at degree t, in `TP_STRATEGIES`' order (the one rule of which exist): fsdp_tp
-    not where TP spans every GPU (t = world) and hsdp_tp not on one node, where their mesh is the row's above; tp
+    """The TP rows of `strategies` at degree t, in `TP_STRATEGIES`' order (the one rule of which exist): those whose
+    mesh is not the row's above (`Strategy.repeats`: fsdp_tp where TP spans every GPU, hsdp_tp on one node); tp
     always (on t GPUs of one node)."""
-    same = {"fsdp_tp": setup.world_size == t, "hsdp_tp": setup.nodes == 1}
-    return tuple(s for s in TP_STRATEGIES if s in strategies and not same.get(s))
+    return tuple(s for s in TP_STRATEGIES if s in strategies and not strategy_record(s).repeats(tp_mesh(s, setup, t)))
 
 
 def tp_degree(spec: ModelSpec, setup: Setup) -> int:
@@ -168,30 +167,20 @@ def check_tp_heads(t: int, heads: int, kv_heads: int, name: str) -> None:
         raise UsageError(f"--tp {problem} of {name}")
 
 
-def tp_mesh(strategy: str, setup: Setup, t: int) -> dict:
-    """The `{"dp_replicate", "dp_shard", "tp"}` degrees of a row (the profiler summary's `mesh`).
+def tp_mesh(strategy: str, setup: Setup, t: int) -> Mesh:
+    """A row's mesh (the profiler summary's `mesh`): its record's (`Strategy.mesh_on`) on this setup at TP degree t.
 
     tp: t ranks of one node (world = t); fsdp_tp: FSDP2 over the other world / t ranks;
     hsdp_tp: replicated across the nodes, FSDP2 over gpus_per_node / t ranks inside each node.
     Ranks are laid out row-major over (dp_replicate, dp_shard, tp), as transformers' mesh
     (pp, dp_replicate, fsdp, tp) does, so a TP group is t consecutive ranks inside a node.
     """
-    if strategy == "tp":
-        return {"dp_replicate": 1, "dp_shard": 1, "tp": t}
-    if strategy == "fsdp_tp":
-        return {"dp_replicate": 1, "dp_shard": setup.world_size // t, "tp": t}
-    if strategy == "hsdp_tp":
-        return {"dp_replicate": setup.nodes, "dp_shard": setup.gpus_per_node // t, "tp": t}
-    n = setup.world_size
-    if strategy == "ddp":
-        return {"dp_replicate": n, "dp_shard": 1, "tp": 1}
-    if strategy == "fsdp_hybrid_shard":
-        return {"dp_replicate": setup.nodes, "dp_shard": setup.gpus_per_node, "tp": 1}
-    return {"dp_replicate": 1, "dp_shard": n, "tp": 1}
+    return strategy_record(strategy).mesh_on(setup.world_size, setup.nodes, t)
 
 
-def setup_for_mesh(setup: Setup, mesh: dict) -> tuple[str, Setup]:
-    """The TP strategy name and a Setup whose row reproduces `mesh` (a summary's `{"dp_replicate",
+def setup_for_mesh(setup: Setup, mesh) -> tuple[str, Setup]:
+    """The TP strategy name and a Setup whose row reproduces `mesh` (a `Mesh`, or a summary's `{"dp_replicate",
     "dp_shard", "tp"}`): nodes = dp_replicate, GPUs per node = dp_shard x tp, tp_size = tp."""
-    r, s, t = (int(mesh[k]) for k in ("dp_replicate", "dp_shard", "tp"))
+    mesh = Mesh.of(mesh)
+    r, s, t = mesh.dp_replicate, mesh.dp_shard, mesh.tp
     return tp_strategy(mesh), replace(setup, gpus_per_node=s * t, nodes=r, tp_size=t)

@@ -7,18 +7,14 @@ rows, `fits`, `recommend` (here) -> printing (`cli.plan`); planned beside measur
 from __future__ import annotations
 
 from .formulas import Row, activation_bytes, counts, strategy_row
-from .mesh import LibraryKnobs, Setup, row_meshes, run_dict, tp_rows
+from .mesh import LibraryKnobs, Setup, row_meshes, run_dict, tp_mesh, tp_rows
 from ..model.spec import ModelSpec, model_spec
 from .trace import regime_for
-from ..strategy import STRATEGIES, TP_STRATEGIES, family
+from ..strategy import STRATEGIES, TP_STRATEGIES, simplicity_order, strategy_record, tier
 from ..units import gb, gpu_size
 
 __all__ = ["Setup", "LibraryKnobs", "model_spec", "strategy_row", "estimate", "plan_dict", "recommend",
            "convention_table"]
-
-TIERS = (("ddp",), ("fsdp_shard_grad_op", "zero2"), ("fsdp_hybrid_shard",), ("fsdp_full_shard", "zero3"),
-         ("hsdp_tp",), ("tp",), ("fsdp_tp",), ("zero2_offload",), ("fsdp_offload", "zero3_offload"))
-
 
 def usable_bytes(setup: Setup) -> float | None:
     """GPU memory left for the run once `setup.headroom` is kept free (None: no GPU memory given)."""
@@ -48,8 +44,9 @@ def fits(row: Row, setup: Setup) -> bool | None:
 
 
 def recommend(rows: list[Row], setup: Setup) -> dict:
-    """The fastest strategy that fits with headroom, in the order DDP -> ZeRO-2/SHARD_GRAD_OP ->
-    (HYBRID_SHARD on several nodes) -> ZeRO-3/FULL_SHARD -> (HSDP x TP on several nodes) -> TP
+    """The fastest strategy that fits with headroom, in the registry's simplicity order (strategy.py's
+    `simplicity_order`): DDP -> ZeRO-2/SHARD_GRAD_OP -> ZeRO-1 (whole gradients on every GPU: it fits where
+    ZeRO-2 fits) -> (HYBRID_SHARD on several nodes) -> ZeRO-3/FULL_SHARD -> (HSDP x TP on several nodes) -> TP
     (when it spans all the GPUs: world = t) -> FSDP x TP -> ZeRO-2 offload -> ZeRO-3/FSDP offload;
     within a tier `setup.prefer` ("fsdp" or "deepspeed") goes first. TP comes after full sharding:
     FSDP over the same N ranks already divides the model states by N; what TP adds is smaller
@@ -60,27 +57,22 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
     by_name = {r.strategy: r for r in rows}
     usable = usable_bytes(setup)
     tried = []
-    for tier in TIERS:
-        if tier == ("fsdp_hybrid_shard",) and setup.nodes == 1:
-            continue  # one node: identical to full shard
-        if tier[0] in TP_STRATEGIES:
-            row = by_name.get(tier[0])
-            if row is None or tier[0] not in chosen_tp_rows(setup, row.mesh["tp"]):
-                continue
-        names = sorted(tier, key=lambda s: family(s) != setup.prefer)
-        for name in names:
-            row = by_name[name]
-            if row.fits:
-                why = (f"{name} needs {gb(row.peak_bytes)} GB per GPU of {gb(usable)} GB usable "
-                       f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
-                if name in TP_STRATEGIES:
-                    mesh = row.mesh
-                    why += (f", tensor parallel {mesh['tp']} x FSDP {mesh['dp_shard']}"
-                            + (f" x replicas {mesh['dp_replicate']}" if mesh["dp_replicate"] > 1 else ""))
-                if tried:
-                    why += "; faster options do not fit: " + ", ".join(tried)
-                return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier, rows, setup)}
-            tried.append(f"{name} {gb(row.peak_bytes)} GB")
+    for name in simplicity_order(setup.prefer):
+        row = by_name.get(name)
+        if row is None or strategy_record(name).repeats(row.mesh) or (
+                name in TP_STRATEGIES and name not in chosen_tp_rows(setup, row.mesh.tp)):
+            continue  # hybrid on one node is full shard; the TP rows a run on every GPU can use
+        if row.fits:
+            why = (f"{name} needs {gb(row.peak_bytes)} GB per GPU of {gb(usable)} GB usable "
+                   f"= {gpu_size(setup.gpu_memory_bytes)} less {setup.headroom:.0%} headroom")
+            if name in TP_STRATEGIES:
+                mesh = row.mesh
+                why += (f", tensor parallel {mesh.tp} x FSDP {mesh.dp_shard}"
+                        + (f" x replicas {mesh.dp_replicate}" if mesh.dp_replicate > 1 else ""))
+            if tried:
+                why += "; faster options do not fit: " + ", ".join(tried)
+            return {"strategy": name, "reason": why, "not_chosen": not_chosen(name, tier(name), rows, setup)}
+        tried.append(f"{name} {gb(row.peak_bytes)} GB")
     hint = "" if setup.activation_checkpointing else ", activation checkpointing"
     return {"strategy": None, "reason": f"nothing fits in {gb(usable)} GB usable per GPU; try more GPUs, "
                                          f"a smaller micro-batch{hint} or LoRA"}
@@ -89,10 +81,11 @@ def recommend(rows: list[Row], setup: Setup) -> dict:
 def chosen_tp_rows(setup: Setup, t: int, strategies=TP_STRATEGIES) -> tuple[str, ...]:
     """The TP rows (`mesh.tp_rows`) a run on every GPU can use at degree t (what `recommend` picks from and `fit`
     searches): none at t = 1 (they repeat ddp / fsdp) or where t does not divide the GPUs per node (a TP group
-    stays in one node), and tp only where t is the world (elsewhere it leaves GPUs idle)."""
+    stays in one node), and only those whose mesh spans every GPU (tp alone where t is the world: elsewhere it leaves
+    GPUs idle)."""
     if t < 2 or setup.gpus_per_node % t:
         return ()
-    return tuple(s for s in tp_rows(setup, t, strategies) if s != "tp" or t == setup.world_size)
+    return tuple(s for s in tp_rows(setup, t, strategies) if tp_mesh(s, setup, t).ranks == setup.world_size)
 
 
 def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
@@ -106,7 +99,7 @@ def not_chosen(pick: str, tier: tuple, rows: list[Row], setup: Setup) -> dict:
             out[row.strategy] = (f"fits too ({gb(row.peak_bytes)} GB), same tier of the decision tree; "
                                  f"--prefer {setup.prefer}{' (the default)' * (setup.prefer == 'fsdp')} "
                                  f"puts {pick} first")
-        elif row.strategy in chosen_tp_rows(setup, row.mesh["tp"]):
+        elif row.strategy in chosen_tp_rows(setup, row.mesh.tp):
             out[row.strategy] = (f"fits too ({gb(row.peak_bytes)} GB) but ranks after sharding: FSDP over the "
                                  f"same GPUs divides model states as well, and TP all-reduces activations in "
                                  f"every layer; pick it when activations or gathered layers do not fit")
@@ -134,7 +127,7 @@ def estimate(spec: ModelSpec, setup: Setup, traces: dict | None = None, knobs: L
     meshes = row_meshes(spec, setup, STRATEGIES)
     c = counts(spec, setup)
     act = activation_bytes(spec, setup)
-    t = meshes["tp"]["tp"] if "tp" in meshes else None
+    t = next((mesh.tp for s, mesh in meshes.items() if s in TP_STRATEGIES), None)
     act_tp = activation_bytes(spec, setup, t) if t else None
     traces = traces or {}
     rows = [strategy_row(s, spec, setup, c, (act_tp if s in TP_STRATEGIES else act)["total"],
@@ -179,7 +172,7 @@ def _notes(spec: ModelSpec, setup: Setup, meshes: dict, c) -> list[Note]:
     if not spec.tp_plan:
         notes.append(Note(f"no tp/fsdp_tp/hsdp_tp rows: {spec.tp_note}"))
     else:
-        same = [s for s in ("fsdp_tp", "hsdp_tp") if s not in meshes]
+        same = [s for s in TP_STRATEGIES if strategy_record(s).distinct and s not in meshes]
         if same:
             notes.append(Note("rows " + " and ".join(same) + " left out: on this setup their mesh is the one of the "
                               "row above them"))

@@ -195,7 +195,7 @@ def split_row(strategy: str, spec: ModelSpec, setup: Setup, kind: str, degree: i
     breakdown = {**row.peak_breakdown, "temporaries": row.peak_breakdown.get("temporaries", 0) + extra}
     # accelerate's mesh: dp_replicate x dp_shard x tp x degree = world (the shards themselves span the world:
     # `shard_degree`), so dp_replicate x dp_shard stays the data-parallel size
-    mesh = {**row.mesh, "dp_shard": max(1, row.mesh["dp_shard"] // degree), kind: degree}
+    mesh = replace(row.mesh, dp_shard=max(1, row.mesh.dp_shard // degree), **{kind: degree})
     return replace(row, strategy=row_name(strategy, kind, degree), mesh=mesh,
                    comm={**row.comm, **terms}, comm_bytes_per_step=row.comm_bytes_per_step + sum(terms.values()),
                    peak_bytes=row.peak_bytes + extra, peak_breakdown=breakdown,

@@ -33,11 +33,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
-from ..strategy import family
+from ..strategy import family, strategy_record
 from ..units import peak_flops
 
 PARTS = ("compute", "exposed_comm", "library", "optimizer", "offload", "overhead")
-OFFLOAD = ("zero2_offload", "zero3_offload", "fsdp_offload")
 KIND_OF_TERM = {"grad_all_reduce": "all_reduce", "param_all_gather": "all_gather",
                 "grad_reduce_scatter": "reduce_scatter", "tp_all_reduce": "all_reduce",
                 "tp_logits_all_gather": "all_gather", "sp_all_to_all": "all_to_all", "cp_ring": "send_recv"}
@@ -48,7 +47,6 @@ SPLIT_TERMS = {"sp_all_to_all": False, "cp_ring": True}
 # A gathering library's own collectives: the planner's terms, and the counted kinds (ZeRO's reduce to each
 # partition's owner is its reduce-scatter)
 LIBRARY_COMM = ("param_all_gather", "grad_reduce_scatter", "all_gather", "reduce_scatter", "reduce")
-NODE_LOCAL = ("fsdp_hybrid_shard", "hsdp_tp")  # their gathers / reduce-scatters stay inside a node
 GATHERING_LIBRARIES = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp": "FSDP"}
 
 # ---------------------------------------------------------------------------- constants, each with its source
@@ -240,14 +238,12 @@ def overlapped(strategy: str, term: str) -> bool:
         return False
     if term in SPLIT_TERMS:
         return SPLIT_TERMS[term]
-    if strategy.startswith(("zero1", "zero2")):
-        return False
-    return family(strategy) in ("torch", "fsdp", "deepspeed", "tp")
+    return strategy_record(strategy).overlapped
 
 
 def gathers(strategy: str) -> bool:
     """Whether the strategy's library gathers and releases parameters module by module (ZeRO-3, FSDP)."""
-    return strategy.startswith("zero3") or family(strategy) == "fsdp"
+    return bool(strategy_record(strategy).gathers)
 
 
 def library_bytes(comm: dict, shards: int) -> float:
@@ -261,7 +257,7 @@ def library_bytes(comm: dict, shards: int) -> float:
 def modules(spec, strategy: str) -> int:
     """What a gathering library gathers one at a time: FSDP's units (each block, the root), DeepSpeed's
     sub-modules with parameters (each linear layer, two norms per block, the embedding and the final norm)."""
-    if family(strategy) == "fsdp":
+    if strategy_record(strategy).gathers == "units":
         return max(len(spec.unit_numels), 1)
     linears = sum(count for *_, count in spec.linear_shapes) or 7 * spec.num_layers
     return linears + 2 * spec.num_layers + 2
@@ -270,9 +266,9 @@ def modules(spec, strategy: str) -> int:
 def term_seconds(row, setup, fig: Figures, term: str, nbytes: float, calls: float) -> float:
     """One term's seconds: bytes at its link's bandwidth + calls x the ring's steps x the hop latency."""
     across = setup.nodes > 1 and term not in TP_TERMS and term not in SPLIT_TERMS and (
-        row.strategy not in NODE_LOCAL or term == "grad_all_reduce")
+        not strategy_record(row.strategy).node_local or term == "grad_all_reduce")
     kind = KIND_OF_TERM.get(term, "all_reduce")
-    group = row.shard_degree if kind != "all_reduce" and row.shard_degree > 1 else setup.world_size // row.mesh["tp"]
+    group = row.shard_degree if kind != "all_reduce" and row.shard_degree > 1 else setup.world_size // row.mesh.tp
     hops = max(group - 1, 0) * (2 if kind == "all_reduce" else 1)
     latency = fig.latency_s.get("network" if across else "node", 0.0)
     return nbytes / (fig.network_bytes_per_s if across else fig.bus(kind)) + calls * hops * latency
@@ -295,9 +291,9 @@ def exposure(row, spec, setup, fig: Figures, micro_compute: float) -> tuple[floa
     if gathers(row.strategy) and row.shard_degree > 1:
         units = modules(spec, row.strategy)
         gathered, reduced = comm.pop("param_all_gather", 0.0), comm.pop("grad_reduce_scatter", 0.0)
-        once = row.strategy == "fsdp_shard_grad_op"  # gathers for forward only, keeps the unit for backward
+        once = strategy_record(row.strategy).sharding == "SHARD_GRAD_OP"  # gathers for forward only, keeps it
         g = term_seconds(row, setup, fig, "param_all_gather", gathered, A * units * (1 if once else 2)) / A
-        reduce_every_micro = row.strategy.startswith("zero3")
+        reduce_every_micro = family(row.strategy) == "deepspeed"  # ZeRO-3 reduce-scatters every micro-batch
         r = term_seconds(row, setup, fig, "grad_reduce_scatter", reduced, (A if reduce_every_micro else 1) * units)
         r_micro = r / A if reduce_every_micro else r
         g_fwd = g if once else g / 2
@@ -355,12 +351,13 @@ def offload_seconds(row, model: dict, setup, fig: Figures) -> float:
     """PCIe copies per step + the CPU optimizer step over this rank's trainable shard s(T):
     zero2_offload: A grads down + params up once (s(T) x (A x g + p)); zero3_offload, fsdp_offload:
     the parameter shard up for every forward and backward and the grads down, A x s(P) x (2p + g)."""
-    if row.strategy not in OFFLOAD:
+    offload = strategy_record(row.strategy).offload
+    if not offload:
         return 0.0
     n, A = row.shard_degree, setup.grad_accum_steps
     p, g = row.per_param.weights, row.per_param.grads
     t_shard, p_shard = model["trainable_params"] / n, model["params_total"] / n
-    copies = t_shard * (A * g + p) if row.strategy == "zero2_offload" else A * p_shard * (2 * p + g)
+    copies = A * p_shard * (2 * p + g) if "params" in offload else t_shard * (A * g + p)
     return copies / fig.pcie_bytes_per_s + t_shard / fig.cpu_adam_params_per_s
 
 
@@ -369,13 +366,13 @@ def step_time(row, spec, model: dict, setup, tokens: int, fig: Figures) -> dict:
     `setup` (its micro-batch, accumulation and checkpointing); a row whose strategy had a calibration run of its own
     takes that run's figures first (`Figures.own`)."""
     fig = replace(fig, **fig.own[row.strategy], own={}) if row.strategy in fig.own else fig
-    matmul = setup.micro_batch * tokens * flops_per_token(spec, model, tokens, False) / (row.mesh["tp"] * fig.flops_per_s)
+    matmul = setup.micro_batch * tokens * flops_per_token(spec, model, tokens, False) / (row.mesh.tp * fig.flops_per_s)
     micro = matmul * (1 + fig.recompute_share if setup.activation_checkpointing else 1)
     if fig.sources.get("hidden_share", "").startswith("measured"):
         exposed, hidden = measured_exposure(row, setup, fig, setup.grad_accum_steps * micro)
     else:
         exposed, hidden = exposure(row, spec, setup, fig, micro)
-    steps_here = row.strategy not in OFFLOAD
+    steps_here = "optimizer" not in strategy_record(row.strategy).offload
     per_param = fig.optimizer_s_per_param + (fig.zero_step_s_per_param if family(row.strategy) == "deepspeed" else 0)
     parts = {"compute": setup.grad_accum_steps * micro + hidden * fig.comm_sm_share, "exposed_comm": exposed,
              "library": library_seconds(row, spec, setup, fig, micro),

@@ -20,6 +20,7 @@ import copy
 from dataclasses import dataclass
 
 from ..model.spec import auto_class
+from ..strategy import strategy_record
 
 REGIMES = ("fp32", "autocast", "pure")
 
@@ -89,7 +90,7 @@ def regime_for(strategy: str, precision: str) -> str:
     """How a strategy computes at `precision` (see the module docstring)."""
     if precision == "fp32":
         return "fp32"
-    if precision.endswith("-pure") or strategy.startswith(("zero", "fsdp")):
+    if precision.endswith("-pure") or not strategy_record(strategy).autocast:
         return "pure"
     return "autocast"
 

@@ -13,6 +13,7 @@ from ..plan.formulas import strategy_row
 from ..plan.mesh import LibraryKnobs, Setup, setup_for_mesh
 from ..plan.sequence import comm_terms
 from ..plan.trace import regime_for
+from ..strategy import strategy_record
 from ..summary import COMPONENTS, count_or_none, read_summary, run_of, step_shape
 
 
@@ -41,7 +42,8 @@ def plan_vs_run(summary_path: str | Path, spec: ModelSpec | None = None, setup: 
     trainable = info.get("trainable_params")
     planned_peak = next((r["peak"]["planned"]["peak_bytes"] for r in ranks if r["peak"]), row.peak_bytes)
     return {"summary": str(summary_path), "strategy": strategy, "world_size": world, "num_nodes": nodes,
-            "mesh": row.mesh, "precision": run["precision"], "model": spec.name, "planned_total_bytes": planned_peak,
+            "mesh": row.mesh.as_dict(), "precision": run["precision"], "model": spec.name,
+            "planned_total_bytes": planned_peak,
             "bucket_elements": knobs.bucket_elements, "trace_note": peaks.note,
             "grad_accum_steps": setup.grad_accum_steps, "planned_comm": row.comm,
             "planned_comm_bytes_per_step": row.comm_bytes_per_step,
@@ -91,14 +93,14 @@ def _setup_of_run(summary: dict, run: dict, setup: Setup | None) -> Setup:
 
 def _knobs_of_run(summary: dict, strategy: str, knobs: LibraryKnobs) -> LibraryKnobs:
     """`knobs` with the ZeRO / FSDP settings the run's profiler read (`strategy_detail`)."""
-    detail = summary.get("strategy_detail") or {}
-    if strategy.startswith("zero3") and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
+    detail, record = summary.get("strategy_detail") or {}, strategy_record(strategy)
+    if record.zero_stage == 3 and isinstance(detail.get("stage3_param_persistence_threshold"), (int, float)):
         knobs = replace(knobs, zero3_persistence_threshold=int(detail["stage3_param_persistence_threshold"]))
-    if strategy.startswith("zero3") and count_or_none(detail.get("stage3_max_reuse_distance")) is not None:
+    if record.zero_stage == 3 and count_or_none(detail.get("stage3_max_reuse_distance")) is not None:
         knobs = replace(knobs, zero3_max_reuse_distance=int(detail["stage3_max_reuse_distance"]))
-    if strategy.startswith("fsdp") and detail.get("fsdp_version") in (1, 2, "1", "2"):
+    if record.family == "fsdp" and detail.get("fsdp_version") in (1, 2, "1", "2"):
         knobs = replace(knobs, fsdp_version=int(detail["fsdp_version"]))
-    if strategy.startswith("zero"):  # the buckets the run's ZeRO optimizer was built with (the profiler reads them)
+    if record.family == "deepspeed":  # the buckets the run's ZeRO optimizer was built with (the profiler reads them)
         if count_or_none(detail.get("reduce_bucket_size")):
             knobs = replace(knobs, bucket_elements=detail["reduce_bucket_size"])
         if isinstance(detail.get("overlap_comm"), bool):
