@@ -17,7 +17,7 @@ from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
 from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, hardware, model_error, pipelined,
                                         step_time, term_seconds)
-from shardscope.fit.search import simplicity
+from shardscope.fit.search import simplicity, tier_rank
 from shardscope.strategy import Mesh
 
 
@@ -342,8 +342,8 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
     """`fit --calibrate RUN --json`: `candidates` is every (strategy, micro-batch, checkpointing) at the global batch
     whose planned peak fits, each with the step the model predicts from the run's figures, computed here from the
     planner's rows (not through fit's search); the winner is the fastest, or, within the model's error of it, the
-    simplest (`search.TIE_RULE`: the strategy order, then checkpointing off, then fewer micro-batches, then the most
-    headroom)."""
+    simplest (`search.TIE_RULE`: the simplest tier, then no recomputation, then the most headroom, then --prefer's
+    library, then fewer micro-batches)."""
     run = write_run(tmp_path / "ddp", summary())
     allowed = ("ddp", "zero2", "zero3")
     code = main(["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
@@ -364,8 +364,8 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
               (c["step_time_s"], c["peak_bytes"]) for c in result["candidates"]}
     assert len(listed) == len(result["candidates"]) > 1 and listed == expected
     fastest = min(step for step, _ in listed.values())
-    tied = [(simplicity(name, "fsdp"), ckpt, 8 // micro, peak, name, micro) for (name, micro, ckpt), (step, peak)
-            in listed.items() if step <= fastest * (1 + model_error(fig))]
+    tied = [(tier_rank(name), ckpt, peak, simplicity(name, "fsdp"), 8 // micro, name, micro)
+            for (name, micro, ckpt), (step, peak) in listed.items() if step <= fastest * (1 + model_error(fig))]
     *_, name, micro = min(tied)
     assert (result["strategy"], result["per_device_train_batch_size"]) == (name, micro)
     assert result["step_time_s"] == fastest if len(tied) == 1 else result["tie"]["candidates"] == len(tied)
