@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 import shardscope.measure.profiler as sp
+import shardscope.measure.step_hooks as sh
+from shardscope.measure.step_hooks import StepHooks
 from shardscope import ShardingProfilerCallback
 from shardscope.recipes.tiny import make_causal_lm
 
@@ -82,16 +84,17 @@ def run_setting(a, model_dir, interval, tmp):
             "with": ShardingProfilerCallback(memory_step=None, comm_step=None, time_step=None)}
     times, acc = {}, [0.0, 0.0]
     # the gradient snapshot's work in the optimizer's step hook (its walk and reduction, where the code has them)
-    step_hook = {name: getattr(sp, name) for name in ("held_gradients", "state_walk", "gradient_bytes")
-                 if hasattr(sp, name)}
+    step_hook = {name: getattr(sh, name) for name in ("held_gradients", "state_walk", "gradient_bytes")
+                 if hasattr(sh, name)}
     for name in ("on_step_begin", "on_step_end", "on_log"):
         if hasattr(arms["with"], name):
             setattr(arms["with"], name, timed(getattr(arms["with"], name), acc))
-    hooks = {name: getattr(sp.ShardingProfiler, name) for name in ("add_batch", "_on_forward")}
-    for name, method in hooks.items():  # the profiler's per-batch work runs outside the events: a training_step
-        setattr(sp.ShardingProfiler, name, timed(method, acc))  # wrapper, a forward hook
+    hooks = {(sp.ShardingProfiler, "add_batch"): sp.ShardingProfiler.add_batch,
+             (StepHooks, "on_forward"): StepHooks.on_forward}
+    for (owner, name), method in hooks.items():  # the profiler's per-batch work runs outside the events: a
+        setattr(owner, name, timed(method, acc))  # training_step wrapper, a forward hook
     for name, function in step_hook.items():
-        setattr(sp, name, timed(function, acc))
+        setattr(sh, name, timed(function, acc))
     try:
         for pair in range(a.pairs):
             order = ("without", "control", "with") if pair % 2 == 0 else ("with", "control", "without")  # drift
@@ -106,9 +109,9 @@ def run_setting(a, model_dir, interval, tmp):
                     times.setdefault((clock, arm), []).append(timer.steps(clock))
     finally:
         for name, function in step_hook.items():
-            setattr(sp, name, function)
-        for name, method in hooks.items():
-            setattr(sp.ShardingProfiler, name, method)
+            setattr(sh, name, function)
+        for (owner, name), method in hooks.items():
+            setattr(owner, name, method)
     inside = [t / (a.pairs * (steps + 2)) for t in acc]
     return [summarise({arm: times[clock, arm] for arm in arms}, inside[clock], a.seed)
             | {"interval": interval, "clock": ("wall", "cpu")[clock], "steps": sum(map(len, times[clock, "with"]))}

@@ -66,7 +66,7 @@ CHECKS = (
      "the FLOPs convention's count of the same steps over their CUDA-event time and the same datasheet peak"),
     ("6", "flight recorder on a one-rank NCCL group",
      "the FSDP2 run's ring, dumped as torch dumps it on a timeout (a pickle named for the rank)",
-     "what shardscope hang's reader (shardscope.hang.read_folder) reads from it; the JSON form's kinds and durations"),
+     "what shardscope hang's reader (shardscope.measure.hang.read_folder) reads from it; the JSON form's kinds and durations"),
 )
 TWO_GPUS = (
     ("torch context parallelism (fsdp_cp.yaml): losses vs one GPU, counted ring traffic, peak",

@@ -12,7 +12,7 @@ memory outside the caching allocator (the CUDA context, NCCL's buffers) is measu
 Strategies: `plain` (one process, no process group), `fsdp2` (the shipped fsdp_configs/llama_full_shard.json) and
 `zero3` (the shipped ds_configs/zero3.json), both at world size 1 under `torchrun --nproc_per_node 1` (NCCL).
 `--flight-recorder DIR`: after training, torch's flight-recorder ring of this process is dumped into DIR as torch
-writes it on a timeout, and the line says what `shardscope hang`'s reader (`shardscope.hang.read_folder`) made of
+writes it on a timeout, and the line says what `shardscope hang`'s reader (`shardscope.measure.hang.read_folder`) made of
 it. Run by gpu_check.py; not meant to be run alone.
 """
 from __future__ import annotations
@@ -209,7 +209,7 @@ def flight_recorder(folder: Path) -> dict:
     pickle named for the rank) read by `shardscope hang`'s reader."""
     from torch._C import _distributed_c10d as c10d
 
-    from shardscope import hang
+    from shardscope.measure import hang
     from shardscope.measure import collective_log
 
     out = {"dumpers": {}}

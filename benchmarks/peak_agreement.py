@@ -10,8 +10,8 @@ shipped config, through `shardscope compare`'s own launcher (`launching.launch_c
 `*_small_buckets` runs are the `deepspeed` launcher's, with a DeepSpeed JSON written into OUT (small buckets, 4 x 256
 tokens: activations are most of their peak; the shipped ZeRO configs' peak is mostly DeepSpeed's reduce bucket).
 FSDP runs need tests/cpu_shim (accelerate never runs FSDP on CPU by itself), put on PYTHONPATH here. The table
-is `report`'s peak section (`peak_section.markdown_lines`: planned from `planner.plan_vs_run`, the same plan
-as `plan --compare`), written to benchmarks/results/peak_agreement.md (with peak_agreement.png), which
+is `report`'s peak section (`peak_section.markdown_lines`: planned from `report.plan_vs_run`, the same plan
+as `plan --against`), written to benchmarks/results/peak_agreement.md (with peak_agreement.png), which
 benchmarks/render_docs.py places into docs/planner.md. A run that fails is listed, not fatal. Run folders given
 on the command line (a folder of them works too) are read as they are; the table's header describes the runs
 `--launch` makes. `--small` launches a 2-layer model of hidden 64 at 2 x 32 tokens instead (a check that the

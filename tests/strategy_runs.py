@@ -157,7 +157,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def strategy_plans(strategy_runs, tmp_path_factory):
-    """`strategy_plans(config, model, grad_accum)`: (summary, `planner.plan_vs_run` of it, what `plan --compare`
+    """`strategy_plans(config, model, grad_accum)`: (summary, `report.plan_vs_run` of it, what `plan --against`
     prints) of a `strategy_runs` run, planned once however many tests read it."""
     from shardscope import plan_vs_run
 

@@ -91,8 +91,9 @@ def test_ddp_candidates_are_a_brute_force_with_a_peak_written_here():
 def test_the_tie_rule_holds_for_every_candidate_inside_a_strategy_too(allowed):
     """Every candidate predicted within the model's error of the fastest is a tie, another micro-batch or
     checkpointing of one strategy too (issue 51: ZeRO-3 at micro-batch 2 was chosen over micro-batch 1, 19 GB less,
-    predicted 4% slower): the winner has the least planned peak of them; with no error, the fastest wins."""
-    from shardscope.fit.search import break_tie
+    predicted 4% slower): the winner is the simplest (`TIE_RULE`: tier, then no recomputation, then the most memory
+    headroom, then --prefer's library, then fewer micro-batches); with no error, the fastest wins."""
+    from shardscope.fit.search import break_tie, simplicity, tier_rank
     from shardscope.plan.time_model import DATASHEET_ERROR
 
     found = search(SPEC, setup(), 64, H100, allowed)
@@ -100,9 +101,12 @@ def test_the_tie_rule_holds_for_every_candidate_inside_a_strategy_too(allowed):
     fastest = min(fitting, key=lambda c: c.step_time_s)
     tied = [c for c in fitting if c.step_time_s <= fastest.step_time_s * (1 + DATASHEET_ERROR)]
     assert found["tie"]["candidates"] == len(tied) and win in tied
-    assert win.peak_bytes == min(c.peak_bytes for c in tied) < fastest.peak_bytes  # the rule changed the winner
+    rule = lambda c: (tier_rank(c.strategy), c.gradient_checkpointing, c.peak_bytes, simplicity(c.strategy, "fsdp"),  # noqa: E731
+                      c.gradient_accumulation_steps)
+    assert win is min(tied, key=rule) and win.peak_bytes < fastest.peak_bytes  # the rule changed the winner
+    assert not win.gradient_checkpointing  # a setting that recomputes the forward is not chosen in a tie
     assert len([c for c in tied if c.strategy == win.strategy]) > 1  # a tie inside the winner's own strategy
-    ranked = sorted(fitting, key=lambda c: c.key)
+    ranked = sorted(fitting, key=lambda c: c.key("fsdp"))
     assert break_tie(ranked, setup(), 0.0) is None and ranked[0] is fastest
 
 
@@ -202,28 +206,22 @@ def test_bad_input_is_exit_2_and_one_line(capsys, argv, message):
 
 
 def test_kept_global_batch_says_when_a_larger_micro_batch_would_fit(capsys):
-    """56 on 8 GPUs is 7 per GPU (divisors 1 and 7): for the candidate at micro-batch 1 without checkpointing, when 7
-    does not fit but 2 does, the note keeps the global batch and names the nearest global batches that allow a
-    larger one. `fit` gives it for its winner: none here, where micro-batch 7 with checkpointing is within the
-    model's error of it with less memory (the tie rule) and no larger micro-batch is left."""
-    from shardscope.fit.search import larger_micro_batch
-
-    spec = spec_from_count(7e9)  # what --params 7B plans
-
+    """56 on 8 GPUs is 7 per GPU (divisors 1 and 7): when 7 does not fit but 2 does, the fit keeps the global batch
+    with micro-batch 1 (micro-batch 7 with checkpointing is tied with it, and the tie rule does not recompute) and
+    names the nearest global batches that allow a larger one."""
     def fits(micro):
-        return next(r for r in estimate(spec, setup(micro_batch=micro))["rows"] if r.strategy == "fsdp_full_shard").fits
+        row = estimate(spec_from_count(7e9), setup(micro_batch=micro))["rows"]  # what --params 7B plans
+        return next(r for r in row if r.strategy == "fsdp_full_shard").fits
 
     assert fits(2) and not fits(7)  # the case under test, by the planner's own figures
-    found = search(spec, setup(), 56, H100, ("fsdp_full_shard",))
-    plain = next(c for c in found["fitting"] if (c.per_device_train_batch_size, c.gradient_checkpointing) == (1, False))
-    note = larger_micro_batch(spec, setup(), plain, 56)
+    code, out, _ = fit(capsys, *PARAMS, "--global-batch", 56, "--strategy", "fsdp_full_shard", "--json")
+    result = json.loads(out)
+    note = result["larger_micro_batch"]
+    assert code == 0 and result["per_device_train_batch_size"] * result["gradient_accumulation_steps"] == 7
+    assert (result["per_device_train_batch_size"], result["gradient_checkpointing"]) == (1, False)
     assert 2 <= note["micro_batch_that_fits"] < 7
     assert all(g % (8 * note["micro_batch_that_fits"]) == 0 for g in note["nearest_global_batches"])
     assert min(abs(g - 56) for g in note["nearest_global_batches"]) < 8 * note["micro_batch_that_fits"]
-    code, out, _ = fit(capsys, *PARAMS, "--global-batch", 56, "--strategy", "fsdp_full_shard", "--json")
-    result = json.loads(out)
-    assert code == 0 and (result["per_device_train_batch_size"], result["gradient_checkpointing"]) == (7, True)
-    assert result["larger_micro_batch"] is None
 
 
 # ----------------------------------------------------------------------------- files

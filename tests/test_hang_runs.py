@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, accelerate_cmd, background, end_launch, torchrun_cmd, wait_until
-from shardscope import hang
+from shardscope.measure import hang
 from shardscope.cli import main
 
 HANG_AFTER = 5.0  # seconds, in the hung runs: their steps take milliseconds, the first one (start-up) a few seconds

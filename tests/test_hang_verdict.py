@@ -1,4 +1,4 @@
-"""The hang verdict (`shardscope.hang`, `shardscope hang DIR`) on synthetic record folders, in process: which rank,
+"""The hang verdict (`measure/hang.py`, `shardscope hang DIR`) on synthetic record folders, in process: which rank,
 which collective, which step, and every kind of bad input (empty, partial, two runs mixed, corrupt, foreign,
 a planted pickle) answered without a traceback; the watchdog's records in one process. The launched scenarios that
 write real records and name a real straggler: test_hang_runs.py; the straggler verdict: test_stragglers.py."""
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launch import wait_until
-from shardscope import hang
+from shardscope.measure import hang
 from shardscope.cli import main
 from shardscope.measure import collective_log
 from shardscope.measure.guard import Instrument, WarnOnce

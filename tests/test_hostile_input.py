@@ -301,7 +301,7 @@ CASES = [
     Case("plan: --gpu-memory 1e400", _cmd("plan", "--params", "7e9", "--gpu-memory", "1e400"), 2,
          "more than any accelerator holds"),
     Case("plan: nothing fits is 1", _cmd("plan", "--params", "70e9", "--gpu", "T4"), 1, "nothing fits"),
-    Case("plan --compare: a FIFO", _cmd("plan", "--compare", "FILE", file=_fifo), 2, "not a regular file"),
+    Case("plan --against: a FIFO", _cmd("plan", "--against", "FILE", file=_fifo), 2, "not a regular file"),
     Case("plan: a model config.json nested 100,000 deep", _cmd("plan", "--model", "FILE", file=_deep_model), 2,
          "nested too deeply"),
     Case("plan: a model whose config needs its own code", _cmd("plan", "--model", "FILE", file=_remote_code_model),

@@ -3,7 +3,7 @@
 A 4-layer Llama (hidden 256, vocab 2048) at 2 x 256 tokens per rank, so activations, gradients and
 optimizer state all weigh in. Each run is tests/workers/train_tiny.py under a real `accelerate launch` of a
 shipped config (one after another in the launch of that config the strategy tests share, tests/peak_spec.py); the
-callback measures step 3 with torch's MemTracker (`peak_tensor_bytes`), and the plan of that step comes from `planner.plan_vs_run` (what `plan --compare`
+callback measures step 3 with torch's MemTracker (`peak_tensor_bytes`), and the plan of that step comes from `report.plan_vs_run` (what `plan --against`
 and `report` print): the step's shape and ZeRO's reduce bucket as the summary recorded them, activations traced
 from the model's saved config on fake tensors. Under the shipped ZeRO configs DeepSpeed's default reduce bucket is most
 of the peak; the small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS, in the launch of the shipped DeepSpeed JSONs)

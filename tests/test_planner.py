@@ -339,7 +339,7 @@ def test_compare_puts_planned_beside_measured(tiny_llama, tmp_path, capsys):
     comps = {c["component"]: c for c in result["ranks"][1]["components"]}
     assert comps["params_bytes"]["rel_diff"] == comps["grads_bytes"]["rel_diff"] == 0
     assert comps["optimizer_bytes"]["rel_diff"] == pytest.approx(0.1, abs=1e-5)
-    assert cli.main(["plan", "--compare", str(path)]) == 0
+    assert cli.main(["plan", "--against", str(path)]) == 0
     assert "optimizer_bytes" in capsys.readouterr().out
 
 
@@ -369,7 +369,7 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
         assert rank["peak"]["planned"] == {"peak_bytes": row.peak_bytes, "peak_breakdown": row.peak_breakdown,
                                            "peak_phase": row.peak_phase, "activations_source": "traced"}
         assert rank["peak"]["error"] == pytest.approx((row.peak_bytes - 20_000_000) / 20_000_000)
-    assert cli.main(["plan", "--compare", str(path)]) == 0
+    assert cli.main(["plan", "--against", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"{row.peak_bytes:>14,}{peak:>14,}" in out and "2 x 32 tokens, checkpointing on" in out
     # A summary that does not record the bucket (written before it did) plans the Trainer's "auto", hidden^2.
@@ -384,7 +384,7 @@ def test_compare_plans_the_measured_step_with_the_runs_zero_bucket(tiny_llama, t
     assert result["planned_total_bytes"] - older["planned_total_bytes"] == 2 * 12345 * 4 - hidden ** 2 * 4
     # A step shape that is not one: one line naming the file and key.
     path = _summary(tmp_path, tiny_llama, "zero2", {**measured, "peak_step": {"micro_batch": "two"}})
-    assert cli.main(["plan", "--compare", str(path)]) == 2
+    assert cli.main(["plan", "--against", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(path) in err and "key 'ranks[0].peak_step'" in err
 
@@ -457,7 +457,7 @@ def test_zero_buckets_reads_what_the_zero_optimizer_was_built_with():
 def test_bad_summary_names_file_and_key(tmp_path, capsys, content, message):
     path = tmp_path / "summary.json"
     path.write_text(content)
-    assert cli.main(["plan", "--compare", str(path)]) == 2
+    assert cli.main(["plan", "--against", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(path) in err and message in err
 
@@ -665,13 +665,13 @@ def test_compare_reads_the_tp_mesh_from_the_summary(tiny_llama, tmp_path, capsys
     result = plan_vs_run(path)
     assert result["strategy"] == "fsdp_tp" and result["mesh"] == mesh
     assert all(c["rel_diff"] == 0 for rank in result["ranks"] for c in rank["components"])
-    assert cli.main(["plan", "--compare", str(path)]) == 0
+    assert cli.main(["plan", "--against", str(path)]) == 0
     assert "fsdp_tp (mesh 1x2x2)" in capsys.readouterr().out
     for bad, message in (({"dp_replicate": 1, "dp_shard": 1, "tp": 2}, "disagrees with world_size 4"),
                          ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "(which is hsdp_tp)"),
                          (None, "key 'mesh' must give")):
         path = _summary(tmp_path, tiny_llama, "fsdp_tp", measured, world_size=4, mesh=bad)
-        assert cli.main(["plan", "--compare", str(path)]) == 2
+        assert cli.main(["plan", "--against", str(path)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and str(path) in err and message in err
 
@@ -712,3 +712,24 @@ def test_zero3_parameter_only_offload_is_not_full_offload():
     assert planner_settings({"stage": 3, "offload_param": {"device": "cpu"},
                              "offload_optimizer": {"device": "cpu"}})["zero3_offload"] == "all"
     assert planner_settings({"stage": 3, "cpu_offload": True})["zero3_offload"] == "optimizer"  # deprecated name
+
+
+def test_plan_compare_is_read_as_plan_against_and_says_so(tmp_path, capsys):
+    """`plan --compare` is `plan --against`'s name before this release (one name, one meaning: `shardscope compare`
+    launches runs): still read, with one note on stderr, and not listed in --help."""
+    from shardscope import cli
+    from shardscope.summary import write_summary
+
+    path = write_summary(tmp_path / "shardscope_summary.json", {
+        "strategy": "ddp", "world_size": 1, "precision": "fp32",
+        "model": {"name_or_path": None, "params_total": 1000, "trainable_params": 1000},
+        "ranks": [{"params_bytes": 4000, "grads_bytes": 4000, "optimizer_bytes": 8000}]})
+    assert cli.main(["plan", "--against", str(path), "--json"]) == 0
+    new, _ = capsys.readouterr()
+    assert cli.main(["plan", "--compare", str(path), "--json"]) == 0
+    old, err = capsys.readouterr()
+    assert old == new and err.count("\n") == 1 and "plan --compare is now plan --against" in err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    listed = capsys.readouterr().out
+    assert "--against" in listed and "--compare" not in listed

@@ -79,6 +79,6 @@ def test_installed_autocast_wrapper_and_zero3_built_fp32():
                                                      (False, True, "fp16", "fp16-mixed"), (False, False, "fp32", "fp32")])
 def test_configured_precision(bf16, fp16, short, name):
     """The Trainer's flags mapped once: the summary's name (the callback's), the planner's, and back from the summary
-    (report/, plan --compare)."""
+    (report/, plan --against)."""
     assert trainer_precision(bf16, fp16) == short and configured_precision(bf16, fp16) == name
     assert PRECISION_ALIASES[short] == name

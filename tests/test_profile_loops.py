@@ -138,8 +138,8 @@ def test_report_reads_every_profiled_loop(fsdp2_run, trl_runs, tmp_path, capsys)
     frozen = [r["frozen_models_bytes"]["max"] for r in report]
     assert frozen[0] == 0 and frozen[1] > 0 and frozen[2] == _summary(runs[2])["ranks"][0]["frozen_models_bytes"]
     assert "frozen models/rank" in (tmp_path / "report" / "report.md").read_text()
-    # plan --compare puts the DPO run's reference beside a planned frozen copy (DDP: a whole fp32 copy)
+    # plan --against puts the DPO run's reference beside a planned frozen copy (DDP: a whole fp32 copy)
     capsys.readouterr()
-    assert cli.main(["plan", "--compare", str(runs[2] / "shardscope_summary.json"), "--json"]) == 0
+    assert cli.main(["plan", "--against", str(runs[2] / "shardscope_summary.json"), "--json"]) == 0
     components = {c["component"]: c for c in json.loads(capsys.readouterr().out)["ranks"][0]["components"]}
     assert components["frozen_models_bytes"]["rel_diff"] == pytest.approx(0, abs=0.01)

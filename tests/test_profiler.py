@@ -80,7 +80,7 @@ def test_a_custom_loop_counts_what_it_fed_and_logs_through_the_accelerator(llama
     assert rank["throughput"]["tokens"] == sum(fed) - fed[2] and rank["throughput"]["samples"] == 2 * 5
     parts = rank["peak_breakdown"]  # one instrumented step, measured as in the callback
     assert sum(parts.values()) == rank["peak_tensor_bytes"] and parts["parameters"] >= rank["params_bytes"]
-    # the shape of that step, what a plan of the same step needs (planner.plan_vs_run)
+    # the shape of that step, what a plan of the same step needs (report.plan_vs_run)
     assert rank["peak_step"] == {"micro_batch": 2, "seq_len": 12, "image_size": None, "gradient_checkpointing": False}
     assert rank["frozen_models"] == {} and rank["frozen_models_bytes"] == 0
     logged = Recorder.logged

@@ -101,7 +101,7 @@ def test_counted_all_to_all_bytes_equal_the_planned_term(sp_runs, degree):
         assert counted["sent_bytes"] == planned
         assert counted["calls"] == 8 * spec.num_layers  # q, k, v, output; forward and backward
     assert "all_to_all" not in summary(sp_runs["ref"])["ranks"][0]["comm"]
-    # plan --compare / report plan the run's split from its summary (the step's slice x sp): the same term
+    # plan --against / report plan the run's split from its summary (the step's slice x sp): the same term
     assert plan_vs_run(run_of(sp_runs, degree) / "shardscope_summary.json")["planned_comm"]["sp_all_to_all"] == planned
 
 

@@ -126,7 +126,7 @@ def test_per_rank_bytes_follow_the_mesh(runs, assets, name):
 @pytest.mark.launch
 @pytest.mark.parametrize("name", list(RUNS))
 def test_planner_rows_equal_the_measured_bytes(runs, name):
-    """`shardscope plan --compare`: the tp / fsdp_tp row for the summary's mesh, against every rank."""
+    """`shardscope plan --against`: the tp / fsdp_tp row for the summary's mesh, against every rank."""
     from shardscope import plan_vs_run as compare
 
     result = compare(runs(name) / "shardscope_summary.json")

@@ -17,6 +17,7 @@ from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
 from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, hardware, model_error, pipelined,
                                         step_time, term_seconds)
+from shardscope.fit.search import simplicity, tier_rank
 from shardscope.strategy import Mesh
 
 
@@ -341,7 +342,8 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
     """`fit --calibrate RUN --json`: `candidates` is every (strategy, micro-batch, checkpointing) at the global batch
     whose planned peak fits, each with the step the model predicts from the run's figures, computed here from the
     planner's rows (not through fit's search); the winner is the fastest, or, within the model's error of it, the
-    one with the least planned peak."""
+    simplest (`search.TIE_RULE`: the simplest tier, then no recomputation, then the most headroom, then --prefer's
+    library, then fewer micro-batches)."""
     run = write_run(tmp_path / "ddp", summary())
     allowed = ("ddp", "zero2", "zero3")
     code = main(["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
@@ -362,8 +364,10 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
               (c["step_time_s"], c["peak_bytes"]) for c in result["candidates"]}
     assert len(listed) == len(result["candidates"]) > 1 and listed == expected
     fastest = min(step for step, _ in listed.values())
-    tied = [peak for step, peak in listed.values() if step <= fastest * (1 + model_error(fig))]
-    assert result["peak_bytes"] == min(tied)
+    tied = [(tier_rank(name), ckpt, peak, simplicity(name, "fsdp"), 8 // micro, name, micro)
+            for (name, micro, ckpt), (step, peak) in listed.items() if step <= fastest * (1 + model_error(fig))]
+    *_, name, micro = min(tied)
+    assert (result["strategy"], result["per_device_train_batch_size"]) == (name, micro)
     assert result["step_time_s"] == fastest if len(tied) == 1 else result["tie"]["candidates"] == len(tied)
 
 
@@ -374,7 +378,7 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
     ({"strategy": "fsdp_tp", "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 4}}, "disagrees with world_size 2"),
     ({"strategy": "pipeline"}, "key 'strategy' ('pipeline') is not one of")])
 def test_a_run_is_read_with_the_checks_plan_compare_reads_it_with(tmp_path, capsys, change, message):
-    """The summary's fields have one owner (`summary.run_of`): the prediction and `plan --compare` refuse the same
+    """The summary's fields have one owner (`summary.run_of`): the prediction and `plan --against` refuse the same
     bad key with the same line."""
     from shardscope.report.time_prediction import predict_run
 
@@ -385,7 +389,7 @@ def test_a_run_is_read_with_the_checks_plan_compare_reads_it_with(tmp_path, caps
     with pytest.raises(UsageError) as raised:
         predict_run(run, FIG)
     assert message in str(raised.value)
-    assert main(["plan", "--compare", str(run / "shardscope_summary.json")]) == 2
+    assert main(["plan", "--against", str(run / "shardscope_summary.json")]) == 2
     assert capsys.readouterr().err == f"shardscope: error: {raised.value}\n"
 
 

@@ -3,7 +3,7 @@ reduction of per-rank figures over ranks.
 
 Written by the profiler (rank 0, at the end of training; `profiler.ShardingProfiler`, the callback's too); read by
 `compare`, `report` and
-`plan --compare`. A reader never sees a half-written file: the writer renames a complete temporary
+`plan --against`. A reader never sees a half-written file: the writer renames a complete temporary
 file into place. A missing, truncated or foreign file is one `UsageError` naming the file and key.
 """
 from __future__ import annotations

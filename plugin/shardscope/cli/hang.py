@@ -1,10 +1,10 @@
-"""`shardscope hang DIR`: the verdict of a run's hang records (`shardscope.hang`), with each rank's stack."""
+"""`shardscope hang DIR`: the verdict of a run's hang records (`measure/hang.py`), with each rank's stack."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .. import hang
+from ..measure import hang
 
 STACK_FRAMES = 12  # innermost frames printed per rank (--json carries them all)
 

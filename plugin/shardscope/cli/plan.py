@@ -33,6 +33,16 @@ def convention_name(value: str) -> str:
     return OLD_CONVENTIONS.get(value, value)
 
 
+class OldSpelling(argparse.Action):
+    """`--compare`, `--against`'s name before `shardscope compare` (which launches runs) and it meant two things:
+    still accepted, not listed in --help, said once to who typed it; drop after one release."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"shardscope: note: plan {option_string} is now plan --against (`shardscope compare` launches runs); "
+              "the old spelling goes in the next release", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def short_count(n: int) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
@@ -267,7 +277,9 @@ def build_parser(subparsers):
     out.add_argument("--convention", type=convention_name, choices=CONVENTIONS,
                      help="print the 12 B/param rule of thumb (2 + 2 + 8, no fp32 master copy) beside the "
                           "planner's 16 B/param, per ZeRO stage")
-    out.add_argument("--compare", metavar="SUMMARY_JSON", help="planned vs measured, from the callback's summary")
+    out.add_argument("--against", metavar="SUMMARY_JSON",
+                     help="the plan of a finished run beside what it measured, from the callback's summary")
+    out.add_argument("--compare", dest="against", action=OldSpelling, help=argparse.SUPPRESS)
     add_calibrate_argument(out)
     p.set_defaults(func=plan_command)
     return p
@@ -321,10 +333,10 @@ def plan_command(args) -> int:
         table = convention_table(params or 7e9, args.gpus * args.nodes)
         print(json.dumps(table, indent=1) if args.json else format_convention(table))
         return 0
-    if args.compare:
+    if args.against:
         spec = model_spec(args.model, params=params, layers=args.layers, hidden=args.hidden,
                           vocab=args.vocab, heads=args.heads) if (args.model or params) else None
-        result = plan_vs_run(args.compare, spec, setup, model=args.model, knobs=knobs_from_args(args))
+        result = plan_vs_run(args.against, spec, setup, model=args.model, knobs=knobs_from_args(args))
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
     if args.model:  # both cached per config (model/cache.py): a later run imports neither torch nor transformers

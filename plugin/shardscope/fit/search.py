@@ -20,13 +20,18 @@ from ..plan.mesh import LibraryKnobs, Setup, tp_mesh, valid_tp_degrees
 from ..plan.planner import chosen_tp_rows, estimate, fits, host_fits as planner_host_fits, usable_bytes
 from ..plan.sequence import KINDS, SPLIT_STRATEGIES, named_rows, parse_row_name, row_name, search_groups
 from ..plan.time_model import Figures, Hardware, datasheet_figures, model_error, step_time
-from ..strategy import OFFLOAD, STRATEGIES, TP_STRATEGIES, Mesh, family, simplicity_order, strategy_record
+from ..strategy import OFFLOAD, REGISTRY, STRATEGIES, TP_STRATEGIES, Mesh, family, simplicity_order, strategy_record
 from ..units import gb
 
 # Candidates tied within the model's error: the most memory headroom first, then the simplest: the registry's order
 # (`simplicity_order`, the one `recommend` walks), then the sequence-split rows of plan/sequence.py, "zero3/sp4",
 # lower degrees first.
 SPLIT_ROWS = tuple(row_name(s, kind, 2 ** i) for i in range(1, 11) for kind in KINDS for s in SPLIT_STRATEGIES[kind])
+
+
+def tier_rank(name: str) -> int:
+    """The simplicity tier of a candidate's strategy (`strategy.tier`); a sequence-split row after every tier."""
+    return REGISTRY[name].simplicity if name in REGISTRY else 1 + max(r.simplicity for r in REGISTRY.values())
 
 
 def simplicity(name: str, prefer: str) -> int:
@@ -155,17 +160,18 @@ def search(spec: ModelSpec, setup: Setup, global_batch: int, hw: Hardware | Figu
             "host": host, "tie": tie}
 
 
-TIE_RULE = ("tied within the model's error: the simplest wins (the strategy order, then checkpointing off, then fewer "
-            "micro-batches, then the most memory headroom)")
+TIE_RULE = ("tied within the model's error: the simplest tier of strategies wins, then no recomputation, then the "
+            "most memory headroom, then --prefer's library, then fewer micro-batches")
 
 
 def break_tie(fitting: list[Candidate], setup: Setup, error: float) -> dict | None:
     """Every candidate predicted within `error` (a fraction) of the fastest is a tie, inside a strategy too (another
-    micro-batch, checkpointing, accumulation): the model cannot tell them apart, so the winner is the simplest
-    (`TIE_RULE`): the strategy first in the registry's order, then without checkpointing, then with fewer
-    micro-batches, then with the most memory headroom (every candidate fits already). Memory headroom first picked
-    checkpointing and TP almost always, settings known to be slower that the model's error then hid. The winner
-    moves to the front of `fitting`; None when the fastest candidate is clearly fastest."""
+    micro-batch, checkpointing, accumulation): the model cannot tell them apart. The winner (`TIE_RULE`): the
+    simplest tier of strategies (the registry's; FSDP's and DeepSpeed's ways to one sharding share a tier), then
+    checkpointing off (its recompute is a cost measured apart from the model's error: docs/gpu.md), then the most
+    memory headroom (the smaller micro-batch of a strategy, the lighter library of a tier), then `prefer`'s
+    library, then fewer micro-batches. It moves to the front of `fitting`; None when the fastest candidate is clearly
+    fastest."""
     if not fitting:
         return None
     fastest = fitting[0]  # sorted fastest first
@@ -173,8 +179,8 @@ def break_tie(fitting: list[Candidate], setup: Setup, error: float) -> dict | No
     if len(tied) < 2:
         return None
     usable = usable_bytes(setup)
-    tied.sort(key=lambda c: (simplicity(c.strategy, setup.prefer), c.gradient_checkpointing,
-                             c.gradient_accumulation_steps, -(usable - c.peak_bytes)))
+    tied.sort(key=lambda c: (tier_rank(c.strategy), c.gradient_checkpointing, -(usable - c.peak_bytes),
+                             simplicity(c.strategy, setup.prefer), c.gradient_accumulation_steps))
     fitting.remove(tied[0])
     fitting.insert(0, tied[0])
     return {"error": error, "strategies": list(dict.fromkeys(label(c) for c in tied)), "candidates": len(tied),
@@ -245,12 +251,26 @@ def not_divisible_message(global_batch: int, skipped) -> str:
 
 
 # ----------------------------------------------------------------------------- explaining
+def tie_breaker(cand: Candidate, winner: Candidate) -> str:
+    """Which step of `TIE_RULE` put `winner` before `cand`, in words."""
+    name = label(winner)
+    if tier_rank(cand.strategy) != tier_rank(winner.strategy):
+        return f"{name} is simpler"
+    if cand.gradient_checkpointing != winner.gradient_checkpointing:
+        return f"it recomputes the forward, {name} does not"
+    if cand.peak_bytes != winner.peak_bytes:
+        return f"less memory headroom than {name}"
+    if cand.strategy != winner.strategy:
+        return f"{name} is --prefer's library"
+    return f"more micro-batches than {name}"
+
+
 def why_lost(cand: Candidate, winner: Candidate, tie: dict | None = None) -> str:
     """One line: which part of the predicted step makes `cand` slower than the winner (or what breaks the tie)."""
     delta = cand.step_time_s - winner.step_time_s
     if tie and label(cand) in tie["strategies"]:
         return (f"{delta / winner.step_time_s:+.1%} step time, within the model's error of {tie['error']:.0%}: a tie; "
-                f"{label(winner)} is simpler")
+                f"{tie_breaker(cand, winner)}")
     if delta <= 1e-9 * max(winner.step_time_s, 1e-12):
         if cand.strategy != winner.strategy:
             return (f"same predicted time; {winner.strategy} comes first in the planner's order (fewer "

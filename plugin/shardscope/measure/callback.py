@@ -108,7 +108,7 @@ class ShardingProfilerCallback(TrainerCallback):
             flops_model=self._flops_model, start_step=state.global_step, last_step=state.max_steps,
             hang_after=self.hang_after,
             summary_extra={"fit": getattr(args, FIT_ATTRIBUTE, None),  # shardscope fit: fit_training
-                           "gradient_accumulation_steps": args.gradient_accumulation_steps})  # what plan --compare plans
+                           "gradient_accumulation_steps": args.gradient_accumulation_steps})  # what plan --against plans
         self._pending = {}
         with self._guard("sequence split"):  # each rank's log names the ranks it shares its sequences with
             split = self.profiler.detected.get("sequence_parallel")

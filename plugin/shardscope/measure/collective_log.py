@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..hang import FR_SOURCE, collective_summary, fr_entry
+from .hang import FR_SOURCE, collective_summary, fr_entry
 
 VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # current name first
 ENTRIES = 2000  # the ring's bound (torch 2.13's own default): ~0.5 MB of entries

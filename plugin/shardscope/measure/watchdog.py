@@ -1,5 +1,5 @@
 """A thread that speaks before the collective timeout: when this rank's step runs past `hang_after`, it writes the
-rank's record into `OUTPUT_DIR/shardscope_hang/` (`shardscope.hang` says what a record holds) and rank 0 logs the
+rank's record into `OUTPUT_DIR/shardscope_hang/` (`hang.py` says what a record holds) and rank 0 logs the
 verdict in one line. It never stops training.
 
 Ranks waiting inside a collective cannot exchange anything through that process group: each rank watches its own
@@ -29,7 +29,7 @@ import weakref
 from collections import deque
 from pathlib import Path
 
-from .. import hang
+from . import hang
 from ..safe_io import atomic_write_text
 from . import collective_log
 from .guard import GUARDED, Instrument

@@ -13,7 +13,7 @@ Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png, pea
 per-rank model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
 throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
-measured row (`planner.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
+measured row (`report.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
 tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_section.py`; the peak
 of one step planned beside measured, by part: `peak_section.py`.
 

@@ -1,6 +1,6 @@
 """`report`/`compare`'s peak section: the planner's peak of one step beside the measured one, by part.
 
-From each run's `planner.plan_vs_run` result (the same plan as `plan --compare`): per rank, the measured
+From each run's `report.plan_vs_run` result (the same plan as `plan --against`): per rank, the measured
 `peak_tensor_bytes` / `peak_breakdown` of the profiler's instrumented step and the planner's `peak_bytes` /
 `peak_breakdown` for that rank's own step (its micro-batch, sequence or image size and checkpointing, from
 the summary's `peak_step`; ZeRO's reduce bucket as the run's optimizer had it). A run is shown by the rank
@@ -53,7 +53,7 @@ def markdown_lines(runs: list[dict]) -> list[str]:
     lines = ["## Peak memory of one step: planned vs measured", "",
              "Measured: the profiler's instrumented step (torch's MemTracker, live tensors; `peak_tensor_bytes`), the "
              "rank with the largest peak. Planned: `shardscope plan`'s `peak_bytes` for that rank's own step "
-             "(`planner.plan_vs_run`, as `plan --compare`). Error = (planned - measured) / measured; the range is "
+             "(`report.plan_vs_run`, as `plan --against`). Error = (planned - measured) / measured; the range is "
              "over all ranks. Bytes exact (B).", "",
              "| run | step | planned peak | measured peak | error | error, all ranks | phase planned / measured "
              "| activations |", "|" + "---|" * 8]

@@ -1,5 +1,5 @@
 """Planned beside measured: the planner's row for a run summary's strategy, world size, precision and model next
-to each rank's measured bytes and peak (`plan --compare`, `report`). Reads the summary (the top-level `summary`)
+to each rank's measured bytes and peak (`plan --against`, `report`). Reads the summary (the top-level `summary`)
 and plans with plan/; the bridge from a finished run to the planner."""
 from __future__ import annotations
 

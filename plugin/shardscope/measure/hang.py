@@ -20,9 +20,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .errors import UsageError
-from .safe_io import load_json, read_bytes
-from .summary import SUMMARY_FILE
+from ..errors import UsageError
+from ..safe_io import load_json, read_bytes
+from ..summary import SUMMARY_FILE
 
 FOLDER = "shardscope_hang"
 KIND, VERSION = "shardscope_hang_record", 1
@@ -32,8 +32,8 @@ DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "In
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
 MAX_DUMP_BYTES = 64 << 20  # a flight-recorder dump of 2,000 entries is a few MB
 # this package's own files, wherever the writing rank had it installed (not a user's folder that is named shardscope)
-OWN_FILES = tuple(f"/shardscope/{p.relative_to(Path(__file__).parent).as_posix()}:"
-                  for p in Path(__file__).parent.rglob("*.py"))
+PACKAGE = Path(__file__).resolve().parents[1]
+OWN_FILES = tuple(f"/shardscope/{p.relative_to(PACKAGE).as_posix()}:" for p in PACKAGE.rglob("*.py"))
 
 
 def record_path(folder, rank: int) -> Path:
