@@ -15,8 +15,10 @@ import pytest
 import yaml
 
 from launch import ROOT, SBATCH, free_port, slurm_stand_ins
-from shardscope.fit.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
-                                validate_config)
+from shardscope.configs.catalog import find_config, shipped_configs
+from shardscope.configs.check import validate_config
+from shardscope.configs.files import ConfigProblems
+from shardscope.configs.launcher import launch_args, launch_env
 from shardscope.errors import UsageError
 
 BAD = Path(__file__).parent / "fixtures" / "bad_configs"

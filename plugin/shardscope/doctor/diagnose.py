@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fit.configs import ConfigProblems, resolve_config, validate_config
+from ..configs.catalog import resolve_config
+from ..configs.check import validate_config
+from ..configs.files import ConfigProblems
 from .cluster import cluster_checks
 from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
                                check_deepspeed_precision, planner_settings)
