@@ -168,7 +168,7 @@ def test_measure_does_not_reach_the_planner_through_another_module():
         if name not in reached:
             reached.add(name)
             todo += graph[name]
-    assert sorted(m for m in reached if layer(m) in ("plan", "fit", "doctor", "report", "cli")) == []
+    assert sorted(m for m in reached if layer(m) in ("plan", "configs", "fit", "doctor", "report", "cli")) == []
 
 
 def test_only_the_command_line_and_the_recipes_parse_arguments():
