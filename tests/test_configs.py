@@ -16,7 +16,7 @@ import yaml
 
 from launch import ROOT, SBATCH, free_port, slurm_stand_ins
 from shardscope.configs.catalog import find_config, shipped_configs
-from shardscope.configs.check import validate_config
+from shardscope.configs.validate import validate_config
 from shardscope.configs.files import ConfigProblems
 from shardscope.configs.launcher import launch_args, launch_env
 from shardscope.errors import UsageError

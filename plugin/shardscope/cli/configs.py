@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..configs.catalog import KINDS, find_config, shipped_configs
-from ..configs.check import guess_kind, validate_config
+from ..configs.validate import guess_kind, validate_config
 from ..doctor.diagnose import check_files
 from ..doctor.rules import failing
 from ..errors import UsageError

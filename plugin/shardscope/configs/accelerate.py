@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..safe_io import parse_yaml
-from .deepspeed import check_deepspeed
+from .deepspeed import validate_deepspeed
 from .files import ConfigProblems, not_mappings, parsed
 from .fsdp import fsdp1_sharding_problem, fsdp_plugin
 from .launcher import launch_args, launch_env, launcher_keys, refused_beside_deepspeed_file
@@ -26,7 +26,8 @@ def accelerate_sections() -> list[str]:
     return [name for name, f in ClusterConfig.__dataclass_fields__.items() if "dict" in str(f.type)]
 
 
-def check_accelerate(path: Path, problems: list[str], world_size: int):
+def validate_accelerate(path: Path, problems: list[str], world_size: int):
+    """accelerate's `ClusterConfig` of the yaml (its own `num_processes`, not `world_size`), `problems` appended."""
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
     raw = parsed(path, parse_yaml)
@@ -101,7 +102,7 @@ def _check_launch(path: Path, loaded, problems: list[str]):
                     "FSDP1 reads fsdp_sharding_strategy: set that instead")
             elif args.use_deepspeed:
                 plugin = DeepSpeedPlugin()
-                check_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
+                validate_deepspeed(plugin.deepspeed_config, problems, world_size=loaded.num_processes)
     except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as error:
         problems += refused_beside_deepspeed_file(args, error) or [f"accelerate rejects it at launch: {error}"]
 

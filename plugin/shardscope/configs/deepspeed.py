@@ -16,11 +16,12 @@ DEEPSPEED_SECTIONS = ("zero_optimization", "zero_optimization.offload_optimizer"
                       "optimizer", "optimizer.params", "scheduler", "scheduler.params", "bf16", "fp16")
 
 
-def check_deepspeed_file(path: Path, problems: list[str], world_size: int):
-    return check_deepspeed(json_object(path), problems, world_size)
+def validate_deepspeed_file(path: Path, problems: list[str], world_size: int):
+    """DeepSpeed's `DeepSpeedConfig` of the JSON for `world_size` ranks, `problems` appended."""
+    return validate_deepspeed(json_object(path), problems, world_size)
 
 
-def check_deepspeed(config: dict, problems: list[str], world_size: int):
+def validate_deepspeed(config: dict, problems: list[str], world_size: int):
     """Fill "auto" the way the Trainer does, then parse with DeepSpeed's own config class."""
     problems += not_mappings(config, DEEPSPEED_SECTIONS)
     if problems:

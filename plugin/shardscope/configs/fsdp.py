@@ -35,7 +35,7 @@ def fsdp1_sharding_problem(key: str, asked, plugin, source: str, fix: str) -> li
             f"{plugin.sharding_strategy.name} ({source}); {fix}"]
 
 
-def check_fsdp(path: Path, problems: list[str], world_size: int):
+def validate_fsdp(path: Path, problems: list[str], world_size: int):
     """`TrainingArguments(fsdp=True, fsdp_config=...)`, then the FSDP plugin the Trainer builds from it."""
     config = json_object(path)
     problems += strings_that_should_be_values(config)

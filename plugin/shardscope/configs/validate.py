@@ -7,11 +7,11 @@ import subprocess
 from pathlib import Path
 
 from ..errors import UsageError
-from .accelerate import check_accelerate
+from .accelerate import validate_accelerate
 from .catalog import FOLDERS, KINDS
-from .deepspeed import check_deepspeed_file
+from .deepspeed import validate_deepspeed_file
 from .files import ConfigProblems, config_text, json_object
-from .fsdp import check_fsdp
+from .fsdp import validate_fsdp
 
 
 def validate_config(path, kind: str | None = None, world_size: int = 8):
@@ -27,8 +27,8 @@ def validate_config(path, kind: str | None = None, world_size: int = 8):
     kind = kind or guess_kind(path)
     if kind not in KINDS:
         raise UsageError(f"{path}: unknown config kind '{kind}' (one of {', '.join(KINDS)})")
-    check = {"accelerate": check_accelerate, "deepspeed": check_deepspeed_file,
-             "fsdp": check_fsdp, "slurm": _check_slurm}[kind]
+    check = {"accelerate": validate_accelerate, "deepspeed": validate_deepspeed_file,
+             "fsdp": validate_fsdp, "slurm": _validate_slurm}[kind]
     problems: list[str] = []
     loaded = check(path, problems, world_size)
     if problems:
@@ -51,7 +51,7 @@ def guess_kind(path: Path) -> str:
     return "deepspeed" if {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu"} & set(config) else "fsdp"
 
 
-def _check_slurm(path: Path, problems: list[str], world_size: int):
+def _validate_slurm(path: Path, problems: list[str], world_size: int):
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     problems += [line for line in result.stderr.splitlines() if line.strip()]
     return path.read_text()
