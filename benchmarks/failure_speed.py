@@ -36,7 +36,7 @@ from render_docs import stamped  # noqa: E402
 
 from launch import accelerate_multinode_launch, cpu_env, free_port  # noqa: E402
 
-from shardscope.fit.configs import find_config  # noqa: E402
+from shardscope.configs.catalog import find_config  # noqa: E402
 from shardscope.errors import UsageError  # noqa: E402
 from shardscope.safe_io import parse_yaml  # noqa: E402
 

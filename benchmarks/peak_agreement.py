@@ -59,8 +59,8 @@ def run_name(config: str, precision: str, ckpt: bool) -> str:
 
 
 def launch_all(out: Path, only: list[str], small: bool = False) -> list[Path]:
-    from shardscope.fit.configs import resolve_config
-    from shardscope.launching import launch, launch_command
+    from shardscope.configs.catalog import resolve_config
+    from shardscope.fit.launching import launch, launch_command
     from shardscope.recipes.tiny import make_causal_lm
     from shardscope.safe_io import atomic_write_text
 

@@ -65,7 +65,7 @@ def accelerate_families() -> dict[str, list[str]]:
     """The single-node accelerate configs without a parallelism mesh, by distributed_type."""
     import yaml
 
-    from shardscope.fit.configs import shipped_configs
+    from shardscope.configs.catalog import shipped_configs
 
     families: dict[str, list[str]] = {}
     for config in shipped_configs():
@@ -79,7 +79,7 @@ def shared_launches() -> list[tuple]:
     from peak_spec import RUNS as PEAK_RUNS
     from peak_spec import SMALL_BUCKET_RUNS, peak_flags, small_bucket_flags
     from precision_checks import PRECISION_RUNS, precision_flags
-    from shardscope.fit.configs import shipped_configs
+    from shardscope.configs.catalog import shipped_configs
 
     def runs_of(c):  # the agreement runs, or the config's own run; then its precision and peak runs
         own = ([(c, "shard_llama", 0, 1, ()), (c, "llama_50m", 0, 2, ()),
@@ -124,7 +124,7 @@ def strategy_runs(strategy_model, tmp_path_factory):
     common ones: a repeated one overrides). Once per (config, model, lora_r, grad_accum, flags), in one launch with
     the runs shared_launches() puts beside it; returns (profiler summary, [independent count per rank], the run's
     folder)."""
-    from shardscope.fit.configs import find_config
+    from shardscope.configs.catalog import find_config
 
     def launch(keys):
         shipped = {key: find_config(key[0]) for key in keys}

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image, ImageStat
 
 from launch import ROOT, shardscope_cli as shardscope
-from shardscope import launching
-from shardscope.fit.configs import launcher_config
+from shardscope.fit import launching
+from shardscope.configs.catalog import launcher_config
 from shardscope.report import compare
 
 # ZeRO-2 whose gradient clipping disagrees with the Trainer's max_grad_norm (1.0): the Trainer raises on

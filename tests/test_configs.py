@@ -15,8 +15,10 @@ import pytest
 import yaml
 
 from launch import ROOT, SBATCH, free_port, slurm_stand_ins
-from shardscope.fit.configs import (ConfigProblems, find_config, launch_args, launch_env, shipped_configs,
-                                validate_config)
+from shardscope.configs.catalog import find_config, shipped_configs
+from shardscope.configs.validate import validate_config
+from shardscope.configs.files import ConfigProblems
+from shardscope.configs.launcher import launch_args, launch_env
 from shardscope.errors import UsageError
 
 BAD = Path(__file__).parent / "fixtures" / "bad_configs"
@@ -161,12 +163,16 @@ def test_malformed_files_report_line_numbers():
 
 
 def test_fsdp1_reshard_after_forward_is_flagged(tmp_path):
-    """accelerate 1.15's launcher always exports FSDP_SHARDING_STRATEGY, which beats reshard_after_forward in FSDP1."""
+    """accelerate 1.15's launcher always exports FSDP_SHARDING_STRATEGY, which beats reshard_after_forward in FSDP1:
+    the yaml's own words for the rule a Trainer fsdp_config meets too (BAD_CASES' fsdp1_hybrid_shard.json)."""
     config = tmp_path / "fsdp1_grad_op.yaml"
     config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n"
                       "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n")
-    with pytest.raises(ConfigProblems, match="fsdp_reshard_after_forward: accelerate 1.15 ignores it under FSDP1"):
+    with pytest.raises(ConfigProblems, match="fsdp_config.fsdp_reshard_after_forward: 'SHARD_GRAD_OP' is not what "
+                                             "FSDP1 trains: accelerate wraps with its sharding_strategy, FULL_SHARD"):
         validate_config(config)
+    config.write_text(config.read_text() + "  fsdp_sharding_strategy: SHARD_GRAD_OP\n")  # what is asked is trained
+    assert validate_config(config).fsdp_config["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
 
 
 def test_check_command_one_line_per_problem_exit_2():

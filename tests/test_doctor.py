@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardscope.cli import main
-from shardscope.fit.configs import shipped_configs
+from shardscope.configs.catalog import shipped_configs
 from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args, startup_checks
 from shardscope.errors import UsageError
 

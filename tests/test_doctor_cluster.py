@@ -11,7 +11,7 @@ import yaml
 
 from shardscope.doctor import cluster
 from shardscope.cli import main
-from shardscope.fit.configs import shipped_configs
+from shardscope.configs.catalog import shipped_configs
 from shardscope.doctor.diagnose import Inputs, diagnose
 from shardscope.doctor.cluster import check_interfaces, check_master_env, fingerprint
 from shardscope.doctor.rules import failing

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from shardscope.cli import main
-from shardscope.fit.configs import shipped_configs
+from shardscope.configs.catalog import shipped_configs
 from shardscope.doctor.diagnose import Inputs, diagnose, parse_trainer_args
 from shardscope.doctor.rules import failing
 
@@ -197,7 +197,7 @@ def test_shipped_names_are_accepted(flag, name, capsys):
                                               ("--fsdp_config", "llama_full_shard", "fsdp")])
 def test_a_shipped_name_in_the_trainer_arguments_names_the_path_to_give(flag, name, kind, capsys):
     """The Trainer reads a path where doctor's own flags take a name too: one line with the path to pass."""
-    from shardscope.fit.configs import resolve_config
+    from shardscope.configs.catalog import resolve_config
 
     assert main(["doctor", "--", flag, name]) == 2
     err = capsys.readouterr().err

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from shardscope import cli
-from shardscope import launching
+from shardscope.fit import launching
 from shardscope.report import compare
-from shardscope.fit.configs import find_config
+from shardscope.configs.catalog import find_config
 from shardscope.plan.mesh import Setup
 from shardscope.model.spec import model_spec
 from shardscope.plan.planner import estimate
@@ -378,7 +378,7 @@ def test_every_path_the_docs_name_exists(doc):
 
 
 def test_configs_list_wraps_without_cutting_a_literal(capsys, monkeypatch):
-    from shardscope.fit.configs import shipped_configs
+    from shardscope.configs.catalog import shipped_configs
 
     monkeypatch.setenv("COLUMNS", "80")
     assert cli.main(["configs"]) == 0

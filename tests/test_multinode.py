@@ -14,7 +14,7 @@ import pytest
 
 from launch import ROOT, accelerate_multinode_launch, deepspeed_multinode_launch, free_port, slurm_launch
 
-from shardscope.fit.configs import find_config
+from shardscope.configs.catalog import find_config
 from shardscope.doctor.diagnose import Inputs, diagnose
 from shardscope.doctor.rules import failing
 from shardscope import plan_vs_run as compare

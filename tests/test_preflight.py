@@ -19,7 +19,7 @@ import pytest
 from launch import BIN, ROOT, accelerate_multinode_launch, cpu_env, free_port, multinode_launch
 
 from shardscope.cli import main
-from shardscope.fit.configs import find_config
+from shardscope.configs.catalog import find_config
 from shardscope.preflight import calibration_from_preflight
 from shardscope.measure.collective_timing import KINDS
 

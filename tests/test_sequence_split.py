@@ -302,7 +302,7 @@ def test_doctor_fit_check_plans_the_split_row(tiny_llama):
 def test_fit_writes_the_split_config_the_library_loads(config, tmp_path, capsys, tiny_llama):
     """`fit --strategy zero3_sp|fsdp_cp --output-dir`: the shipped split config with the winner's degree (and, for cp,
     dp_shard x cp = processes), loaded by accelerate like every shipped config."""
-    from shardscope.fit.configs import validate_config
+    from shardscope.configs.validate import validate_config
 
     code = main(["fit", "--model", str(tiny_llama), "--gpus", "4", "--gpu", "H100", "--seq-len", "512",
                  "--global-batch", "4", "--strategy", config, "--output-dir", str(tmp_path), "--json"])

@@ -4,8 +4,8 @@ a strategy makes to the live tensors. Launched: test_strategies.py (the profiler
 count on every shipped config)."""
 import torch
 
-from shardscope import state_bytes
-from shardscope.state_bytes import count_state
+from shardscope.measure import state_bytes
+from shardscope.measure.state_bytes import count_state
 
 
 def test_state_counting_counts_each_storage_once_and_by_device():

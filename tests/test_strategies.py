@@ -9,7 +9,7 @@ import math
 import pytest
 
 from strategy_runs import strategy_model_for as model_for
-from shardscope.fit.configs import shipped_configs
+from shardscope.configs.catalog import shipped_configs
 
 # tp.yaml and fsdp_tp.yaml shard while the model loads (transformers DistributedConfig), which the recipe
 # does and this worker does not: test_tensor_parallel.py runs them (and the multi-node hsdp_tp.yaml) through the recipe.

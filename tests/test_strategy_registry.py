@@ -29,7 +29,7 @@ def _prefix_tests(tree: ast.AST):
 
 
 # Prefixes of a strategy name that test something else: accelerate's fsdp_config keys ("fsdp_sharding_strategy").
-NOT_A_STRATEGY = {("fit/configs.py", "fsdp_")}
+NOT_A_STRATEGY = {("configs/accelerate.py", "fsdp_")}
 
 
 def test_no_strategy_name_is_tested_by_its_prefix_outside_the_registry():
@@ -173,7 +173,7 @@ def _shipped_configs(record) -> list[str]:
     """Its shipped files exist (the accelerate yaml, its multi-node one, the library's own), each read as it."""
     from shardscope.doctor.rules import read_raw
     from shardscope.errors import UsageError
-    from shardscope.fit.configs import find_config
+    from shardscope.configs.catalog import find_config
 
     lacks = []
     for name, kind in ((record.config, "accelerate"), (record.multinode_config, "accelerate"),
@@ -183,7 +183,7 @@ def _shipped_configs(record) -> list[str]:
         try:
             path = find_config(name).path
         except UsageError:
-            lacks.append(f"a shipped config '{name}' (fit/configs.py's folders)")
+            lacks.append(f"a shipped config '{name}' (configs/catalog.py's folders)")
             continue
         found = strategy_of_config(kind, read_raw(path))
         if found != record.name:
@@ -208,7 +208,7 @@ def _detection(record) -> list[str]:
 def _doctor_entry(record, model: str) -> list[str]:
     """doctor reads its shipped accelerate config, plans it and names it when it does not fit."""
     from shardscope.doctor.diagnose import Inputs, diagnose
-    from shardscope.fit.configs import find_config
+    from shardscope.configs.catalog import find_config
 
     try:
         path = find_config(record.config).path

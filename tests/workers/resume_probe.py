@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from shardscope.recipes import training
-from shardscope.state_bytes import base_optimizer
+from shardscope.measure.state_bytes import base_optimizer
 
 
 def full_moment(param, optimizer, key: str):

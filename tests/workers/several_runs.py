@@ -12,7 +12,7 @@ the last run.
 
 `--launch_config YAML` before a run: the run gets the environment `accelerate launch --config_file YAML` (with the
 tests' CPU overrides) exports to its ranks, computed by accelerate's own launcher code
-(shardscope.fit.configs.launch_env), in place of the launch's: accelerate, the Trainer and DeepSpeed build that
+(shardscope.configs.launcher.launch_env), in place of the launch's: accelerate, the Trainer and DeepSpeed build that
 config's plugin from it as in a launch of their own. The process group and accelerate's PartialState stay (a run of
 another family builds its own AcceleratorState over them: seen, ZeRO-3 then DDP then FSDP in one launch, each holding
 its own strategy's bytes; resetting PartialState as well made the DDP run train under DeepSpeed). The tests put DDP's
@@ -57,7 +57,7 @@ def parse(argv: list[str]) -> tuple[Path, list[tuple[str, str, list[str], str | 
 def launched_with(config: str, record: Path) -> None:
     """This process's environment as `accelerate launch --config_file CONFIG` sets it (module docstring)."""
     from launch import accelerate_cpu_overrides
-    from shardscope.fit.configs import launch_args, launch_env
+    from shardscope.configs.launcher import launch_args, launch_env
 
     # the launcher passes its own environment on: computed from this one without the launch's (or a run's) variables
     before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(LAUNCH_ENV)}

@@ -44,7 +44,7 @@ class SeparateSteps(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         import torch
 
-        from ..state_bytes import base_optimizer
+        from ..measure.state_bytes import base_optimizer
 
         seen, base = set(), base_optimizer(optimizer)
         for entry in base.state.values() if base is not None else ():

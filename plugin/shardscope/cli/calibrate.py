@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..fit.calibration_runs import calibrate_runs
-from ..fit.configs import launcher_config
-from ..launching import cpu_launch_problem
+from ..configs.catalog import launcher_config
+from ..fit.launching import cpu_launch_problem
 from ..plan.calibration import CALIBRATION_FILE
 from ..plan.calibration_file import machine
 from .fit import add_search_arguments, nothing_fits_lines, searched

@@ -1,5 +1,5 @@
 """`shardscope compare` (launch a recipe once per config, then report) and `shardscope report` arguments;
-launching is shardscope.launching's, collecting and writing report/compare's."""
+launching is fit/launching's, collecting and writing report/compare's."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,8 @@ import shlex
 from pathlib import Path
 
 from ..errors import UsageError
-from ..fit.configs import launcher_config
-from ..launching import CPU_LAUNCHER_ARGS, LOG_FILE, cpu_launch_problem, launch, launch_command, no_summary_reason
+from ..configs.catalog import launcher_config
+from ..fit.launching import CPU_LAUNCHER_ARGS, LOG_FILE, cpu_launch_problem, launch, launch_command, no_summary_reason
 from ..report.compare import outcome, write_report
 from ..summary import SUMMARY_FILE
 from ..plan.calibration import measured_figures

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..fit.configs import KINDS, find_config, guess_kind, shipped_configs, validate_config
+from ..configs.catalog import KINDS, find_config, shipped_configs
+from ..configs.validate import guess_kind, validate_config
 from ..doctor.diagnose import check_files
 from ..doctor.rules import failing
 from ..errors import UsageError

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..fit.configs import resolve_config
+from ..configs.catalog import resolve_config
 from ..doctor.diagnose import Inputs, diagnose, parse_trainer_args
 from ..doctor.rules import failing
 from ..errors import UsageError

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from ..fit.configs import strings_that_should_be_values
+from ..configs.files import strings_that_should_be_values
 from .rules import Finding, get, is_true, read_raw
 
 PRECISION_FLAGS = ("bf16", "fp16")

@@ -4,9 +4,9 @@
                       [--gpus N --gpu NAME | --gpu-memory SIZE] [-- recipe.py --config r.yaml ... | -- TRAINER ARGS]
 
 Every finding names the file, the key, its level and the fix. Exit 0: clean or notices only; 1: errors or
-warnings; 2: unusable input. Each file is first validated by `configs.validate_config` (the libraries' own
-loaders); the rules live by library in doctor/deepspeed.py, doctor/fsdp.py and doctor/launch.py, their codes
-and levels in `doctor_rules.RULES`, and docs/doctor.md says where each comes from. `shardscope configs
+warnings; 2: unusable input. Each file is first validated by `configs/validate.py`'s `validate_config` (the
+libraries' own loaders); the rules live by library in doctor/deepspeed.py, doctor/fsdp.py and doctor/launch.py,
+their codes and levels in `doctor_rules.RULES`, and docs/doctor.md says where each comes from. `shardscope configs
 check` runs `check_files` here: one set of rules, one verdict.
 
 Trainer arguments are only parsed (HfArgumentParser over `TrainingArguments`, or over a recipe's own
@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fit.configs import ConfigProblems, resolve_config, validate_config
+from ..configs.catalog import resolve_config
+from ..configs.validate import validate_config
+from ..configs.files import ConfigProblems
 from .cluster import cluster_checks
 from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_deepspeed,
                                check_deepspeed_precision, planner_settings)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..fit.configs import DEEPSPEED_SECTIONS, accelerate_sections, not_mappings
+from ..configs.accelerate import accelerate_sections
+from ..configs.deepspeed import DEEPSPEED_SECTIONS
+from ..configs.files import not_mappings
 from ..errors import UsageError
 from ..safe_io import load_data
 

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from ..errors import UsageError
-from .configs import launcher_config
-from ..launching import LOG_FILE, MAX_LOG_BYTES, launch, launch_command, no_summary_reason
+from ..configs.catalog import launcher_config
+from .launching import LOG_FILE, MAX_LOG_BYTES, launch, launch_command, no_summary_reason
 from ..plan.calibration import CALIBRATION_FILE, run_sources
 from ..plan.calibration_file import VERSION
 from ..safe_io import atomic_write_text, load_json, read_bytes

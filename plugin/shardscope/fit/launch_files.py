@@ -32,7 +32,7 @@ def accelerate_config(result: dict) -> tuple[dict, str]:
     """The shipped accelerate yaml of the winning strategy, with this run's process count, machines and mesh."""
     import yaml
 
-    from .configs import find_config
+    from ..configs.catalog import find_config
 
     strategy, setup, mesh = result["strategy"], result["setup"], result["mesh"]
     split = parse_row_name(strategy)  # "zero3/sp4": the shipped split config, its degree below

@@ -145,7 +145,7 @@ def zero_buckets(optimizer) -> dict:
     only as a stream) and `allgather_bucket_size` (elements), for ZeRO-3 `prefetch_bucket_size` (elements) and
     `stage3_param_persistence_threshold` (the live value: an inline accelerate yaml's "auto" resolved); {} for any
     other optimizer."""
-    from ..state_bytes import zero_optimizer
+    from .state_bytes import zero_optimizer
 
     zero = zero_optimizer(optimizer)
     if zero is None or not isinstance(getattr(zero, "reduce_bucket_size", None), int):

@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..mem_tracker import tracker
-from ..state_bytes import master_weights, optimizer_layers, zero3_partitions, zero_grad_buffers
+from .state_bytes import master_weights, optimizer_layers, zero3_partitions, zero_grad_buffers
 from .guard import Instrument, WarnOnce
 
 BREAKDOWN = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")

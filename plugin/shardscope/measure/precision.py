@@ -19,7 +19,7 @@ import torch
 from .guard import Instrument, WarnOnce
 from .rank_gather import gather_objects
 from ..strategy import REGISTRY, configured_precision, trainer_precision
-from ..state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
+from .state_bytes import (ZERO_MASTER_WEIGHTS, base_optimizer, local_tensor, master_weights, model_parameters,
                           storage_entry, zero_optimizer)
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -35,7 +35,7 @@ from .step_hooks import Models, Schedule, StepHooks
 from .stragglers import Windows, line as straggler_line
 from .throughput import FlopsModel, device_peak_flops
 from .watchdog import Watchdog
-from ..state_bytes import count_state, forget
+from .state_bytes import count_state, forget
 from ..summary import SUMMARY_FILE, write_summary
 
 logger = logging.getLogger("shardscope")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..state_bytes import base_optimizer, gradient_bytes, held_gradients, state_walk, zero_optimizer
+from .state_bytes import base_optimizer, gradient_bytes, held_gradients, state_walk, zero_optimizer
 from ..strategy import num_nodes
 from .guard import CallerInstruments, Guards, Instruments, MethodWrap
 from .peak import StepPeak

@@ -35,7 +35,7 @@ import math
 import torch
 from torch.autograd.profiler import record_function
 
-from ..state_bytes import base_optimizer, zero_optimizer
+from .state_bytes import base_optimizer, zero_optimizer
 from .guard import Instrument, MethodWrap
 
 PREFIX = "shardscope::"

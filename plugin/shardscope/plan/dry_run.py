@@ -37,8 +37,8 @@ What is *built* and what is *computed*:
   are all built).
 - Counted on the built ranks, from the DTensor local shards: params = the bytes of the storage
   behind each `to_local()` (FSDP2 allocates every rank a padded shard of ceil(dim0 / n) rows and
-  views the unpadded rows into it, so the storage includes the padding; the same walk as
-  `state_bytes`, which skips meta storages, so here the meta storage's `nbytes()` is read).
+  views the unpadded rows into it, so the storage includes the padding; as measure/state_bytes.py counts a
+  live rank, except that it skips meta storages, so here the meta storage's `nbytes()` is read).
   Grads: under FSDP2 the reduce-scatter writes each rank's gradient into a padded buffer of the same
   shard sizes, in the parameters' dtype: grads = params bytes (every parameter is trainable); under
   TP alone, the storage behind each gradient's local part after the meta backward.
@@ -94,7 +94,7 @@ def _version(package: str) -> str:
 
     return version(package)
 OUTPUT_KEYS = ("model", "params_total", "world_size", "nodes", "precision", "optimizer", "results")
-FOUNDATION = ("errors.py", "safe_io.py", "state_bytes.py", "strategy.py", "units.py")  # used by plan/ and model/
+FOUNDATION = ("errors.py", "safe_io.py", "strategy.py", "units.py")  # used by plan/ and model/
 
 
 @dataclass
@@ -283,6 +283,13 @@ def _shard_model(model, config, strategy: str, mesh_shape: tuple):
     return model, names
 
 
+def _local_part(tensor):
+    """The part of `tensor` this rank stores: a DTensor's local shard (`to_local`), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _build_rank(template, config, strategy: str, rank: int, mesh_shape: tuple, moments: int):
     """Shard a copy of the meta model `template` (model, decoder layers' list name, layers it stands for) as `rank`
     under a fake process group; count from its DTensor shards, the one decoder layer times the layers."""
@@ -291,8 +298,6 @@ def _build_rank(template, config, strategy: str, rank: int, mesh_shape: tuple, m
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
-
-    from ..state_bytes import local_tensor
 
     base, layer_list, layers = template
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(mesh_shape))
@@ -305,16 +310,16 @@ def _build_rank(template, config, strategy: str, rank: int, mesh_shape: tuple, m
         layouts = []
         for name, p in model.named_parameters():
             copies = layers if layer_list is not None and name.startswith(f"{layer_list}.0.") else 1
-            local = local_tensor(p)
+            local = _local_part(p)
             stored = local.untyped_storage().nbytes()  # padded shard storage (meta: nbytes, no memory)
             params += copies * stored
             elements += copies * local.numel()
             if not tp_alone:
                 grads += copies * stored
             elif p.grad is not None:
-                grads += copies * local_tensor(p.grad).untyped_storage().nbytes()
+                grads += copies * _local_part(p.grad).untyped_storage().nbytes()
             if moments:
-                moment = local_tensor(torch.zeros_like(p))  # what AdamW allocates for exp_avg / exp_avg_sq
+                moment = _local_part(torch.zeros_like(p))  # what AdamW allocates for exp_avg / exp_avg_sq
                 optim += copies * (moments * moment.numel() * moment.element_size() + 4)  # + fp32 step
             grad = (p.grad if p.grad is not None else False) if tp_alone else None
             layouts.append((*_tensor_layout(p, grad), copies))

@@ -17,7 +17,7 @@ measured row (`report.plan_vs_run`). Runs on CPU are labelled CPU figures (peak 
 tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_section.py`; the peak
 of one step planned beside measured, by part: `peak_section.py`.
 
-Layout: launching (`shardscope.launching`) -> collecting (`load_run`, `collect`) -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
+Layout: launching (`shardscope.fit.launching`) -> collecting (`load_run`, `collect`) -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
-from ..launching import LOG_FILE, MAX_LOG_BYTES, exit_footer, failure_reason, no_summary_reason
+from ..fit.launching import LOG_FILE, MAX_LOG_BYTES, exit_footer, failure_reason, no_summary_reason
 from ..safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from ..summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
 from . import peak_section, time_prediction

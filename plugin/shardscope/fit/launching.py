@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .summary import SUMMARY_FILE
+from ..summary import SUMMARY_FILE
 
 LOG_FILE = "launch.log"
 MAX_LOG_BYTES = 16 * 2 ** 20  # the end of a launch log (its exit-code footer and last errors) is what is read
