@@ -8,21 +8,20 @@ from types import SimpleNamespace
 import pytest
 
 from shardscope.cli import main
-from shardscope.cli.step_time import read_preflight
 from shardscope.errors import UsageError
 from shardscope.model.spec import spec_from_count
-from shardscope.plan.calibration import calibrate as calibrate_figures, measured_figures
+from shardscope.plan.calibration.figures import calibrate as calibrate_figures, hardware, measured_figures
 from shardscope.plan.formulas import Row
 from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
-from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, hardware, model_error, pipelined,
-                                        step_time, term_seconds)
-from shardscope.strategy import Mesh
+from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, model_error, pipelined, step_time,
+                                        term_seconds)
+from shardscope.strategy import Mesh, simplicity_order
 
 
 def calibrate(paths, base):
     """What `--calibrate PATH ...` does: read each path, then calibrate `base`."""
-    return calibrate_figures(measured_figures(paths, read_preflight), base)
+    return calibrate_figures(measured_figures(paths), base)
 
 
 SPEC = SimpleNamespace(kind="text", vocab_size=0, hidden_size=8, untied_embedding_params=0, params_total=10 ** 6,
@@ -241,7 +240,8 @@ def test_a_row_takes_its_own_strategys_run_first(tmp_path):
     so a ZeRO-3 row predicts the run it was calibrated from (issue 51: from the DDP run's compute, links and overhead
     it came out 26% short of it, and nothing said so); every other row, and the record, keep the order given. A
     calibration.json written before runs named their strategy gives each run's own."""
-    from shardscope.plan.calibration_file import RUN_STRATEGY, read_calibration
+    from shardscope.plan.calibration.calibration_json import read_calibration
+    from shardscope.plan.calibration.run_dirs import RUN_STRATEGY
 
     ddp = write_run(tmp_path / "ddp", summary())
     doc = summary("zero3")
@@ -263,7 +263,7 @@ def test_a_row_takes_its_own_strategys_run_first(tmp_path):
     written = {"calibration_version": 1, "model": {"params_total": 10 ** 6}, "precision": "fp32",
                "runs": [{"strategy": name, "status": "ok", "figures": [
                    {"source": str(path), "figures": {k: v for k, v in figures.items() if k != RUN_STRATEGY}}
-                   for path, figures in measured_figures([path], read_preflight)]}
+                   for path, figures in measured_figures([path])]}
                    for name, path in (("ddp", ddp), ("zero3", zero3))]}
     assert [f[RUN_STRATEGY] for _, f in read_calibration(written, "calibration.json")] == ["ddp", "zero3"]
 
@@ -341,7 +341,7 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
     """`fit --calibrate RUN --json`: `candidates` is every (strategy, micro-batch, checkpointing) at the global batch
     whose planned peak fits, each with the step the model predicts from the run's figures, computed here from the
     planner's rows (not through fit's search); the winner is the fastest, or, within the model's error of it, the
-    one with the least planned peak."""
+    simplest (`search.TIE_RULE`: the strategy order, checkpointing off, fewer micro-batches, the least planned peak)."""
     run = write_run(tmp_path / "ddp", summary())
     allowed = ("ddp", "zero2", "zero3")
     code = main(["fit", "--params", "7e9", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--global-batch", "64",
@@ -362,8 +362,10 @@ def test_fit_lists_every_fitting_candidate_ranked_by_the_calibrated_model(capsys
               (c["step_time_s"], c["peak_bytes"]) for c in result["candidates"]}
     assert len(listed) == len(result["candidates"]) > 1 and listed == expected
     fastest = min(step for step, _ in listed.values())
-    tied = [peak for step, peak in listed.values() if step <= fastest * (1 + model_error(fig))]
-    assert result["peak_bytes"] == min(tied)
+    tied = [key for key, (step, _) in listed.items() if step <= fastest * (1 + model_error(fig))]
+    order = simplicity_order()
+    simplest = min(tied, key=lambda k: (order.index(k[0]), k[2], 8 // k[1], listed[k][1]))
+    assert (result["strategy"], result["per_device_train_batch_size"], result["gradient_checkpointing"]) == simplest
     assert result["step_time_s"] == fastest if len(tied) == 1 else result["tie"]["candidates"] == len(tied)
 
 
