@@ -311,6 +311,33 @@ def test_fit_calibrated_from_a_preflight_file(capsys, tmp_path):
     assert "compute: 100 TFLOP/s per rank" in out and f"(measured on {preflight})" in out
 
 
+def test_the_figures_of_a_gpu_without_a_datasheet_are_decided_in_one_place(capsys, tmp_path):
+    """plan/calibration/figures.py decides the H100 fallback (issue 51: it was decided in 4 places): a GPU without a
+    datasheet entry takes the assumed GPU's links, said so; one whose dense peak is unknown is an error, no datasheet
+    or the assumed GPU's, as the command asks (`hardware_for`); measured figures without a datasheet go over the
+    assumed GPU's, each figure not measured said to be assumed. No other module names the H100 as a fallback."""
+    from pathlib import Path
+
+    import shardscope
+    from shardscope.plan.calibration import figures as home
+
+    h100 = hardware(home.ASSUMED_GPU, "bf16-mixed")
+    own_peak = hardware("RTX-4090", "bf16-mixed", peak_tflops=100)
+    assert own_peak.peak_flops == 1e14 and own_peak.nvlink_bytes_per_s == h100.nvlink_bytes_per_s
+    assert own_peak.datasheet == f"assumed ({home.ASSUMED_GPU}'s: no datasheet entry for RTX-4090)"
+    with pytest.raises(UsageError, match="no dense peak FLOP/s known for RTX-4090"):
+        home.hardware_for("RTX-4090", "bf16-mixed")
+    assert home.hardware_for("RTX-4090", "bf16-mixed", unknown="none") is None
+    ranked = home.hardware_for("RTX-4090", "bf16-mixed", unknown="assume", mfu=0.5)
+    assert (ranked.peak_flops, ranked.mfu) == (h100.peak_flops, 0.5) and ranked.peak_source.startswith("assumed")
+    run = write_run(tmp_path / "ddp", summary())
+    code, out, _ = plan(capsys, "--params", "7e9", "--gpus", 8, "--gpu", "RTX-4090", "--calibrate", run)
+    assert code == 0 and f"(measured on {run})" in out and f"assumed ({home.ASSUMED_GPU}'s: --gpu not known)" in out
+    package = Path(shardscope.__file__).parent
+    tables = {package / "units.py", package / "plan" / "time_model.py", Path(home.__file__)}
+    assert [str(p) for p in package.rglob("*.py") if p not in tables and '"H100"' in p.read_text()] == []
+
+
 def plan(capsys, *argv):
     code = main(["plan", *map(str, argv)])
     out, err = capsys.readouterr()
