@@ -159,7 +159,7 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         import torch
 
         gpu = torch.cuda.get_device_name(args.device)
-    hw = hardware_for(gpu, precision, unknown="assume")  # a CPU run, an unknown GPU: to order this strategy's candidates
+    hw = hardware_for(gpu, precision, unknown="assume")  # a CPU run, an unknown GPU: to order this run's candidates
     assumed = (f" (step times ranked with {ASSUMED_GPU} figures: device peak unknown)"
                if hw.peak_source.startswith("assumed") else "")
     traces = tracer(config, global_batch)  # LoRA too: traced with the run's rank and targets

@@ -2,11 +2,12 @@
 multi-node run") and the table on stdout.
 
 Findings: a fingerprint key whose value is not the same everywhere; links below half their expected speed (GPU
-runs only: the step-time model's `plan.calibration.figures.hardware`, NVLink or PCIe per GPU inside a node, the network per
-GPU across nodes), compared with the bus bandwidth at the largest size measured when that is at least COMPARED_FROM
-(smaller messages never approach a link's speed); without a GPU nothing is expected, and a group (or node pair)
-below half the median of its peers is still named when there are at least three to compare (with two, neither is
-the odd one out); a rank whose matmul FLOP/s is below STRAGGLER of the median (a straggler).
+runs only: the step-time model's `plan.calibration.figures.hardware`, NVLink or PCIe per GPU inside a node, the
+network per GPU across nodes), compared with the bus bandwidth at the largest size measured (`largest`, the reader's
+rule: plan/calibration/preflight_json.py) when that is at least COMPARED_FROM (smaller messages never approach a
+link's speed); without a GPU nothing is expected, and a group (or node pair) below half the median of its peers is
+still named when there are at least three to compare (with two, neither is the odd one out); a rank whose matmul
+FLOP/s is below STRAGGLER of the median (a straggler).
 
 The document's top-level keys: `schema_version`, `check` ("node" or "full"), `backend`, `dtype`, `sizes_bytes`,
 `expected` (members expected), `nodes` (node check) or `ranks` (full check) with each member's fingerprint,

@@ -32,7 +32,7 @@ from .calibration_json import CALIBRATION_FILE, read_calibration
 from .preflight_json import PREFLIGHT_FILE, calibration_from_preflight, preflight_figures
 from .run_dirs import INSIDE_A_RUN, RUN_STRATEGY, run_sources
 
-ASSUMED_GPU = "H100"  # a GPU without a datasheet entry takes these figures, and says so
+ASSUMED_GPU = "H100"  # a GPU without a datasheet entry, or without a peak where a command allows, takes its figures
 PER_KIND = ("bus_bytes_per_s", "hidden_share", "library_s_per_byte")  # dicts: per collective kind, per library
 
 
@@ -75,10 +75,10 @@ def hardware_for(gpu: str | None, precision: str, peak_tflops: float | None = No
     try:
         return hardware(gpu, precision, peak_tflops, **overrides)
     except UsageError:
-        if unknown == "raise":
-            raise
         if unknown == "none":
             return None
+        if unknown != "assume":
+            raise
     return replace(hardware(ASSUMED_GPU, precision, **overrides),
                    peak_source=f"assumed ({ASSUMED_GPU}'s: no dense peak known for {gpu or 'this device'})")
 
