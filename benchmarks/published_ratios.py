@@ -127,7 +127,8 @@ def throughput(expr: dict, run: Run) -> tuple[float, dict]:
     from shardscope.model.spec import model_spec
     from shardscope.plan.mesh import Setup
     from shardscope.plan.planner import estimate
-    from shardscope.plan.time_model import datasheet_figures, hardware, step_time
+    from shardscope.plan.calibration.figures import hardware
+    from shardscope.plan.time_model import datasheet_figures, step_time
 
     model = expr["model"]
     spec = model_spec(model if isinstance(model, str) else model())

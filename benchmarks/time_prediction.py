@@ -149,11 +149,10 @@ def train_all(root: Path, strategies=STRATEGIES, configs=CONFIGS, priority: bool
 def calibrated(root: Path, *runs: str, probe: bool = True):
     """The model's figures calibrated from `runs` under `root`, read as `--calibrate RUN ...` reads them (each run's
     link probe included unless `probe` is false: then one run alone)."""
-    from shardscope.cli.step_time import read_preflight
-    from shardscope.plan.calibration import calibrate, measured_figures
-    from shardscope.plan.time_model import datasheet_figures, hardware
+    from shardscope.plan.calibration.figures import calibrate, hardware, measured_figures
+    from shardscope.plan.time_model import datasheet_figures
 
-    measured = measured_figures([root / run for run in runs], read_preflight)
+    measured = measured_figures([root / run for run in runs])
     return calibrate(measured if probe else measured[:1], datasheet_figures(hardware("H100", "fp32")))[0]
 
 

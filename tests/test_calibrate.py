@@ -44,7 +44,7 @@ def test_one_run_per_library_family_and_their_figures(calibrated):
     assert [(r["strategy"], r["status"]) for r in doc["runs"]] == [("ddp", "ok"), ("fsdp_full_shard", "ok")]
     assert doc["precision"] == "fp32" and doc["fingerprint"]["backend"] == "gloo"
     for run in doc["runs"]:  # each run's own figures, as --calibrate RUN_DIR reads them
-        from shardscope.plan.calibration import run_sources
+        from shardscope.plan.calibration.run_dirs import run_sources
 
         assert [e["figures"] for e in run["figures"]] == [f for _, f in run_sources(run["run_dir"])]
         first = run["figures"][0]["figures"]
@@ -66,17 +66,17 @@ def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
     """The file gives every figure the runs measured, the first run first, and each strategy's rows its own run's
     first: each calibration run is predicted at its own measured median; FSDP rows count FSDP's measured work. `fit`
     ranks by those figures: every listed candidate's step is the model's from the file (computed here from the
-    planner's row, FSDP's from FSDP's own run first), the candidates come fastest first (a tie's winner, the least
-    planned peak within the bar, moved to the front), and the winner is the fastest or that."""
+    planner's row, FSDP's from FSDP's own run first), the candidates come fastest first (a tie's winner, the simplest
+    within the bar (`search.TIE_RULE`), moved to the front), and the winner is the fastest or that."""
     from dataclasses import replace
 
-    from shardscope.cli.step_time import read_preflight
     from shardscope.model.spec import model_spec
-    from shardscope.plan.calibration import calibrate, measured_figures
+    from shardscope.plan.calibration.figures import calibrate, hardware, measured_figures
     from shardscope.plan.mesh import Setup
     from shardscope.plan.planner import estimate
-    from shardscope.plan.time_model import datasheet_figures, hardware, model_error, step_time
+    from shardscope.plan.time_model import datasheet_figures, model_error, step_time
     from shardscope.report.time_prediction import predict_run
+    from shardscope.fit.search import simplicity, tier_rank
 
     _, out, search = calibrated
     file = out / "calibration.json"
@@ -87,7 +87,7 @@ def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
     assert record["flops_per_s"]["run"].startswith(f"{file} ({out / 'ddp'}")  # the DDP run came first
     assert record["library_s_per_byte"]["fsdp"]["run"].startswith(f"{file} ({out / 'fsdp_full_shard'}")
     assert not any(t.startswith("library work of FSDP") for t in result["assumptions"]["text"])
-    fig, _ = calibrate(measured_figures([file], read_preflight), datasheet_figures(hardware("H100", "fp32")))
+    fig, _ = calibrate(measured_figures([file]), datasheet_figures(hardware("H100", "fp32")))
     assert set(fig.own) == {"fsdp_full_shard"} and set(result["assumptions"]["own"]) == {"fsdp_full_shard"}
     for name in ("ddp", "fsdp_full_shard"):
         predicted = predict_run(out / name, fig)  # from the file: its own strategy's run first
@@ -108,8 +108,10 @@ def test_fit_ranks_from_the_calibration_file(calibrated, capsys):
     assert steps[1:] == sorted(steps[1:]) and result["step_time_s"] == steps[0]
     assert {"ddp", "fsdp_full_shard"} <= {c["strategy"] for c in result["candidates"]}
     fastest = min(steps)
-    tied = [c["peak_bytes"] for c in result["candidates"] if c["step_time_s"] <= fastest * (1 + model_error(fig))]
-    assert steps[0] == fastest if len(tied) == 1 else result["peak_bytes"] == min(tied)
+    tied = [c for c in result["candidates"] if c["step_time_s"] <= fastest * (1 + model_error(fig))]
+    simplest = min(tied, key=lambda c: (tier_rank(c["strategy"]), c["gradient_checkpointing"], c["peak_bytes"],
+                                        simplicity(c["strategy"], "fsdp"), c["gradient_accumulation_steps"]))
+    assert steps[0] == fastest if len(tied) == 1 else result["candidates"][0] == simplest
 
 
 def test_a_calibration_from_elsewhere_is_refused_or_flagged(calibrated, tmp_path, capsys):

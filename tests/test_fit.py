@@ -11,7 +11,8 @@ import pytest
 from shardscope.cli import main
 from shardscope.errors import UsageError
 from shardscope.fit.search import divisors, search
-from shardscope.plan.time_model import flops_per_token, hardware
+from shardscope.plan.calibration.figures import hardware
+from shardscope.plan.time_model import flops_per_token
 from shardscope.plan.mesh import Setup
 from shardscope.model.spec import spec_from_count
 from shardscope.plan.planner import estimate

@@ -19,7 +19,7 @@ from shardscope.plan.formulas import strategy_row
 from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import fits
 from shardscope.plan.sequence import comm_terms, max_seq_len, split_facts, split_problems, split_row, unit
-from shardscope.plan.time_model import hardware
+from shardscope.plan.calibration.figures import hardware
 from shardscope.recipes.sequence import sequence_split
 from shardscope.strategy import STRATEGIES
 from shardscope.strategy import sequence_split as run_split

@@ -148,8 +148,9 @@ def _planner_row(record, run) -> tuple[list[str], object]:
 def _time_model_path(record, row, run) -> list[str]:
     """step_time prices the row: finite, every collective it plans of a kind the model times, and the figures its
     family's library work, host cost and offload need."""
+    from shardscope.plan.calibration.figures import hardware
     from shardscope.plan.time_model import (GATHERING_LIBRARIES, HOST_S_PER_MODULE, KIND_OF_TERM, datasheet_figures,
-                                            hardware, step_time)
+                                            step_time)
 
     spec, setup = run
     model = {"params_total": spec.params_total, "trainable_params": spec.params_total}

@@ -8,22 +8,21 @@ from types import SimpleNamespace
 import pytest
 
 from shardscope.cli import main
-from shardscope.cli.step_time import read_preflight
 from shardscope.errors import UsageError
 from shardscope.model.spec import spec_from_count
-from shardscope.plan.calibration import calibrate as calibrate_figures, measured_figures
+from shardscope.plan.calibration.figures import calibrate as calibrate_figures, hardware, measured_figures
 from shardscope.plan.formulas import Row
 from shardscope.plan.mesh import Setup
 from shardscope.plan.planner import estimate
-from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, hardware, model_error, pipelined,
-                                        step_time, term_seconds)
+from shardscope.plan.time_model import (PARTS, Figures, datasheet_figures, describe, model_error, pipelined, step_time,
+                                        term_seconds)
 from shardscope.fit.search import simplicity, tier_rank
 from shardscope.strategy import Mesh
 
 
 def calibrate(paths, base):
     """What `--calibrate PATH ...` does: read each path, then calibrate `base`."""
-    return calibrate_figures(measured_figures(paths, read_preflight), base)
+    return calibrate_figures(measured_figures(paths), base)
 
 
 SPEC = SimpleNamespace(kind="text", vocab_size=0, hidden_size=8, untied_embedding_params=0, params_total=10 ** 6,
@@ -242,7 +241,8 @@ def test_a_row_takes_its_own_strategys_run_first(tmp_path):
     so a ZeRO-3 row predicts the run it was calibrated from (issue 51: from the DDP run's compute, links and overhead
     it came out 26% short of it, and nothing said so); every other row, and the record, keep the order given. A
     calibration.json written before runs named their strategy gives each run's own."""
-    from shardscope.plan.calibration_file import RUN_STRATEGY, read_calibration
+    from shardscope.plan.calibration.calibration_json import read_calibration
+    from shardscope.plan.calibration.run_dirs import RUN_STRATEGY
 
     ddp = write_run(tmp_path / "ddp", summary())
     doc = summary("zero3")
@@ -264,7 +264,7 @@ def test_a_row_takes_its_own_strategys_run_first(tmp_path):
     written = {"calibration_version": 1, "model": {"params_total": 10 ** 6}, "precision": "fp32",
                "runs": [{"strategy": name, "status": "ok", "figures": [
                    {"source": str(path), "figures": {k: v for k, v in figures.items() if k != RUN_STRATEGY}}
-                   for path, figures in measured_figures([path], read_preflight)]}
+                   for path, figures in measured_figures([path])]}
                    for name, path in (("ddp", ddp), ("zero3", zero3))]}
     assert [f[RUN_STRATEGY] for _, f in read_calibration(written, "calibration.json")] == ["ddp", "zero3"]
 
@@ -310,6 +310,33 @@ def test_fit_calibrated_from_a_preflight_file(capsys, tmp_path):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "compute: 100 TFLOP/s per rank" in out and f"(measured on {preflight})" in out
+
+
+def test_the_figures_of_a_gpu_without_a_datasheet_are_decided_in_one_place(capsys, tmp_path):
+    """plan/calibration/figures.py decides the H100 fallback (issue 51: it was decided in 4 places): a GPU without a
+    datasheet entry takes the assumed GPU's links, said so; one whose dense peak is unknown is an error, no datasheet
+    or the assumed GPU's, as the command asks (`hardware_for`); measured figures without a datasheet go over the
+    assumed GPU's, each figure not measured said to be assumed. No other module names the H100 as a fallback."""
+    from pathlib import Path
+
+    import shardscope
+    from shardscope.plan.calibration import figures as home
+
+    h100 = hardware(home.ASSUMED_GPU, "bf16-mixed")
+    own_peak = hardware("RTX-4090", "bf16-mixed", peak_tflops=100)
+    assert own_peak.peak_flops == 1e14 and own_peak.nvlink_bytes_per_s == h100.nvlink_bytes_per_s
+    assert own_peak.datasheet == f"assumed ({home.ASSUMED_GPU}'s: no datasheet entry for RTX-4090)"
+    with pytest.raises(UsageError, match="no dense peak FLOP/s known for RTX-4090"):
+        home.hardware_for("RTX-4090", "bf16-mixed")
+    assert home.hardware_for("RTX-4090", "bf16-mixed", unknown="none") is None
+    ranked = home.hardware_for("RTX-4090", "bf16-mixed", unknown="assume", mfu=0.5)
+    assert (ranked.peak_flops, ranked.mfu) == (h100.peak_flops, 0.5) and ranked.peak_source.startswith("assumed")
+    run = write_run(tmp_path / "ddp", summary())
+    code, out, _ = plan(capsys, "--params", "7e9", "--gpus", 8, "--gpu", "RTX-4090", "--calibrate", run)
+    assert code == 0 and f"(measured on {run})" in out and f"assumed ({home.ASSUMED_GPU}'s: --gpu not known)" in out
+    package = Path(shardscope.__file__).parent
+    tables = {package / "units.py", package / "plan" / "time_model.py", Path(home.__file__)}
+    assert [str(p) for p in package.rglob("*.py") if p not in tables and '"H100"' in p.read_text()] == []
 
 
 def plan(capsys, *argv):

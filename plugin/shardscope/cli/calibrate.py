@@ -1,5 +1,5 @@
 """`shardscope calibrate`: fit's search, then one short profiled run per library family that fits, their figures in
-calibration.json for `fit`/`plan --calibrate` (the runs: fit/calibration_runs.py)."""
+calibration.json for `fit`/`plan --calibrate` (the runs: fit/calibrate_runs.py)."""
 from __future__ import annotations
 
 import os
@@ -7,11 +7,10 @@ import shlex
 from pathlib import Path
 
 from ..errors import UsageError
-from ..fit.calibration_runs import calibrate_runs
 from ..configs.catalog import launcher_config
+from ..fit.calibrate_runs import calibrate_runs
 from ..fit.launching import cpu_launch_problem
-from ..plan.calibration import CALIBRATION_FILE
-from ..plan.calibration_file import machine
+from ..plan.calibration.calibration_json import CALIBRATION_FILE, this_machine
 from .fit import add_search_arguments, nothing_fits_lines, searched
 
 
@@ -54,14 +53,12 @@ def calibrate_command(args) -> int:
         return 1
     import torch
 
-    from ..preflight.measurements import fingerprint as collect
-
     configs = [launcher_config(c.strategy, "accelerate") for c in found["fitting"]]
     problem = cpu_launch_problem(configs, "accelerate", None, args.launcher_args, torch.cuda.device_count())
     if problem:
         raise UsageError(problem)
     model = {"name": spec.name, "params_total": spec.params_total, "trainable_params": found["model"]["trainable_params"]}
-    doc = calibrate_runs(script, found["fitting"], model, setup.precision, machine(collect()), args)
+    doc = calibrate_runs(script, found["fitting"], model, setup.precision, this_machine(), args)
     ok = [r for r in doc["runs"] if r["status"] == "ok"]
     print(f"\n{len(ok)} of {len(doc['runs'])} runs measured; written {args.output_dir / CALIBRATION_FILE}")
     if ok:

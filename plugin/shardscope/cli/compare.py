@@ -9,10 +9,10 @@ from pathlib import Path
 from ..errors import UsageError
 from ..configs.catalog import launcher_config
 from ..fit.launching import CPU_LAUNCHER_ARGS, LOG_FILE, cpu_launch_problem, launch, launch_command, no_summary_reason
+from ..plan.calibration.figures import measured_figures
 from ..report.compare import outcome, write_report
 from ..summary import SUMMARY_FILE
-from ..plan.calibration import measured_figures
-from .step_time import add_calibrate_argument, read_preflight
+from .plan import add_calibrate_argument
 
 
 def register(subparsers) -> None:
@@ -50,7 +50,7 @@ def compare_command(args) -> int:
     names = [Path(c).stem if Path(c).is_file() else c.replace("/", "_") for c in args.configs]
     if len(set(names)) != len(names):
         raise UsageError(f"--configs names a run twice: {' '.join(args.configs)}")
-    measured = measured_figures(args.calibrate, read_preflight) if args.calibrate else None  # bad input: before any launch
+    measured = measured_figures(args.calibrate) if args.calibrate else None  # bad input: before any launch
     configs = [launcher_config(c, args.launcher) for c in args.configs]  # all resolved before the first launch
     extra = shlex.split(args.launcher_args)
     import torch
@@ -75,5 +75,5 @@ def compare_command(args) -> int:
 
 
 def report_command(args) -> int:
-    measured = measured_figures(args.calibrate, read_preflight) if args.calibrate else None
+    measured = measured_figures(args.calibrate) if args.calibrate else None
     return outcome(write_report(args.run_dirs, args.output, measured), args.output)

@@ -7,17 +7,16 @@ from ..errors import UsageError
 from ..fit.launch_files import ACCELERATE_FILE, RESULT_FILE, TRAINING_FILE, write_files
 from ..fit.search import alternatives, below_model_states, host_lines, larger_micro_batch, nothing_fits, search
 from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, spec_from_config
-from ..plan.calibration import figures
+from ..plan.calibration.calibration_json import expectation
+from ..plan.calibration.figures import figures_for, hardware_for
 from ..plan.mesh import Setup
 from ..plan.planner import usable_bytes
 from ..plan.sequence import SEARCHED
-from ..plan.time_model import ASSUMED_GPU, Figures, describe as describe_figures, hardware
+from ..plan.time_model import Figures, describe as describe_figures
 from ..plan.trace_cache import cached_tracer
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES
 from ..units import gb, gpu_size, parse_count
-from .plan import add_hardware_arguments, memory_from_args
-from .step_time import add_calibrate_argument, expectation, read_preflight
-
+from .plan import add_calibrate_argument, add_hardware_arguments, memory_from_args
 
 
 def register(subparsers) -> None:
@@ -90,17 +89,12 @@ def setup_and_hardware(args, assume_gpu: bool = False) -> tuple[Setup, object]:
                   cpu_memory_bytes=cpu_memory).validate()
     gbs = {k: getattr(args, k) * 1e9 if getattr(args, k) is not None else None
            for k in ("nvlink_bandwidth", "network_bandwidth", "pcie_bandwidth")}
-    try:
-        hw = hardware(args.gpu, args.precision, args.peak_tflops, mfu=args.mfu,
+    # a GPU whose peak is unknown: measured figures stand in for its datasheet; `calibrate` ranks with the assumed
+    # GPU's only to choose what to run; else one line asking for --gpu or --peak-tflops
+    unknown = "none" if args.calibrate else "assume" if assume_gpu else "raise"
+    hw = hardware_for(args.gpu, args.precision, args.peak_tflops, unknown, mfu=args.mfu,
                       nvlink_bytes_per_s=gbs["nvlink_bandwidth"], network_bytes_per_s=gbs["network_bandwidth"],
                       pcie_bytes_per_s=gbs["pcie_bandwidth"], micro_step_overhead_s=args.micro_step_overhead_ms / 1e3)
-    except UsageError:
-        if args.calibrate:  # measured figures stand in for a datasheet the table lacks
-            hw = None
-        elif assume_gpu:  # only to choose what to run: the H100's figures, said so
-            hw = hardware(ASSUMED_GPU, args.precision, mfu=args.mfu)
-        else:
-            raise
     return setup, hw
 
 
@@ -117,7 +111,7 @@ def searched(args, assume_gpu: bool = False) -> tuple:
     else:
         spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)
-    fig, record = figures(hw, args.calibrate, read_preflight, expectation(spec, setup))
+    fig, record = figures_for(hw, args.calibrate, expectation(spec, setup))
     found = search(spec, setup, args.global_batch, fig, allowed, traces)
     if not args.strategy and not found["fitting"]:  # no sequence fits whole: split it (cp/sp, every degree)
         allowed += SEARCHED

@@ -1,4 +1,5 @@
-"""`shardscope plan`: arguments and printing (the answers are computed in `planner`, the dry run in `dry_run`)."""
+"""`shardscope plan`: arguments and printing (the answers are computed in `planner`, the dry run in `dry_run`); the
+hardware and `--calibrate` arguments `fit` and `compare` share; plan's step-time block."""
 from __future__ import annotations
 
 import argparse
@@ -8,18 +9,18 @@ from dataclasses import replace
 
 from ..errors import UsageError
 from ..model.spec import LORA_DEFAULT_TARGETS, model_spec, shipped_models, shipped_source
-from ..plan.calibration import figures
+from ..plan.calibration.calibration_json import expectation
+from ..plan.calibration.figures import figures_for, hardware_for
 from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
 from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
 from ..plan.planner import convention_table, estimate, fit_rule, plan_dict
-from ..plan.time_model import annotate_rows, hardware
+from ..plan.time_model import PARTS, annotate_rows
 from ..plan.trace_cache import cached_traces_for
 from ..report.peak_section import percent, step_size
 from ..report.plan_vs_run import plan_vs_run
 from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from ..units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
 from .plan_sequence import SEARCH_STEP, add_sequence_arguments, add_split_rows, format_sequence, max_seq_len_lines
-from .step_time import add_calibrate_argument, expectation, format_step_times, read_preflight
 
 CONVENTIONS = ("rule-of-thumb-12",)
 OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
@@ -173,6 +174,20 @@ def format_compare(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_step_times(result: dict) -> list[str]:
+    """`plan`'s step-time block: one line per row, then the assumptions."""
+    rows = [r for r in result["rows"] if r.get("step_time_s") is not None]
+    if not rows:
+        return ["", *result["step_time_assumptions"]]
+    lines = ["", f"predicted step time (micro-batch {result['setup']['micro_batch']}, accumulation "
+                 f"{result['setup'].get('grad_accum_steps', 1)}):"]
+    for r in rows:
+        parts = ", ".join(f"{p.replace('_', ' ')} {r['step_time_parts'][p]:.3g}" for p in PARTS
+                          if r["step_time_parts"][p])
+        lines.append(f"  {r['strategy']:<20}{r['step_time_s']:.3g} s = {parts}")
+    return lines + ["step-time assumptions (docs/fit.md):", *(f"  {t}" for t in result["step_time_assumptions"])]
+
+
 def format_dry_run(out: dict) -> str:
     lines = [f"dry run: {out['model']} ({out['params_total']:,} params), {out['world_size']} ranks on "
              f"{out['nodes']} node(s), {out['precision']}, {out['optimizer']}; meta device + fake process group: "
@@ -223,6 +238,14 @@ def add_hardware_arguments(parser) -> None:
     hw.add_argument("--headroom", type=float, default=HEADROOM,
                     help=f"fraction of GPU memory kept free for the CUDA caching allocator's fragmentation, the CUDA "
                          f"context and NCCL (default {HEADROOM:g})")
+
+
+def add_calibrate_argument(group, default_help: str = "") -> None:
+    """`--calibrate` (plan, fit, compare, report): measured figures in place of the datasheet's (plan/calibration/)."""
+    group.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                       help="a calibration.json (`shardscope calibrate`), profiled run folders "
+                            "(shardscope_summary.json) or preflight.json files: the step-time model's figures "
+                            f"measured there instead of the datasheet{default_help} (docs/fit.md)")
 
 
 def memory_from_args(args) -> tuple[int | None, int | None]:
@@ -307,14 +330,6 @@ def knobs_from_args(args) -> LibraryKnobs:
     return LibraryKnobs(fp32_grads=args.fp32_grads)
 
 
-def datasheet_hardware(gpu, precision):
-    """`time_model.hardware` for a known GPU name, else None (no datasheet step time)."""
-    try:
-        return hardware(gpu, precision) if gpu else None
-    except UsageError:
-        return None
-
-
 def plan_command(args) -> int:
     if args.list_models:
         models = list_models()
@@ -355,8 +370,8 @@ def plan_command(args) -> int:
     result = estimate(spec, setup, traces, knobs_from_args(args))
     if note:
         result["notes"].append(note)
-    fig, record = figures(datasheet_hardware(args.gpu, args.precision), args.calibrate, read_preflight,
-                          expectation(spec, setup))
+    hw = hardware_for(args.gpu, args.precision, unknown="none")  # no known GPU: no datasheet step time
+    fig, record = figures_for(hw, args.calibrate, expectation(spec, setup))
     annotate_rows(result, spec, setup, fig)
     if record:
         result["calibration"] = record

@@ -5,7 +5,7 @@ kept when the planner's `peak_bytes` fits `planner.usable_bytes` (the memory lef
 headroom) and, for offload, its CPU bytes fit the host memory given; it is ranked by the step-time model
 `plan` shares (`time_model.step_time`: compute, exposed communication, optimizer, offload, overhead),
 on datasheet figures (`time_model.Hardware`, `time_model.datasheet_figures`) or figures measured on runs
-(`plan.calibration`).
+(plan/calibration/).
 
 Nothing here imports torch or transformers.
 """

@@ -18,9 +18,9 @@ import logging
 import os
 
 from ..errors import UsageError
+from ..plan.calibration.figures import ASSUMED_GPU, hardware_for
 from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
 from ..plan.planner import usable_bytes
-from ..plan.time_model import hardware
 from ..strategy import STRATEGIES, configured_precision, family, num_nodes, strategy_of_config, tp_strategy
 from ..summary import FIT_ATTRIBUTE
 from ..units import as_int, gb, parse_size
@@ -159,11 +159,9 @@ def decide(args, model, global_batch: int, budget: int, seq_len, image_size, hea
         import torch
 
         gpu = torch.cuda.get_device_name(args.device)
-    try:
-        hw = hardware(gpu, precision)
-        assumed = ""
-    except UsageError:  # a CPU run or an unknown GPU: the ranking orders one strategy's candidates only
-        hw, assumed = hardware("H100", precision), " (step times ranked with H100 figures: device peak unknown)"
+    hw = hardware_for(gpu, precision, unknown="assume")  # a CPU run, an unknown GPU: to order this run's candidates
+    assumed = (f" (step times ranked with {ASSUMED_GPU} figures: device peak unknown)"
+               if hw.peak_source.startswith("assumed") else "")
     traces = tracer(config, global_batch)  # LoRA too: traced with the run's rank and targets
     found = search(spec, setup, global_batch, hw, (strategy,), traces, knobs)
     below = below_model_states(found, setup)

@@ -23,18 +23,17 @@
     overhead     = accumulation x overhead_s (per micro-batch: launches, Python, data)
     step_time_s  = compute + exposed_comm + library + optimizer + offload + overhead
 
-`Hardware` is what a GPU's datasheet says (`hardware(gpu, precision)`); `Figures` holds every figure the model
-uses with where it came from (`sources`): the datasheet and the stated constants below (`datasheet_figures`) or
-measured runs (`plan.calibration`). Nothing here imports torch. docs/fit.md explains each term and its source.
+`Hardware` is what a GPU's datasheet says (built by `plan.calibration.figures.hardware(gpu, precision)`, where the
+H100 fallback is decided); `Figures` holds every figure the model uses with where it came from (`sources`): the
+datasheet and the stated constants below (`datasheet_figures`) or measured runs (plan/calibration/). Nothing here
+imports torch. docs/fit.md explains each term and its source.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
-from ..errors import UsageError
 from ..strategy import family, strategy_record
-from ..units import peak_flops
 
 PARTS = ("compute", "exposed_comm", "library", "optimizer", "offload", "overhead")
 KIND_OF_TERM = {"grad_all_reduce": "all_reduce", "param_all_gather": "all_gather",
@@ -50,7 +49,8 @@ LIBRARY_COMM = ("param_all_gather", "grad_reduce_scatter", "all_gather", "reduce
 GATHERING_LIBRARIES = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp": "FSDP"}
 
 # ---------------------------------------------------------------------------- constants, each with its source
-# Per GPU: HBM bytes/s, streaming multiprocessors, (NVLink or the card's peer link, PCIe) GB/s one direction.
+# Per GPU: HBM bytes/s, streaming multiprocessors, (NVLink or the card's peer link, PCIe) GB/s one direction (a GPU
+# without an entry: plan/calibration/figures.py's ASSUMED_GPU).
 DATASHEETS = {
     "H200": (4.8e12, 132, 450, 64, "NVLink 4 900 GB/s both directions; PCIe 5.0 x16"),
     "H100-NVL": (3.9e12, 132, 300, 64, "NVLink bridge 600 GB/s both directions; PCIe 5.0 x16"),
@@ -65,7 +65,6 @@ DATASHEETS = {
     "T4": (0.32e12, 40, 16, 16, "no NVLink: PCIe 3.0 x16"),
     "TITAN-RTX": (0.672e12, 72, 50, 16, "NVLink bridge 100 GB/s both directions; PCIe 3.0 x16"),
 }
-ASSUMED_GPU = "H100"  # a GPU without a datasheet entry takes these figures, and says so
 # torch's fused AdamW on the fp32 parameters the Trainer's mixed precision keeps: read and write the parameter and
 # both moments (3 x 8), read the fp32 gradient (4). A 16-bit copy of the weights is DeepSpeed's (below), not torch's.
 ADAM_BYTES_PER_PARAM = 28
@@ -137,34 +136,6 @@ def error_of(differences) -> float:
     """`ERROR_STATISTIC` of `differences` (fractions, signed): the ceil(0.8 n)-th smallest absolute value of n."""
     ordered = sorted(abs(d) for d in differences)
     return ordered[max(math.ceil(ERROR_QUANTILE * len(ordered)), 1) - 1]
-
-
-def datasheet_key(gpu: str | None) -> str | None:
-    name = (gpu or "").upper().replace(" ", "-")
-    key = next((k for k in DATASHEETS if k in name), None)  # "NVIDIA H100 NVL" too; H100-NVL before H100
-    return "A100-40" if key == "A100" and "40GB" in name else key  # a device's own name: "A100-SXM4-40GB"
-
-
-def hardware(gpu: str | None, precision: str, peak_tflops: float | None = None, **overrides) -> Hardware:
-    """The stated assumptions for a GPU name (`units.GPUS`); `peak_tflops` where the table has none."""
-    dtype = {"fp32": "fp32", "fp16-mixed": "fp16"}.get(precision, "bf16")
-    name = gpu or "unknown GPU"
-    if peak_tflops is not None:
-        peak, source = peak_tflops * 1e12, "--peak-tflops"
-    else:
-        peak = peak_flops((gpu or "").replace("-", " "), dtype)
-        source = f"{name} datasheet, {dtype}"
-        if peak is None:
-            raise UsageError(f"no dense peak FLOP/s known for {name} at {dtype}: give --peak-tflops "
-                             "(the step-time ranking needs it), or --gpu with a known GPU")
-    key = datasheet_key(gpu)
-    hbm, sms, nvlink, pcie, links = DATASHEETS[key or ASSUMED_GPU]
-    whose = f"{key} datasheet" if key else f"assumed ({ASSUMED_GPU}'s: no datasheet entry for {name})"
-    values = dict(gpu=name, peak_flops=peak, peak_source=source, nvlink_bytes_per_s=nvlink * 1e9,
-                  pcie_bytes_per_s=pcie * 1e9, link_source=f"{links} ({whose})", hbm_bytes_per_s=hbm, sms=sms,
-                  datasheet=whose)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Hardware(**values)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """What each member of a preflight measures: its fingerprint, the links' bus bandwidth, its matmul FLOP/s.
 
-Fingerprint: doctor's cluster fingerprint (`doctor/cluster.py`'s `fingerprint_values`: the variables and library
-versions that must be equal on every node) and what only a process on the node can see: Python, peft, CUDA, NCCL,
-the GPUs and the driver, and every `*_SOCKET_IFNAME` variable.
+Fingerprint: the machine facts a calibration depends on (`plan/calibration/calibration_json.py`'s `this_machine`:
+host, GPU and count, backend, CUDA, library versions), doctor's cluster fingerprint (`doctor/cluster.py`'s
+`fingerprint_values`: the variables and library versions that must be equal on every node) and what only a process
+on the node can see: Python, peft, NCCL, the GPU's memory and the driver, and every `*_SOCKET_IFNAME` variable.
 
 Links: collectives inside each node and across nodes, and send/recv between every pair of nodes. Bus bandwidth
 and one collective's timing: `measure.collective_timing` (nccl-tests' convention). Pairs: in round d = 1..N-1 every
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import time
 from importlib import metadata
 from pathlib import Path
 
 from ..doctor.cluster import fingerprint_values
 from ..measure.collective_timing import ITERS, KINDS, buffers_for, bus_bandwidth, slowest, sync, time_collective
+from ..plan.calibration.calibration_json import this_machine
 
 DRIVER_FILE = Path("/proc/driver/nvidia/version")
 SIDE = {"cuda": 8192, "cpu": 512}
@@ -40,21 +41,16 @@ def fingerprint(device=None, env=os.environ) -> dict[str, str]:
     """This process's fingerprint, every value a string; `device` is the GPU this process uses (None: the first)."""
     import torch
 
-    values = {"host": socket.gethostname(), "python": platform.python_version(), **fingerprint_values(env)}
+    values = {**this_machine(device), "python": platform.python_version(), **fingerprint_values(env)}
     values.update({name: env[name] for name in env if name.endswith("_SOCKET_IFNAME")})
     try:
         values["peft"] = metadata.version("peft")
     except metadata.PackageNotFoundError:
         pass
-    values["cuda"] = torch.version.cuda or "none (CPU build)"
     if torch.cuda.is_available():
         index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-        props = torch.cuda.get_device_properties(index)
-        values.update({"backend": "nccl", "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                       "gpu": props.name, "gpu_memory": f"{props.total_memory / 2 ** 30:.1f} GiB",
-                       "gpu_count": str(torch.cuda.device_count()), "driver": driver_version()})
-    else:
-        values.update({"backend": "gloo", "gpu_count": "0"})
+        values.update({"nccl": ".".join(map(str, torch.cuda.nccl.version())), "driver": driver_version(),
+                       "gpu_memory": f"{torch.cuda.get_device_properties(index).total_memory / 2 ** 30:.1f} GiB"})
     return values
 
 

@@ -2,11 +2,12 @@
 multi-node run") and the table on stdout.
 
 Findings: a fingerprint key whose value is not the same everywhere; links below half their expected speed (GPU
-runs only: the step-time model's `plan.time_model.hardware`, NVLink or PCIe per GPU inside a node, the network per
-GPU across nodes), compared with the bus bandwidth at the largest size measured when that is at least COMPARED_FROM
-(smaller messages never approach a link's speed); without a GPU nothing is expected, and a group (or node pair)
-below half the median of its peers is still named when there are at least three to compare (with two, neither is
-the odd one out); a rank whose matmul FLOP/s is below STRAGGLER of the median (a straggler).
+runs only: the step-time model's `plan.calibration.figures.hardware`, NVLink or PCIe per GPU inside a node, the
+network per GPU across nodes), compared with the bus bandwidth at the largest size measured (`largest`, the reader's
+rule: plan/calibration/preflight_json.py) when that is at least COMPARED_FROM (smaller messages never approach a
+link's speed); without a GPU nothing is expected, and a group (or node pair) below half the median of its peers is
+still named when there are at least three to compare (with two, neither is the odd one out); a rank whose matmul
+FLOP/s is below STRAGGLER of the median (a straggler).
 
 The document's top-level keys: `schema_version`, `check` ("node" or "full"), `backend`, `dtype`, `sizes_bytes`,
 `expected` (members expected), `nodes` (node check) or `ranks` (full check) with each member's fingerprint,
@@ -21,10 +22,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from ..plan.calibration.preflight_json import PREFLIGHT_FILE, SCHEMA_VERSION, largest
 from ..safe_io import atomic_write_text
 
-FILE = "preflight.json"
-SCHEMA_VERSION = 1
 SLOW_LINK = 0.5  # below half of the expected (or of the peers' median) bus bandwidth: a finding
 MIN_PEERS = 3
 COMPARED_FROM = 64 * 2 ** 20  # smaller messages are latency-bound: not held against a link's speed
@@ -59,7 +59,7 @@ def expected_links(gpu: str | None) -> dict | None:
     """{"intra", "inter", "source"} bytes/s per GPU, one direction, from the fit model's table; None on CPU."""
     if not gpu:
         return None
-    from ..plan.time_model import hardware
+    from ..plan.calibration.figures import hardware
 
     hw = hardware(gpu, "bf16", peak_tflops=0.0)  # only the link figures are read here
     return {"intra": hw.nvlink_bytes_per_s, "inter": hw.network_bytes_per_s, "pair": hw.network_bytes_per_s,
@@ -69,15 +69,6 @@ def expected_links(gpu: str | None) -> dict | None:
 
 def gbps(value: float) -> str:
     return f"{value / 1e9:.3g} GB/s"
-
-
-def largest(rows: list[dict]) -> list[dict]:
-    """Rows at the largest size measured for their kind and scope."""
-    top = {}
-    for row in rows:
-        key = (row["kind"], row["scope"])
-        top[key] = max(top.get(key, 0), row["size_bytes"])
-    return [row for row in rows if row["size_bytes"] == top[(row["kind"], row["scope"])]]
 
 
 def pairs(rows: list[dict]) -> dict[tuple[int, int], float]:
@@ -163,7 +154,7 @@ def document(check: str, records: dict[int, dict], expected: int, missing: list[
 
 
 def write(doc: dict, output_dir: Path) -> Path:
-    return atomic_write_text(Path(output_dir) / FILE, json.dumps(doc, indent=1, sort_keys=False) + "\n",
+    return atomic_write_text(Path(output_dir) / PREFLIGHT_FILE, json.dumps(doc, indent=1, sort_keys=False) + "\n",
                              "preflight output")
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..model.spec import model_spec
-from ..plan.calibration import calibrate, run_sources, scaled_breakdown, timed_ranks
+from ..plan.calibration.figures import assumed_figures, calibrate
+from ..plan.calibration.run_dirs import run_sources, scaled_breakdown, timed_ranks
 from ..plan.mesh import Setup
 from ..plan.planner import estimate
-from ..plan.time_model import PARTS, Figures, datasheet_figures, hardware, step_time
+from ..plan.time_model import PARTS, Figures, step_time
 from ..summary import SUMMARY_FILE, read_summary, run_of, step_shape
 
 EXPLAINED = 0.02  # a prediction within 2% of the median has nothing to explain
@@ -104,7 +105,7 @@ def attach(runs: list[dict], measured: list[tuple[str, dict]] | None = None) -> 
         for r in done:
             r["predicted_step"] = {"error": str(error)}
         return
-    fig, _ = calibrate(measured, datasheet_figures(hardware("H100", "bf16-mixed")))
+    fig, _ = calibrate(measured, assumed_figures("the runs' GPU not read"))
     sources = [source for source, _ in measured]
     for r in done:
         try:

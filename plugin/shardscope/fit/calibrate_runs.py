@@ -7,7 +7,8 @@ OUTPUT_DIR/<strategy>/ (log: launch.log); the script gets the Trainer's own argu
 `--per_device_train_batch_size`, `--gradient_accumulation_steps 1`, `--gradient_checkpointing`, `--max_steps`),
 so a recipe or any HfArgumentParser script that attaches ShardingProfilerCallback works. A run that fails is a
 row with its log's last lines; the others go on. The figures each run measured
-(`plan.calibration.run_sources`) are written to OUTPUT_DIR/calibration.json (`plan.calibration_file`).
+(`plan.calibration.run_dirs.run_sources`) are written to OUTPUT_DIR/calibration.json
+(`plan.calibration.calibration_json`).
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pathlib import Path
 from ..errors import UsageError
 from ..configs.catalog import launcher_config
 from .launching import LOG_FILE, MAX_LOG_BYTES, launch, launch_command, no_summary_reason
-from ..plan.calibration import CALIBRATION_FILE, run_sources
-from ..plan.calibration_file import VERSION
+from ..plan.calibration.calibration_json import CALIBRATION_FILE, VERSION
+from ..plan.calibration.run_dirs import run_sources
 from ..safe_io import atomic_write_text, load_json, read_bytes
 from ..strategy import strategy_from_summary
 from ..summary import SUMMARY_FILE

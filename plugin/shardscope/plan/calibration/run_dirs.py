@@ -1,4 +1,4 @@
-"""`--calibrate RUN_DIR|preflight.json|calibration.json ...`: the step-time model's machine figures, measured.
+"""A profiled run's folder (its shardscope_summary.json) read as the step-time model's figures: `run_sources`.
 
 From a run folder's shardscope_summary.json (mean over ranks; the timed step's `time_breakdown` parts
 scaled by median plain step / timed step, so the profiler's own cost is spread over the parts), with
@@ -20,94 +20,31 @@ C = forward_s + backward_s - library_s the step's compute and F = forward_s:
     overhead_s             = (data_wait_s + other_s) / gradient_accumulation_steps
     and, since a run's own times already hold them: no collective latency or contention on top of its measured
     bandwidth and compute, no datasheet copies or host work for the libraries (a run of the library measures them)
-From a preflight's measurements (`from_links`, given `preflight.calibration.calibration_from_preflight`'s
-record): flops_per_s = the slowest rank's matmul FLOP/s; bus bandwidth per kind inside a node; the slowest
-across-node bandwidth as the network.
 From the summary's `link_probe` (each kind timed once at the end of the run, `measure.collective_timing`): bus
 bandwidth per kind, a source after the run's own figures.
-From a calibration.json (`shardscope calibrate`): the figures of each run it made, as measured then.
-A run's figures name the strategy it ran (`strategy`, not a figure): the rows of that strategy take that run's
-figures first and the other sources' after (`Figures.own`), so a row calibrated from a run of its own strategy
-reproduces that run; every other row takes the order given.
-A figure several sources give is taken from the first that has it (so a run with its link probe, or `RUN_DIR
-preflight.json`: the run's figures, and for the collective kinds the run never issued the probe's or preflight's
-bandwidth as measured: not scaled by the run's speed of another kind, which for DDP is an all-reduce slowed by the
-backward it overlaps, while ZeRO-3's and FSDP's gathers run alone on CPU); a kind nothing measured takes
-the slowest measured kind's bandwidth and hidden share (the same link: NCCL's bus bandwidths compare across kinds,
-gloo's do not, its all_gather and reduce_scatter being far slower than its all_reduce: benchmarks/results/
-time_prediction.md); figures no run measured stay datasheet. Without a datasheet (no --gpu) the base is the
-H100's, every figure said to be assumed so.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-from ..errors import UsageError
-from ..safe_io import load_json
-from ..strategy import family, strategy_from_summary
-from ..summary import SUMMARY_FILE
-from .calibration_file import RUN_STRATEGY, read_calibration
-from .time_model import ASSUMED_GPU, Figures, datasheet_figures, gathers, hardware, library_bytes, overlapped
+from ...errors import UsageError
+from ...safe_io import load_json
+from ...strategy import family, strategy_from_summary
+from ...summary import SUMMARY_FILE
+from ..time_model import gathers, library_bytes, overlapped
 
 # What a run's own times already hold: its measured compute and bandwidths include any latency and contention, and
 # a library's run measures its copies and host work (per byte); nothing on top of them.
 INSIDE_A_RUN = {"comm_sm_share": 0.0, "latency_s": {}, "copy_s_per_byte": 0.0, "library_host_s": {}}
 TERM_OF_KIND = {"all_reduce": "grad_all_reduce", "all_gather": "param_all_gather",
                 "reduce_scatter": "grad_reduce_scatter"}
-PER_KIND = ("bus_bytes_per_s", "hidden_share", "library_s_per_byte")  # dicts: per collective kind, per library
 MINOR = 0.01  # kinds below this share of a run's sent bytes get no figure of their own
-
-
-def calibrate(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures, dict]:
-    """`base` with the figures `measured` [(source, figures)] gave, the first source first, and for each strategy a
-    run ran, what its rows take with that run's sources first (`Figures.own`: the figures that differ); and the
-    `calibration` record {figure: {value, run}} (per collective kind for bandwidth and hidden share, per library for
-    its work) of the order given."""
-    fig, record = merged(measured, base)
-    own = {}
-    for strategy in dict.fromkeys(f[RUN_STRATEGY] for _, f in measured if f.get(RUN_STRATEGY)):
-        first = [m for m in measured if m[1].get(RUN_STRATEGY) == strategy]
-        mine = merged(first + [m for m in measured if m[1].get(RUN_STRATEGY) != strategy], base)[0]
-        changed = {k: v for k, v in vars(mine).items() if v != getattr(fig, k)}
-        if changed:
-            own[strategy] = changed
-    return replace(fig, own=own), record
-
-
-def merged(measured: list[tuple[str, dict]], base: Figures) -> tuple[Figures, dict]:
-    """`base` with the figures `measured` gave, each taken from the first source that has it; the record."""
-    record: dict = {}
-    for source, figures in measured:
-        for name, value in figures.items():
-            if name == RUN_STRATEGY:
-                continue
-            if name in PER_KIND:
-                kinds = record.setdefault(name, {})
-                for kind, v in value.items():
-                    kinds.setdefault(kind, {"value": v, "run": str(source)})
-            else:
-                record.setdefault(name, {"value": value, "run": str(source)})
-    changes, sources = {}, dict(base.sources)
-    for name, entry in record.items():
-        if name in PER_KIND:  # a kind no run issued crosses the same link: the measured kinds' slowest figure
-            least = min(e["value"] for e in entry.values())
-            changes[name] = {**dict.fromkeys(getattr(base, name), least), **{k: e["value"] for k, e in entry.items()}}
-            runs = sorted({e["run"] for e in entry.values()})
-            missing = sorted(set(getattr(base, name)) - set(entry))
-            sources[name] = "measured on " + ", ".join(runs) + (
-                f" ({', '.join(missing)}: as {', '.join(sorted(entry))}; a run's link probe or a preflight.json measures each kind)"
-                if missing else "")
-        else:
-            changes[name] = entry["value"]
-            sources[name] = (f"inside what {entry['run']} measured" if name in INSIDE_A_RUN else
-                             f"measured on {entry['run']}")
-    return replace(base, **changes, sources=sources), record
+RUN_STRATEGY = "strategy"  # in a run's figures: the strategy it ran (not a figure; its rows take them first)
 
 
 def run_sources(path) -> list[tuple[str, dict]]:
     """[(source, figures)] a run folder's summary (or the summary file itself) measured: the run's, then its link
-    probe's bus bandwidths when it has one (`calibrate` takes them for the kinds the run did not issue)."""
+    probe's bus bandwidths when it has one (`figures.calibrate` takes them for the kinds the run did not issue)."""
     path = Path(path)
     summary = path / SUMMARY_FILE if path.is_dir() else path
     doc = load_json(summary, "run summary")
@@ -121,20 +58,6 @@ def run_sources(path) -> list[tuple[str, dict]]:
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise UsageError(f"--calibrate {summary}: malformed 'link_probe' ({type(error).__name__}: {error})") \
                 from None
-    return out
-
-
-def from_links(doc: dict) -> dict:
-    """Figures from a preflight's measurements (`calibration_from_preflight`'s record)."""
-    out = {}
-    if doc["matmul_flops_per_s"]:
-        out["flops_per_s"] = min(doc["matmul_flops_per_s"].values())
-    intra = {k: v["intra"] for k, v in doc["link_bytes_per_s"].items() if "intra" in v}
-    if intra:
-        out["bus_bytes_per_s"] = intra
-    inter = [v["inter"] for v in doc["link_bytes_per_s"].values() if "inter" in v]
-    if inter:
-        out["network_bytes_per_s"] = min(inter)
     return out
 
 
@@ -215,47 +138,3 @@ def comm_figures(strategy: str, ranks: list, part: dict) -> dict:
         hidden = (part["comm_s"] - part["exposed_comm_s"]) / (part["comm_s"] * share)
         out["hidden_share"] = dict.fromkeys(hideable, max(0.0, min(1.0, hidden)))
     return out
-
-
-# ----------------------------------------------------------------------------- which figures a command uses
-CALIBRATION_FILE = "calibration.json"  # what `shardscope calibrate` writes
-
-
-def measured_figures(paths, read_preflight, expect: dict | None = None) -> list[tuple[str, dict]]:
-    """[(source, figures)] of each --calibrate path: a run folder (its summary), a calibration.json (`shardscope
-    calibrate`; `expect`: the model and precision it must have been measured on) or a preflight.json (read by
-    `read_preflight`, preflight/'s own reader)."""
-    out = []
-    for path in map(Path, paths):
-        if path.is_dir() and (path / SUMMARY_FILE).is_file() or path.name == SUMMARY_FILE and path.is_file():
-            out.extend(run_sources(path))
-            continue
-        if path.is_dir() and (path / CALIBRATION_FILE).is_file():
-            path = path / CALIBRATION_FILE
-        doc = load_json(path, "--calibrate file") if path.is_file() else None
-        if isinstance(doc, dict) and "calibration_version" in doc:
-            out.extend(read_calibration(doc, path, expect))
-            continue
-        preflight = path / "preflight.json" if path.is_dir() else path
-        if not preflight.is_file():
-            raise UsageError(f"--calibrate {path}: neither a run folder with {SUMMARY_FILE}, a {CALIBRATION_FILE} "
-                             "nor a preflight.json")
-        out.append((str(path), from_links(read_preflight(preflight))))
-    return out
-
-
-def figures(hw, paths, read_preflight, expect: dict | None = None) -> tuple[Figures | None, dict | None]:
-    """The figures a command ranks with: the datasheet of `hw` (None: no datasheet, no figures), with what `paths`
-    measured in their place; without a datasheet every figure the model needs must be measured, the rest are the
-    H100's and say so."""
-    if not paths:
-        return (datasheet_figures(hw) if hw is not None else None), None
-    base = datasheet_figures(hw) if hw is not None else None
-    if base is None:
-        base = datasheet_figures(hardware(ASSUMED_GPU, "bf16-mixed"))
-        base = replace(base, sources=dict.fromkeys(base.sources, f"assumed ({ASSUMED_GPU}'s: --gpu not known)"))
-    fig, record = calibrate(measured_figures(paths, read_preflight, expect), base)
-    if hw is None and "flops_per_s" not in record:
-        raise UsageError(f"--calibrate {' '.join(map(str, paths))}: no achieved FLOP/s measured and no datasheet "
-                         "peak (give --gpu with a known GPU)")
-    return fig, record
