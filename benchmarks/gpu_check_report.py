@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "plugin"))
+from shardscope.summary import upgraded  # noqa: E402
 INSTRUMENTED = (3, 4)
 MEMORY_STEP, TIME_STEP = 3, 4
 LEFT_BEHIND = ("Allocated before the model: what the earlier settings of the same process left allocated (each "
@@ -81,7 +84,9 @@ def window(row: dict) -> list[float]:
 
 
 def rank0(row: dict) -> dict:
-    return (row["summary"].get("ranks") or [{}])[0]
+    """Rank 0 of the run's summary, under today's key names (`summary.upgraded`: the raw figures keep what the
+    profiler wrote then)."""
+    return (upgraded(row["summary"]).get("ranks") or [{}])[0]
 
 
 def memory_table(raw: dict) -> list[str]:
@@ -161,7 +166,6 @@ def outside_lines(raw: dict) -> list[str]:
 
 
 def callback_table(raw: dict) -> list[str]:
-    from shardscope.summary import upgraded
 
     lines = ["| run | callback's step-3 peak | allocator's step-3 peak | error | by category (GB) | phase | "
              "live plan | its error vs the run's peak |", "|---|---|---|---|---|---|---|---|"]
@@ -184,7 +188,7 @@ def median(values: list[float]) -> float | None:
 
 def time_table(raw: dict) -> list[str]:
     lines = ["| run | predicted step (compute + optimizer + overhead) | measured (CUDA events, median) | error | "
-             "callback's step_time_s median | step 4 breakdown: forward, backward, optimizer |",
+             "callback's step_seconds median | step 4 breakdown: forward, backward, optimizer |",
              "|---|---|---|---|---|---|"]
     for _, row in runs(raw):
         plan, rank = planned(raw, row), rank0(row)
@@ -195,7 +199,7 @@ def time_table(raw: dict) -> list[str]:
         split = ", ".join(seconds(breakdown.get(p)) for p in ("forward_s", "backward_s", "optimizer_s"))
         lines.append(f"| {label(row)} | {seconds(plan.get('step_time_s'))} = {shown} | {seconds(measured)} | "
                      f"{pct(plan.get('step_time_s'), measured)} | "
-                     f"{seconds((rank.get('step_time_s') or {}).get('median'))} | {split} |")
+                     f"{seconds((rank.get('step_seconds') or {}).get('median'))} | {split} |")
     return lines
 
 
@@ -229,7 +233,7 @@ def compute_table(raw: dict) -> list[str]:
         compute = (rank.get("throughput") or {}).get("compute_seconds")
         total = sum(spans) - comm if spans else None
         lines.append(f"| {label(row)} | {seconds(compute)} | {seconds(total)} | {pct(compute, total)} | "
-                     f"{seconds(comm)} | {(rank.get('step_time_s') or {}).get('steps', '-')} / {len(spans)} |")
+                     f"{seconds(comm)} | {(rank.get('step_seconds') or {}).get('steps', '-')} / {len(spans)} |")
     return lines
 
 

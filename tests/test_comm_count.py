@@ -130,7 +130,7 @@ def test_one_process_run_reports_a_breakdown_that_sums_to_its_step(tiny_llama, t
     # steps 3 (memory and collectives), 2, 4 and 6 (timed) are instrumented: only 1 and 5 are throughput
     assert rank["throughput"]["samples"] == 2 * 2
     # the same 2 plain steps timed one by one: with two, the median is their mean
-    timing = rank["step_time_s"]
+    timing = rank["step_seconds"]
     assert timing["steps"] == 2 and timing["p10"] <= timing["median"] <= timing["p90"]
     assert 2 * timing["median"] == pytest.approx(rank["throughput"]["seconds"], rel=1e-9)
 

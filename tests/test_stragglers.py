@@ -57,12 +57,14 @@ def test_report_names_the_straggler_of_a_run():
 
 
 def test_a_summary_written_with_the_earlier_names_is_read_under_todays(tmp_path):
-    """Earlier versions wrote `preflight_plan`, and in `straggler` `slowest_rank` (the timed step's busiest rank) and
-    `rank` (the verdict's straggler), which can differ: `read_summary`, every reader's, gives them today's names,
+    """Earlier versions wrote `preflight_plan`, per rank `step_time_s` (the measured steps, a float in plan's rows), and
+    in `straggler` `slowest_rank` (the timed step's busiest rank) and `rank` (the verdict's straggler), which can
+    differ: `read_summary`, every reader's, gives them today's names,
     and the report names the verdict's straggler from such a summary."""
     old = {"schema_version": 1, "strategy": "ddp", "world_size": 2,
            "preflight_plan": {"strategy": "ddp", "peak_bytes": 123, "fits": True},
-           "ranks": [{"params_bytes": 8, "grads_bytes": 8, "optimizer_bytes": 16}] * 2,
+           "ranks": [{"params_bytes": 8, "grads_bytes": 8, "optimizer_bytes": 16,
+                      "step_time_s": {"median": 1.1, "p10": 1.0, "p90": 1.2, "steps": 4}}] * 2,
            "straggler": {"slowest_rank": 0, "step_s": [1.0, 1.2], "busy_s": [0.9, 0.5], "spread": 0.18,
                          "compute_s": [0.2, 0.6], "wall_s": [1.0, 1.0], "windows": 3, "slow_windows": [0, 3],
                          "rank": 1, "waiting_share": {"0": 0.4}}}
@@ -71,6 +73,8 @@ def test_a_summary_written_with_the_earlier_names_is_read_under_todays(tmp_path)
     assert summary["live_plan"] == old["preflight_plan"] and "preflight_plan" not in summary
     assert (summary["straggler"]["busiest_rank"], summary["straggler"]["straggler_rank"]) == (0, 1)
     assert not {"slowest_rank", "rank"} & set(summary["straggler"])
+    assert [r["step_seconds"]["median"] for r in summary["ranks"]] == [1.1, 1.1]  # measured steps, not a prediction
+    assert not any("step_time_s" in r for r in summary["ranks"])
     lines = time_section.straggler_lines([{"run": "old", **time_section.row_facts(summary)}])
     assert lines[2].startswith("- old: rank 1 is a straggler: 0.6 s computing")
 

@@ -55,7 +55,7 @@ FIELDS = {
     "ranks": "one object per rank: params_bytes, grads_bytes, optimizer_bytes, peak_memory_bytes, throughput, "
              "dtypes {params, grads, optimizer, master_params}, master_params_bytes, compute_dtype, "
              "comm {kind: {calls, bytes, sent_bytes}}, comm_sent_bytes_per_step, time_breakdown (optional, issue 21), "
-             "step_time_s {median, p10, p90, steps} (the optimizer steps of the throughput window: instrumented "
+             "step_seconds {median, p10, p90, steps} (the measured optimizer steps of the throughput window: instrumented "
              "steps excluded), "
              "peak_tensor_bytes, peak_breakdown, peak_phase, peak_step {micro_batch, seq_len, image_size, "
              "gradient_checkpointing} (the instrumented step), ...",
@@ -71,14 +71,19 @@ REQUIRED = ("world_size", "strategy", "ranks")
 # Keys earlier versions wrote under another name: {old: new} at the top level and inside `straggler` (issue 51).
 RENAMED = {"preflight_plan": "live_plan"}
 RENAMED_IN_STRAGGLER = {"slowest_rank": "busiest_rank", "rank": "straggler_rank"}
+# per rank: the measured steps' seconds {median, p10, p90, steps}, apart from plan's predicted `step_time_s` (a float)
+RENAMED_IN_RANKS = {"step_time_s": "step_seconds"}
 
 
 def upgraded(summary: dict) -> dict:
-    """`summary` with the keys earlier versions wrote under another name (`RENAMED`, `RENAMED_IN_STRAGGLER`) under
-    today's: every reader reads one name. A summary already written with today's names is returned as it is."""
+    """`summary` with the keys earlier versions wrote under another name (`RENAMED`, `RENAMED_IN_STRAGGLER`,
+    `RENAMED_IN_RANKS`) under today's: every reader reads one name. A summary already written with today's names is
+    returned as it is."""
     out = _renamed(summary, RENAMED)
     if isinstance(out.get("straggler"), dict):
         out["straggler"] = _renamed(out["straggler"], RENAMED_IN_STRAGGLER)
+    if isinstance(out.get("ranks"), list):
+        out["ranks"] = [_renamed(r, RENAMED_IN_RANKS) if isinstance(r, dict) else r for r in out["ranks"]]
     return out
 
 

@@ -132,7 +132,7 @@ METRICS = (
            write=lambda rank, facts: throughput.throughput_of(rank, facts.peak_flops), logs=True,
            reduced={"tokens_per_s": "tokens_per_s_per_device", "tflops_per_device": "tflops_per_device",
                     "mfu": "mfu", "compute_share": "compute_share"}),
-    Metric("step_time_s", "window", lambda r: throughput.step_time_fields(r.durations),
+    Metric("step_seconds", "window", lambda r: throughput.step_time_fields(r.durations),
            fields=throughput.STEP_TIME_FIELDS, write=lambda rank, facts: throughput.step_time_of(rank)),
     Metric("comm", "comm", lambda r: comm_count.to_fields(r.comm), fields=comm_count.RANK_FIELDS,
            write=_comm_key("comm")),

@@ -72,7 +72,7 @@ class ShardingProfiler:
     `compute_dtype`; top level `precision_verdict`. Each instrument's `result()` under its `name`. Sampled steps
     (`sampled_steps.py`, issue 21): `comm` {kind: {calls, bytes, sent_bytes}}, `comm_sent_bytes_per_step`,
     `comm_padded_tokens` on `comm_step`; `time_breakdown` on `time_step` (and every `time_every_n_steps`-th);
-    `step_time_s` {median, p10, p90, steps} over the throughput window's optimizer steps; top
+    `step_seconds` {median, p10, p90, steps} over the throughput window's optimizer steps; top
     level `straggler` (`stragglers.py`: the timed step's `busiest_rank` beside the verdict's `straggler_rank`, from
     compute time beside wall time, `throughput` {compute_seconds, compute_share}); on a GPU top level `live_plan`.
     Instrumented steps are left out of throughput. `hang_after` (seconds, "auto" or None): a step past it makes every

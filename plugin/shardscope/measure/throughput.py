@@ -119,7 +119,7 @@ STEP_TIME_KEYS = ("median", "p10", "p90", "steps")
 
 
 def step_time_summary(durations: list[float]) -> dict:
-    """`step_time_s`: the median, 10th and 90th percentiles (linear interpolation between the sorted steps, as
+    """`step_seconds`: the median, 10th and 90th percentiles (linear interpolation between the sorted steps, as
     numpy's default) and the count of the optimizer steps timed; values None when no step was."""
     if not durations:
         return {"median": None, "p10": None, "p90": None, "steps": 0}
@@ -134,7 +134,7 @@ def step_time_summary(durations: list[float]) -> dict:
     return {"median": quantile(0.5), "p10": quantile(0.1), "p90": quantile(0.9), "steps": len(ordered)}
 
 
-# --- the window as a rank's gathered fields, and back (metrics.py's `throughput` and `step_time_s` rows) ----------
+# --- the window as a rank's gathered fields, and back (metrics.py's `throughput` and `step_seconds` rows) ----------
 WINDOW_FIELDS = ("samples", "tokens", "flops", "seconds", "compute_seconds")
 STEP_TIME_FIELDS = tuple(f"step_time_{k}" for k in STEP_TIME_KEYS)
 
@@ -157,7 +157,7 @@ def step_time_fields(durations: list[float]) -> dict:
 
 
 def step_time_of(rank: dict) -> dict:
-    """A rank's `step_time_s` {median, p10, p90, steps} from its gathered fields."""
+    """A rank's `step_seconds` {median, p10, p90, steps} from its gathered fields."""
     out = {k: none_if_nan(rank[f"step_time_{k}"]) for k in STEP_TIME_KEYS}
     return {**out, "steps": int(out["steps"] or 0)}
 

@@ -3,7 +3,7 @@
 The run's setup comes from its summary (read and checked by `summary.read_summary`, `run_of`, `step_shape`): the
 model (`model.name_or_path`, read as `plan --model` reads it, else its parameter count), the strategy, world size and
 nodes, precision, and the step shape the profiler recorded (`peak_step`: micro-batch, sequence length,
-checkpointing) with `gradient_accumulation_steps`. Measured: the mean over ranks of `step_time_s` {median, p10, p90}.
+checkpointing) with `gradient_accumulation_steps`. Measured: the mean over ranks of `step_seconds` {median, p10, p90}.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def run_setup(doc: dict, where) -> tuple:
 
 def measured(doc: dict) -> dict | None:
     """Mean over ranks of the median, p10 and p90 plain step (None: not measured)."""
-    times = [r["step_time_s"] for r in doc.get("ranks") or [] if r.get("step_time_s")]
+    times = [r["step_seconds"] for r in doc.get("ranks") or [] if r.get("step_seconds")]
     if not times:
         return None
     return {k: sum(t[k] for t in times) / len(times) for k in ("median", "p10", "p90")}

@@ -30,7 +30,7 @@ from pathlib import Path
 from ...errors import UsageError
 from ...safe_io import load_json
 from ...strategy import family, strategy_from_summary
-from ...summary import SUMMARY_FILE
+from ...summary import SUMMARY_FILE, upgraded
 from ..time_model import gathers, library_bytes, overlapped
 
 # What a run's own times already hold: its measured compute and bandwidths include any latency and contention, and
@@ -47,7 +47,7 @@ def run_sources(path) -> list[tuple[str, dict]]:
     probe's bus bandwidths when it has one (`figures.calibrate` takes them for the kinds the run did not issue)."""
     path = Path(path)
     summary = path / SUMMARY_FILE if path.is_dir() else path
-    doc = load_json(summary, "run summary")
+    doc = upgraded(load_json(summary, "run summary"))
     ran = {RUN_STRATEGY: strategy_from_summary(doc)}  # from_summary refuses a summary without one
     out = [(str(path), {**ran, **from_summary(doc, summary)})]
     probe = doc.get("link_probe") if isinstance(doc, dict) else None
@@ -68,12 +68,12 @@ def mean(values) -> float:
 
 def timed_ranks(doc: dict) -> list[dict]:
     """The summary's ranks that have both a timed step's breakdown and a measured median step."""
-    return [r for r in doc.get("ranks") or [] if r.get("time_breakdown") and r.get("step_time_s")]
+    return [r for r in doc.get("ranks") or [] if r.get("time_breakdown") and r.get("step_seconds")]
 
 
 def scaled_breakdown(ranks: list[dict]) -> dict:
     """The timed step's `time_breakdown`, each part scaled by median plain step / timed step, mean over `ranks`."""
-    return {k: mean(r["time_breakdown"][k] * r["step_time_s"]["median"] / r["time_breakdown"]["step_s"]
+    return {k: mean(r["time_breakdown"][k] * r["step_seconds"]["median"] / r["time_breakdown"]["step_s"]
                     for r in ranks) for k in ranks[0]["time_breakdown"]}
 
 
@@ -82,7 +82,7 @@ def from_summary(doc, where) -> dict:
     try:
         ranks = timed_ranks(doc)
         if not ranks:
-            raise UsageError(f"--calibrate {where}: no rank has both 'time_breakdown' and 'step_time_s' (profile "
+            raise UsageError(f"--calibrate {where}: no rank has both 'time_breakdown' and 'step_seconds' (profile "
                              "with a timed step and more than one plain step)")
         strategy = strategy_from_summary(doc)  # the planner's name, as report reads the same summary
         if strategy is None:
@@ -91,7 +91,7 @@ def from_summary(doc, where) -> dict:
         part = scaled_breakdown(ranks)
         accumulation = int(doc.get("gradient_accumulation_steps") or 1)
         out = {"overhead_s": (part["data_wait_s"] + part["other_s"]) / accumulation}
-        flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_time_s"]["steps"]
+        flops = [r["throughput"]["tflops_per_device"] * 1e12 * r["throughput"]["seconds"] / r["step_seconds"]["steps"]
                  for r in ranks if (r.get("throughput") or {}).get("tflops_per_device")]
         library = part.get("library_s", 0.0) if gathers(strategy) else 0.0  # (older summaries: none)
         compute, forward = part["forward_s"] + part["backward_s"] - library, part["forward_s"]
