@@ -9,7 +9,11 @@ The same command runs under every strategy; only the launcher's config changes:
 
 Data: a hub dataset (default `yahma/alpaca-cleaned`) or a local .json/.jsonl file with `instruction`,
 `output` and optionally `input` columns. The prompt (Alpaca template) is masked out of the loss (-100);
-only the response and EOS train. `--packing` concatenates examples into `max_seq_length` blocks.
+only the response and EOS train (`--text_field NAME`: one text column, all of it trained). Batching: each
+micro-batch padded to its longest row (the default); `--packing` concatenates examples into `max_seq_length` blocks,
+so examples attend across their boundaries inside a block; `--padding_free` puts a micro-batch's examples in one row
+kept apart by position ids (`DataCollatorWithFlattening`: no padding and no attention across examples, the tokens per
+micro-batch vary). `shardscope plan --dataset FILE` plans each of them at the data's worst micro-batch.
 Full fine-tuning by default; `--use_lora` trains PEFT LoRA adapters and saves only those.
 Tensor parallelism (TP) and 2D FSDP2 x TP: launch with accelerate_configs/tp.yaml, fsdp_tp.yaml or
 hsdp_tp.yaml (or pass `--tp_size N` under torchrun); transformers shards the model while loading it.
@@ -23,6 +27,8 @@ the arguments give (docs/fit.md; `--fit_memory_budget 2GB` on CPU).
 """
 from dataclasses import dataclass, field
 
+import shardscope  # noqa: F401  first: its library-notice filter is in place before transformers imports bitsandbytes
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
@@ -31,7 +37,8 @@ from shardscope.doctor.diagnose import startup_checks
 from shardscope.errors import UsageError
 from shardscope.recipes.args import FitArguments, RecipeParser, RecipeTrainingArguments, check_causal_lm, run
 from shardscope.model.spec import load_model_config
-from shardscope.recipes.data import ALPACA_REQUIRED, load_dataset_checked, prepare_sft_dataset
+from shardscope.plan.dataset import ALPACA_REQUIRED
+from shardscope.recipes.data import load_dataset_checked, prepare_sft_dataset
 from shardscope.recipes.sequence import collator as sft_collator, sequence_split
 from shardscope.recipes.tp import (
     compact_tp_shards, distributed_config, tensor_parallel_mesh, tensor_parallel_training_args,
@@ -47,7 +54,13 @@ class ScriptArguments:
     dataset_split: str = field(default="train")
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N records"})
     max_seq_length: int = field(default=512, metadata={"help": "Truncate (or, with packing, block) length"})
-    packing: bool = field(default=False, metadata={"help": "Concatenate examples into max_seq_length blocks"})
+    packing: bool = field(default=False, metadata={
+        "help": "Concatenate examples into max_seq_length blocks (attention crosses example boundaries in a block)"})
+    padding_free: bool = field(default=False, metadata={
+        "help": "Each micro-batch's examples in one row, kept apart by position ids (DataCollatorWithFlattening): "
+                "no padding, no attention across examples; the tokens per micro-batch vary"})
+    text_field: str | None = field(default=None, metadata={
+        "help": "Train on this text column whole (with EOS) instead of the Alpaca columns"})
     profile: bool = field(default=True, metadata={"help": "Attach shardscope.ShardingProfilerCallback"})
     save_final_logits: bool = field(default=False, metadata={
         "help": "Write the trained model's logits on the first training examples to output_dir/final_logits.pt "
@@ -68,11 +81,40 @@ class ModelArguments:
     lora_dropout: float = field(default=0.05)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"],
                                            metadata={"help": "Module names, or all-linear"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: load the base quantised to 4 bits by bitsandbytes (with --use_lora; FSDP/ZeRO-3 shard it when "
+                "--bnb_4bit_quant_storage is the dtype the other parameters load in)"})
+    load_in_8bit: bool = field(default=False, metadata={"help": "LoRA on an LLM.int8 base (bitsandbytes; DDP only)"})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"choices": ["nf4", "fp4"]})
+    bnb_4bit_use_double_quant: bool = field(default=True, metadata={"help": "quantise the absmax too (QLoRA)"})
+    bnb_4bit_quant_storage: str = field(default="uint8", metadata={
+        "help": "dtype the packed 4-bit weights are stored in; FSDP and ZeRO-3 need the other parameters' dtype",
+        "choices": ["uint8", "bfloat16", "float16", "float32"]})
     tp_size: int | None = field(default=None, metadata={
         "help": "Tensor-parallel degree; default: the launcher config's parallelism_config_tp_size, else 1. "
                 "The other ranks shard the TP pieces with FSDP2 (world = dp_replicate x dp_shard x tp)"})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Run the model repository's own Python code (auto_map); only for code you trust"})
+
+
+def quantization_arguments(model_args: ModelArguments, training_args) -> dict:
+    """`from_pretrained`'s bitsandbytes arguments: the quantisation config, and each DDP rank's device (FSDP and
+    ZeRO-3 place the weights themselves)."""
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=model_args.load_in_4bit, load_in_8bit=model_args.load_in_8bit,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type, bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=model_args.bnb_4bit_use_double_quant,
+        bnb_4bit_quant_storage=getattr(torch, model_args.bnb_4bit_quant_storage))
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    # ZeRO-3 refuses a device_map ("DeepSpeed Zero-3 is not compatible with passing a `device_map`"); FSDP places the
+    # shards itself
+    sharded = is_deepspeed_zero3_enabled() or training_args.distributed_state.distributed_type == "FSDP"
+    return {"quantization_config": config, **({} if sharded else {"device_map": {"": str(training_args.device)}})}
 
 
 def main():
@@ -86,6 +128,9 @@ def main():
     config = load_model_config(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
     check_causal_lm(config, model_args.model_name_or_path)
     mesh = tensor_parallel_mesh(config, model_args.model_name_or_path, model_args.tp_size)
+    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_lora:
+        raise UsageError("--load_in_4bit/--load_in_8bit need --use_lora: a quantised base is frozen, only LoRA "
+                         "adapters train (QLoRA)")
     if mesh and model_args.use_lora:
         raise UsageError("--use_lora with tensor parallelism is not supported by this recipe (PEFT adapters on "
                          "DTensor-sharded layers); use FSDP or DeepSpeed for LoRA")
@@ -93,7 +138,11 @@ def main():
     # every sequence; checked against the model, strategy and world here, before any process group exists
     split = sequence_split(config, model_args.model_name_or_path, script_args.max_seq_length,
                            model_args.attn_implementation)
-    raw = load_dataset_checked(script_args.dataset, script_args.dataset_split, ALPACA_REQUIRED,
+    if script_args.padding_free and (script_args.packing or split):
+        raise UsageError("--padding_free goes with neither --packing (blocks already hold no padding) nor a cp/sp "
+                         "split (its collator pads to the split's unit)")
+    raw = load_dataset_checked(script_args.dataset, script_args.dataset_split,
+                               (script_args.text_field,) if script_args.text_field else ALPACA_REQUIRED,
                                script_args.dataset_config)
     if script_args.max_train_samples:
         raw = raw.select(range(min(script_args.max_train_samples, len(raw))))
@@ -113,8 +162,10 @@ def main():
     if tokenizer.pad_token is None:  # Llama/Mistral ship none; padded positions are masked out anyway
         tokenizer.pad_token = tokenizer.eos_token
     with training_args.main_process_first(desc="tokenising"):
-        train_dataset = prepare_sft_dataset(raw, tokenizer, script_args.max_seq_length, script_args.packing)
-    collator = sft_collator(tokenizer, split)  # with a split: padded to its unit, position_ids added
+        train_dataset = prepare_sft_dataset(raw, tokenizer, script_args.max_seq_length, script_args.packing,
+                                            script_args.text_field)
+    # padded to the longest row (with a split: to its unit, position_ids added), or flattened (--padding_free)
+    collator = sft_collator(tokenizer, split, padding_free=script_args.padding_free)
 
     # --- Model (after TrainingArguments, so ZeRO-3 partitions it while loading) ---
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
@@ -122,7 +173,8 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype,
                                                  attn_implementation=attention,
                                                  trust_remote_code=model_args.trust_remote_code,
-                                                 distributed_config=distributed_config(mesh) if mesh else None)
+                                                 distributed_config=distributed_config(mesh) if mesh else None,
+                                                 **quantization_arguments(model_args, training_args))
     if mesh:
         compact_tp_shards(model)
     if model_args.use_lora:

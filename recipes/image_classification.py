@@ -15,6 +15,8 @@ is sized from the dataset's classes; `--freeze_backbone` trains only the head (l
 import importlib.util
 from dataclasses import dataclass, field
 
+import shardscope  # noqa: F401  first: its library-notice filter is in place before transformers imports bitsandbytes
+
 import torch
 from transformers import AutoImageProcessor, Dinov2ForImageClassification, set_seed
 

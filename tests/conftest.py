@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from loop_runs import loop_runs  # noqa: F401  (shared launching fixtures, each defined beside its launches' spec)
-from recipe_runs import accelerate_yaml, image_assets, recipe_runs  # noqa: F401
+from recipe_runs import accelerate_yaml, image_assets, long_tail_data, recipe_runs  # noqa: F401
 from strategy_runs import parameter_shapes, strategy_model, strategy_plans, strategy_runs  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

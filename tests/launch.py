@@ -71,9 +71,10 @@ def accelerate_cpu_overrides(config_file: Path, num_processes: int = 2) -> list[
 
 
 def accelerate_launch(config_file, script, script_args, output_dir, num_processes=2, timeout=600,
-                      launcher_args=()) -> Run:
+                      launcher_args=(), env=None) -> Run:
+    """`env`: variables set on top of the CPU environment."""
     return _run(accelerate_cmd(config_file, script, script_args, output_dir, num_processes, launcher_args), output_dir,
-                timeout)
+                timeout, env)
 
 
 def launch_together(runs, output_dir, launcher="accelerate", num_processes=2) -> dict[str, Run]:
@@ -203,8 +204,8 @@ def end_launch(proc: subprocess.Popen, output_dir) -> list[tuple[psutil.Process,
     return left
 
 
-def _run(cmd, output_dir, timeout) -> Run:
-    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def _run(cmd, output_dir, timeout, env=None) -> Run:
+    proc = subprocess.run(cmd, env=cpu_env(**(env or {})), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     output = proc.stdout + proc.stderr
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     (Path(output_dir) / "launch.log").write_text(" ".join(cmd) + "\n\n" + output)

@@ -43,10 +43,27 @@ SFT_RUNS = {  # name -> (launcher, config, extra args)
     "lora_zero3": ("accelerate", "zero3", ["--use_lora", "true", "--learning_rate", "1e-2"]),
     "lora_fsdp": ("accelerate", "fsdp_full_shard", ["--use_lora", "true", "--learning_rate", "1e-2",
                                                     "--gradient_checkpointing", "true"]),
+    # QLoRA: a 4-bit NF4 base (bitsandbytes' CPU backend, double quantisation, bf16 storage), LoRA adapters trained
+    "qlora_ddp": ("accelerate", "ddp", ["--use_lora", "true", "--load_in_4bit", "true", "--dtype", "bfloat16",
+                                        "--bnb_4bit_quant_storage", "bfloat16", "--learning_rate", "1e-2"]),
+    "qlora_fsdp": ("accelerate", "fsdp_qlora", ["--use_lora", "true", "--load_in_4bit", "true", "--dtype",
+                                                "bfloat16", "--bnb_4bit_quant_storage", "bfloat16",
+                                                "--learning_rate", "1e-2"]),
+    "qlora_zero3": ("accelerate", "zero3", ["--use_lora", "true", "--load_in_4bit", "true", "--dtype", "bfloat16",
+                                            "--bnb_4bit_quant_storage", "bfloat16", "--learning_rate", "1e-2"]),
 }
 # The launcher's precision agrees with the recipe's --bf16 (the CPU overrides say "no"; the recipe's doctor
 # check refuses a launcher and Trainer that disagree).
 SFT_LAUNCHER_ARGS = {"fsdp1": ["--mixed_precision", "bf16"]}
+# test_dataset_runs' runs: the SFT recipe on a generated long-tail dataset (DATA_SAMPLES records, a share DATA_CAPPED
+# at the longest), micro-batch DATA_BATCH, under ZeRO-3 and FSDP2, padded to the longest row and padding-free; 12 steps
+# on 2 ranks read each record once. ZeRO-3 through ds_configs/zero3.json (its "auto" buckets: the Trainer's hidden
+# size squared): the shipped yaml's DeepSpeed default 5e8-element reduce bucket would be 99% of the peak.
+DATA_SAMPLES, DATA_CAPPED, DATA_BATCH, DATA_MAX_LENGTH = 48, 0.25, 2, 512
+DATA_RUNS = {  # name: (config, recipe args)
+    "zero3_longest": ("zero3_json", []), "zero3_free": ("zero3_json", ["--padding_free", "true"]),
+    "fsdp_longest": ("fsdp_full_shard", []), "fsdp_free": ("fsdp_full_shard", ["--padding_free", "true"]),
+}
 IMAGE_RUNS = {  # name: (config, its fsdp_config overrides, recipe args)
     "ddp": ("ddp", {}, []),
     # in bf16: ZeRO's 16-bit weights beside an fp32 master; it saves the 16-bit model it computes with
@@ -98,24 +115,55 @@ def world_args(assets, ranks, *extra):
 SHARED_LAUNCHES = {  # launch -> the (kind, name) runs it trains, in order, under the first run's config
     # ZeRO-2 before ZeRO-3: after the ZeRO-3 runs in the same process, the ZeRO-2 bf16 image run's saved model
     # reloaded with other logits (seen once, cause not traced; one run per process, as users run, is not affected)
-    "runs": [("sft", "ddp"), ("image", "ddp"), ("sft", "fsdp"), ("sft", "lora_fsdp"), ("image", "fsdp"),
-             ("world", "fsdp2"), ("sft", "zero2"), ("image", "zero2"), ("world", "zero2"),
-             ("sft", "zero3"), ("sft", "lora_zero3"), ("image", "zero3_frozen"), ("world", "zero3")],
+    "runs": [("sft", "ddp"), ("image", "ddp"), ("sft", "qlora_ddp"), ("sft", "fsdp"), ("sft", "qlora_fsdp"),
+             ("sft", "lora_fsdp"), ("image", "fsdp"), ("world", "fsdp2"), ("sft", "zero2"), ("image", "zero2"),
+             ("world", "zero2"), ("sft", "zero3"), ("sft", "lora_zero3"), ("sft", "qlora_zero3"),
+             ("image", "zero3_frozen"), ("world", "zero3"),
+             ("data", "fsdp_longest"), ("data", "fsdp_free"), ("data", "zero3_longest"), ("data", "zero3_free")],
     # each resume a fresh Trainer reading the checkpoint files; bf16 FSDP1's apart (its launcher flag)
     "resumes": [("resume", "ddp"), ("resume", "fsdp"), ("resume", "zero3")],
 }
 
 
+def zero3_json_yaml(folder: Path) -> Path:
+    """accelerate_configs/zero3.yaml reading its DeepSpeed settings from ds_configs/zero3.json (accelerate refuses
+    any other deepspeed_config key beside the file)."""
+    data = yaml.safe_load((ACC / "zero3.yaml").read_text())
+    data["deepspeed_config"] = {"deepspeed_config_file": str(ROOT / "ds_configs" / "zero3.json")}
+    path = Path(folder) / "zero3_json.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 @pytest.fixture(scope="session")
-def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml):
+def long_tail_data(tmp_path_factory):
+    """The data runs' generated long-tail dataset (jsonl, Alpaca columns; the sft model's words)."""
+    from shardscope.recipes.tiny import make_long_tail_json
+
+    return make_long_tail_json(tmp_path_factory.mktemp("long_tail") / "tail.jsonl", DATA_SAMPLES,
+                               at_longest=DATA_CAPPED)
+
+
+@pytest.fixture(scope="session")
+def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml, long_tail_data):
     """`recipe_runs(kind, name)` launches a run (with the others of its SHARED_LAUNCHES entry) the first time it is
     asked for and returns the cached `Run`; a resume starts from the sft run's step-SAVE_AT checkpoint."""
+
+    def data_yaml(config: str) -> Path:
+        return zero3_json_yaml(tmp_path_factory.mktemp("zero3_json")) if config == "zero3_json" else \
+            ACC / f"{config}.yaml"
 
     def command(kind: str, name: str) -> tuple[Path, Path, list, list]:
         """(accelerate yaml, recipe, recipe arguments, launcher flags) of an sft, resume, image or world run."""
         if kind == "world":
             return accelerate_yaml(*WORLD_CONFIGS[name]), SFT, world_args(
                 sft_assets, 2, "--save_strategy", "steps", "--save_steps", SAVE_AT), []
+        if kind == "data":
+            config, extra = DATA_RUNS[name]
+            return data_yaml(config), SFT, [
+                "--config", ROOT / "recipes/llama/demo_tiny.yaml", "--model_name_or_path", sft_assets["model"],
+                "--dataset", long_tail_data, "--max_steps", STEPS, "--max_seq_length", DATA_MAX_LENGTH,
+                "--per_device_train_batch_size", DATA_BATCH, *extra], []
         if kind in ("sft", "resume"):
             _, config, extra = SFT_RUNS[name]
             if kind == "resume":

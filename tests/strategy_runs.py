@@ -1,7 +1,7 @@
 """The strategy runs: tests/workers/train_tiny.py under each shipped single-node config on 2 CPU ranks, shared by
-test_strategies.py, test_planner_agreement.py, test_comm_agreement.py, test_precision_runs.py and test_peak_runs.py
-(tests/conftest.py registers the fixtures and keeps those files on one xdist worker), and the models they train
-(STRATEGY_MODELS, also built for test_multinode.py and test_export.py).
+test_strategies.py, test_planner_agreement.py, test_comm_agreement.py, test_precision_runs.py, test_peak_runs.py and
+test_parity_runs.py (tests/conftest.py registers the fixtures and keeps those files on one xdist worker), and the
+models they train (STRATEGY_MODELS, also built for test_multinode.py and test_export.py).
 """
 import hashlib
 import json
@@ -19,10 +19,14 @@ STRATEGY_MODELS = {
     # ~50M parameters (hidden 512, 8 layers), for the planner agreement at a realistic shape
     "llama_50m": ("llama", dict(vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                                 num_attention_heads=8)),
+    # test_moe_runs' tiny Qwen3-MoE: 8 experts of 2 per token in 2 layers, fused (transformers 5's Qwen3MoeExperts)
+    "moe_qwen3": ("qwen3_moe", dict(vocab_size=1600, hidden_size=128, moe_intermediate_size=256)),
     # test_peak_runs' 4-layer Llama (tests/peak_spec.py)
     "peak_llama": ("llama", dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                  num_attention_heads=8, num_key_value_heads=4)),
 }
+# test_parity_runs' shadows (shardscope.parity.shadow) of a shipped MoE and a shipped dense model, by name
+SHADOWS = {"shadow_mixtral": "mixtral-8x7b", "shadow_llama": "llama-3-70b"}
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +37,10 @@ def strategy_model(tmp_path_factory):
     built = {}
 
     def build(name):
+        if name in SHADOWS and name not in built:
+            from shardscope.parity.shadow import build_shadow
+
+            built[name] = build_shadow(SHADOWS[name], tmp_path_factory.mktemp(name))[0]
         if name not in built:
             family, sizes = STRATEGY_MODELS[name]
             built[name] = tmp_path_factory.mktemp(name)
@@ -59,6 +67,24 @@ def strategy_model_for(config: str) -> str:
 # test_peak_runs' small-bucket ZeRO runs (peak_spec.SMALL_BUCKET_RUNS), every
 # single-node FSDP JSON under one `torchrun` (their configs are script arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
+# test_moe_runs' runs of the tiny Qwen3-MoE: 4 samples of 64 tokens, so that each rank's first step (2 samples) and
+# the other rank's together are the whole data set, and no log inside the 3 steps
+MOE_CONFIGS = ("zero3", "fsdp_full_shard")
+MOE_FLAGS = ("--seq_len", 64, "--samples", 4, "--logging_steps", 500)
+# Parity (test_parity_runs.py): every shard_llama run of a config's own (no LoRA, no accumulation, no flags) records
+# parity fingerprints (parity_flags); the seeded defects train under DDP and the shadows under ZeRO-3 in the same
+# launch. Their one-process references train together in one process (test_parity_runs.py).
+PARITY_DEFECT_RUNS = (("ddp", "shard_llama", 0, 1, ("--defect", "same_batches")),
+                      ("ddp", "shard_llama", 0, 1, ("--defect", "perturb_rank_1")),
+                      ("ddp", "shard_llama", 0, 2, ("--defect", "accumulation_loss")))
+PARITY_SHADOW_RUNS = tuple(("zero3", name, 0, 1, ()) for name in SHADOWS)
+PARITY_FOLDER = "parity"  # under each run's folder
+
+
+def parity_flags(model, lora_r, grad_accum, flags) -> list:
+    """The worker's --parity for a run test_parity_runs compares (the env `shardscope parity` sets, set by it)."""
+    own = model in ("shard_llama", *SHADOWS) and lora_r == 0 and (flags == () or flags[0] == "--defect")
+    return ["--parity", PARITY_FOLDER] if own else []
 
 
 def accelerate_families() -> dict[str, list[str]]:
@@ -86,13 +112,16 @@ def shared_launches() -> list[tuple]:
                 *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else [])] if c in AGREEING
                else [(c, strategy_model_for(c), 0, 1, ())])
         return [*own, *((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
-                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
+                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c),
+                *([(c, "moe_qwen3", 0, 1, MOE_FLAGS)] if c in MOE_CONFIGS else [])]
 
     def in_order(family):
         return [run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c)]
 
     families = accelerate_families()  # one launch: DDP's runs, FSDP's, then DeepSpeed's (several_runs.py)
-    launches = [tuple(run for name in ("MULTI_GPU", "FSDP", "DEEPSPEED") for run in in_order(families.pop(name)))]
+    parity = {"MULTI_GPU": PARITY_DEFECT_RUNS, "DEEPSPEED": PARITY_SHADOW_RUNS}  # test_parity_runs' own, in place
+    launches = [tuple(run for name in ("MULTI_GPU", "FSDP", "DEEPSPEED")
+                      for run in [*in_order(families.pop(name)), *parity.get(name, ())])]
     assert not families, f"a family of accelerate configs no launch trains: {families}"
     small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
     for kind in ("deepspeed", "fsdp"):
@@ -137,7 +166,8 @@ def strategy_runs(strategy_model, tmp_path_factory):
             runs.append((names[key], config.path if kind == "accelerate" else None, WORKER, [
                 *COMMON, "--model", strategy_model(model), "--lora_r", lora_r, "--gradient_accumulation_steps",
                 grad_accum, *{"accelerate": ["--use_cpu"], "deepspeed": ["--deepspeed", config.path],
-                              "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[kind], *flags]))
+                              "fsdp": ["--use_cpu", "--fsdp", "--fsdp_config", config.path]}[kind], *flags,
+                *parity_flags(model, lora_r, grad_accum, flags)]))
         launched = launch_together(runs, tmp_path_factory.mktemp("launch"), LAUNCHERS[kind])
         results = {}
         for key, name in names.items():

@@ -339,4 +339,23 @@ def test_a_warm_dry_run_gives_the_same_rows_importing_neither_torch_nor_transfor
     assert cold["heavy"] == ["torch", "transformers"] and warm["heavy"] == []
     package = os.path.dirname(os.path.dirname(dr.__file__))
     used = {os.path.relpath(f, package) for f in cold["files"]}
-    assert used - {"__init__.py"} <= set(dr.dry_run_sources())
+    # the package's own import (its lazy names, and notices.py's logging filter) computes no row
+    assert used - {"__init__.py", "notices.py"} <= set(dr.dry_run_sources())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_full_shard", "tp"])
+def test_moe_dry_run_runs_its_fused_experts_on_meta_and_equals_the_formula(strategy, tmp_path, capsys):
+    """transformers' fused experts call grouped_mm, whose meta kernel takes bf16 only (torch 2.13): the dry run's meta
+    backward runs them with transformers' batched_mm instead (same parameters, same gradient layout); under tp,
+    transformers 5.24's plan splits Qwen3-MoE's experts."""
+    import json
+
+    from shardscope.recipes.tiny import make_causal_lm
+
+    make_causal_lm(tmp_path / "moe", "qwen3_moe")
+    capsys.readouterr()  # what building it printed (DeepSpeed's accelerator notice, when it is imported first here)
+    assert main(["plan", "--model", str(tmp_path / "moe"), "--dry-run", "--gpus", "2", "--strategy", strategy,
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["computed_matches_built"] and row["ranks"]["max"]["rel_diff"] == dict.fromkeys(
+        ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes"), 0.0)

@@ -178,6 +178,7 @@ def test_readme_names_the_extensions_folder_the_makefile_sets():
 # --- The README and docs stay true: every command in their shell blocks parses, the cheap ones run ----------
 
 DOCS = ["README.md", "docs/planner.md", "docs/compare.md", "docs/doctor.md", "docs/cluster.md", "docs/precision.md",
+        "docs/parity.md",
         "docs/fit.md", "docs/configs.md", "docs/summary.md", "benchmarks/README.md", "recipes/llama/README.md", "recipes/mistral/README.md", "recipes/dinov2/README.md",
         "ds_configs/README.md", "fsdp_configs/README.md", "SECURITY.md"]
 PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "python3", "make", "pytest", "export")
@@ -185,9 +186,9 @@ PROGRAMS = ("shardscope", "accelerate", "torchrun", "deepspeed", "python", "pyth
 # one line naming them and exit 2; each stays in the docs as the example it is.
 USERS_OWN = {"meta-llama/Llama-2-7b-hf": "hub id", "./my_model_folder": "folder",
              "output/shardscope_summary.json": "summary"}
-# Parsed, not run here: they launch training (compare, calibrate), write files into the checkout (fit --output-dir; its
+# Parsed, not run here: they launch training (compare, calibrate, parity), write files into the checkout (fit --output-dir; its
 # own tests run it), take a minute of CPU (--dry-run on 512 ranks) or wait for other nodes (preflight).
-PARSE_ONLY = ("compare", "calibrate", "fit", "--dry-run", "preflight")
+PARSE_ONLY = ("compare", "calibrate", "parity", "fit", "--dry-run", "preflight")
 # Folders named in the text that a run creates (outputs), not files the checkout must have.
 # What a user sets for the shell variables the docs use (multi-node launches).
 SHELL_VARIABLES = {"NODE_RANK": "0", "MAIN_NODE_IP": "10.0.0.1"}

@@ -461,7 +461,8 @@ def test_report_turns_bad_summaries_into_failed_rows(tmp_path, capsys):
         assert str(tmp_path / name / "shardscope_summary.json") in row["reason"] and row["reason"] in markdown
         assert f"failed: {name}: " in out
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["memory.png", "peak.png", "report.json",
-                                                                        "report.md", "throughput.png", "time.png"]
+                                                                        "report.md", "steps.png", "throughput.png",
+                                                                        "time.png"]
 
 
 def test_a_report_that_fails_half_way_leaves_the_old_markdown(tmp_path, monkeypatch):

@@ -93,9 +93,12 @@ def test_a_launch_environment_computed_otherwise_than_the_launcher_exported_fail
 
 
 def test_a_running_process_is_left_and_a_zombie_or_a_reaped_one_is_gone():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # the child says when it runs: before its exec, a forked child's command line is still pytest's (seen on a busy machine)
+    child = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)
     proc = psutil.Process(child.pid)
     try:
+        child.stdout.readline()
         assert left_processes([proc], "time.sleep(60)") == [(proc, "running")]
         assert left_processes([proc], "another run's folder") == []
         child.kill()  # ended, not yet reaped: a zombie

@@ -82,8 +82,10 @@ def test_trl_samples_are_what_the_trainer_counts_and_tokens_those_fed(trl_runs, 
         assert [t["samples"] for t in throughput] == [2 * STEPS] * 2, name
         samples_per_s = sum(t["samples_per_s"] for t in throughput)
         assert samples_per_s == pytest.approx(facts[0]["train_samples_per_second"], rel=RATE_TOLERANCE), name
-        # the Trainer's own count of the non-padding tokens fed (num_input_tokens_seen, all ranks): the reference
-        # pass (a second model, or LoRA's adapter-disabled pass of the same one) adds none
+        # the Trainer's own count of the non-padding tokens fed (num_input_tokens_seen, all ranks) and a
+        # training_step wrapper's on each rank: counted once, as fed; the reference pass (a second model, or LoRA's
+        # adapter-disabled pass of the same one) adds none
+        assert [t["tokens"] for t in throughput] == [f["tokens_fed"] for f in facts], name
         assert sum(t["tokens"] for t in throughput) == facts[0]["num_input_tokens_seen"], name
 
 

@@ -335,8 +335,9 @@ def test_the_metric_table_carries_each_row_through_the_gather_into_the_summary_a
     import math
     from types import SimpleNamespace
 
-    from shardscope.measure import metrics
+    from shardscope.measure import metrics, step_log
     from shardscope.measure.run_facts import RunFacts
+    from shardscope.measure.step_log import StepLog
     from shardscope.measure.throughput import WindowTotals
 
     state = SimpleNamespace(total={"params": 40, "grads": 40, "optimizer": 80}.get, trainable_params=40,
@@ -350,18 +351,25 @@ def test_the_metric_table_carries_each_row_through_the_gather_into_the_summary_a
                      "peak_step": {"micro_batch": 2, "seq_len": 8, "image_size": None, "gradient_checkpointing": False}},
         window=WindowTotals(4, 32, 6400.0, 2.0, 1.5), durations=[1.0, 1.0],
         comm={"comm": {"all_reduce": {"calls": 1, "bytes": 40, "sent_bytes": 40}}, "comm_sent_bytes_per_step": 40,
-              "comm_padded_tokens": 16}, timed=[timed])
+              "comm_padded_tokens": 16}, timed=[timed], steps=StepLog())
+    for step, (tokens, seq_len, measured) in enumerate([(10, 8, None), (12, 8, {"peak_tensor_bytes": 60})], 1):
+        readings.steps.add(tokens, 2, seq_len)  # 2 rows of 8: 16 padded tokens a step
+        readings.steps.close(step, measured)
     guards = {m.source: contextlib.nullcontext() for m in metrics.METRICS}
     facts = RunFacts({"strategy": "ddp"}, torch.device("cpu"), "fp32", peak_flops=1e4)
     mine = metrics.read(readings, guards, ("reference",), summary=True)
     assert tuple(mine) == metrics.fields(("reference",), summary=True)
-    assert [k for k, v in mine.items() if math.isnan(v)] == ["peak_step_image_size"]  # (a text model's: none)
+    unmeasured = [k for k, v in mine.items() if math.isnan(v)]  # a text model's image size; the measured steps past 1
+    assert unmeasured == ["peak_step_image_size"] + list(step_log.MEASURED_FIELDS[len(step_log.STEP_KEYS):])
     rank = metrics.written(mine, facts, guards, summary=True)
     assert list(rank) == [m.key for m in metrics.METRICS] and None not in rank.values()
     assert (rank["params_bytes"], rank["frozen_models"], rank["frozen_models_bytes"]) == (40, {"reference": 12}, 12)
     assert rank["peak_memory_bytes"] == 60 and rank["peak_phase"] == "backward" and rank["peak_breakdown"] == breakdown
     assert rank["throughput"]["mfu"] == pytest.approx(6400 / 2 / 1e4) and rank["time_breakdown"]["timed_steps"] == 1
     assert rank["comm"] == readings.comm["comm"] and rank["comm_padded_tokens"] == 16
+    worst = {"step": 2, "tokens": 12, "padded_tokens": 16, "peak_tensor_bytes": 60}
+    assert rank["worst_step"] == worst and rank["measured_steps"] == [worst]
+    assert rank["padding_waste"] == pytest.approx(32 / 22 - 1)
 
     logged = metrics.log_metrics([metrics.written(metrics.read(readings, guards, ("reference",), summary=False),
                                                   facts, guards, summary=False)] * 2)
@@ -369,3 +377,4 @@ def test_the_metric_table_carries_each_row_through_the_gather_into_the_summary_a
     assert set(logged) == {f"shardscope/{n}_{s}" for n in names for s in ("min", "max", "mean")} | {
         "shardscope/samples_per_s", "shardscope/tokens_per_s"}
     assert logged["shardscope/peak_tensor_bytes_max"] == 60 and logged["shardscope/samples_per_s"] == 2 * 4 / 2.0
+    assert (logged["shardscope/step_tokens_max"], logged["shardscope/step_padded_tokens_max"]) == (12, 16)

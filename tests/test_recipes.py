@@ -9,6 +9,7 @@ Runs use the shipped demo YAMLs shrunk by command-line overrides, like users' ow
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,59 @@ def test_lora_saves_and_reloads_adapters_only(runs, name, sft_assets):
     torch.testing.assert_close(reloaded, in_memory, atol=1e-5, rtol=1e-5)
 
 
+def qlora_shapes(model_dir) -> list[tuple[tuple, int]]:
+    """(shape, bytes per element) of every parameter of the recipe's QLoRA model, built here as the recipe builds it
+    (bitsandbytes NF4 with double quantisation and bf16 storage on CPU, PEFT's LoRA on all linear layers)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, device_map="cpu",
+                                                 dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear"))
+    return [(tuple(p.shape), p.element_size()) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["qlora_ddp", "qlora_fsdp", "qlora_zero3"])
+def test_qlora_trains_a_4bit_base_on_2_ranks_holding_the_planned_bytes(runs, sft_assets, name):
+    """QLoRA on 2 CPU ranks: bitsandbytes' CPU backend quantises the base to NF4 and the adapters learn. Under DDP each
+    rank holds the quantised base as plan/quantized.py counts it (data and quantisation state, the rest in bf16)
+    plus the fp32 adapters it saved, to the byte; under FSDP2 (accelerate_configs/fsdp_qlora.yaml) its padded row
+    shard of every parameter, the 4-bit weights' included (bf16 storage), and the quantisation state whole; under
+    ZeRO-3 (zero3.yaml) its flat partition of every parameter, and every parameter whole as well (all of this tiny
+    model's tensors are below stage3_param_persistence_threshold), and the quantisation state."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from shardscope.plan.quantized import quantized_base
+
+    output_dir = runs("sft", name).output_dir
+    curve = losses(output_dir)
+    assert curve[STEPS] < curve[1] - 0.2, curve
+    with safe_open(str(output_dir / "adapter_model.safetensors"), "pt") as f:
+        adapters = sum(torch.Size(f.get_slice(key).get_shape()).numel() for key in f.keys())
+    base = quantized_base(AutoConfig.from_pretrained(sft_assets["model"]), 4, double_quant=True, dtype_bytes=2,
+                          storage_bytes=2)
+    summary = json.loads((output_dir / "shardscope_summary.json").read_text())
+    held = [rank["params_bytes"] for rank in summary["ranks"]]
+    if name == "qlora_ddp":
+        assert held == [base.total_bytes + 4 * adapters] * 2
+        return
+    shapes = qlora_shapes(sft_assets["model"])
+    whole = sum(math.prod(s) * size for s, size in shapes)
+    assert whole == base.total_bytes - base.state_bytes + 4 * adapters
+    if name == "qlora_fsdp":
+        assert summary["strategy"] == "fsdp_full_shard"
+        shard = sum(-(-shape[0] // 2) * math.prod(shape[1:]) * size for shape, size in shapes)  # ceil(rows / 2) rows
+        assert held == [shard + base.state_bytes] * 2
+        return
+    assert summary["strategy"] == "zero3"
+    assert max(math.prod(s) for s, _ in shapes) <= summary["strategy_detail"]["stage3_param_persistence_threshold"]
+    partition = sum(-(-math.prod(shape) // 2) * size for shape, size in shapes)  # ceil(numel / 2) each
+    assert held == [whole + partition + base.state_bytes] * 2
+
+
 # --- DINOv2 image classification -----------------------------------------------------------------------
 
 
@@ -175,7 +229,8 @@ def test_bf16_recipe_runs_hold_what_the_planner_says(runs, kind, name, zero):
 def test_prompt_tokens_are_masked_and_do_not_affect_loss(sft_assets):
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-    from shardscope.recipes.data import IGNORE_INDEX, format_prompt, pack, tokenize_sft
+    from shardscope.plan.dataset import format_prompt
+    from shardscope.recipes.data import IGNORE_INDEX, pack, tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(sft_assets["model"])
     record = {"instruction": "Repeat the words.", "input": "red cat sun", "output": "red cat sun"}

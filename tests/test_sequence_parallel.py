@@ -16,6 +16,7 @@ import pytest
 
 from launch import ROOT, accelerate_launch
 from shardscope import plan_vs_run
+from shardscope.measure.parity_record import PARITY_ENV
 from shardscope.model.spec import model_spec
 from shardscope.plan.mesh import LibraryKnobs, Setup
 from shardscope.plan.sequence import comm_terms, split_row
@@ -39,12 +40,15 @@ def sp_runs(tmp_path_factory):
     args = ["--config", ROOT / "recipes/llama/demo_tiny.yaml", "--model_name_or_path", assets["model"],
             "--dataset", assets["data"], "--max_seq_length", SEQ, "--packing", "true",
             "--per_device_train_batch_size", 1, "--max_steps", STEPS]
+    parity = {PARITY_ENV: "parity"}  # each run records parity fingerprints (test_parity_compares_the_split)
     accelerate_launch(ROOT / "accelerate_configs/zero3_sp.yaml", ROOT / "recipes/causal_lm_sft.py", args,
-                      root / "sp", num_processes=SP, launcher_args=["--parallelism_config_sp_size", SP]).check()
+                      root / "sp", num_processes=SP, launcher_args=["--parallelism_config_sp_size", SP],
+                      env=parity).check()
     accelerate_launch(ROOT / "accelerate_configs/zero3_sp.yaml", ROOT / "recipes/causal_lm_sft.py", args,
-                      root / "sp4", num_processes=4, launcher_args=["--parallelism_config_sp_size", 4]).check()
+                      root / "sp4", num_processes=4, launcher_args=["--parallelism_config_sp_size", 4],
+                      env=parity).check()
     accelerate_launch(ROOT / "accelerate_configs/zero3.yaml", ROOT / "recipes/causal_lm_sft.py", args,
-                      root / "ref", num_processes=1).check()
+                      root / "ref", num_processes=1, env=parity).check()
     return {"sp": root / "sp", "sp4": root / "sp4", "ref": root / "ref", "model": assets["model"]}
 
 
@@ -59,6 +63,20 @@ def summary(folder: Path) -> dict:
 def losses(folder: Path) -> list[float]:
     state = json.loads((folder / "trainer_state.json").read_text())
     return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+
+@pytest.mark.parametrize("degree", DEGREES)
+def test_parity_compares_the_split_by_loss_gradient_norm_and_updates(sp_runs, degree):
+    """`shardscope parity`'s comparison against the one-rank run: equal at the fp32 tolerance, the slices' samples
+    and outputs said to be left out."""
+    from shardscope.parity.compare import TOLERANCE, compare
+
+    def records(folder, ranks):
+        return [json.loads((folder / "parity" / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+    result = compare(records(run_of(sp_runs, degree), degree), records(sp_runs["ref"], 1)[0])
+    assert result.verdict == "equal" and result.tolerance == TOLERANCE["fp32"], (result.sentence(), result.notes)
+    assert len(result.steps) == STEPS and any("sequence split" in note for note in result.notes)
 
 
 @pytest.mark.parametrize("degree", DEGREES)

@@ -254,6 +254,28 @@ def test_plan_recommendation_names_the_split_when_nothing_fits_whole():
                                                        f"({row.peak_bytes / 1e9:.3g} GB)")
 
 
+def test_plan_shows_the_smallest_split_that_fits_when_nothing_fits_whole():
+    """Without --sp/--cp, a plan where nothing fits whole (128k tokens of an 8B model on 8 x 80 GB) gets the rows of
+    the smallest degree (cp before sp) at which a row fits, and the recommendation names it; half that degree does not
+    fit."""
+    from shardscope.cli.plan_sequence import add_fitting_split, add_split_rows
+    from shardscope.plan.planner import estimate
+
+    setup = Setup(gpus_per_node=8, gpu_memory_bytes=H100, seq_len=131072, activation_checkpointing=True)
+    result = estimate(SPEC, setup)
+    add_fitting_split(result, SimpleNamespace(sp=1, cp=1, model=None), SPEC, setup, lambda shape: {})
+    split = [r for r in result["rows"] if "/" in r.strategy]
+    kind, degree = result["sequence"]["kind"], result["sequence"]["degree"]
+    assert split and any(r.fits for r in split) and all(r.strategy.endswith(f"/{kind}{degree}") for r in split)
+    assert f"each sequence split {degree} ways (--{kind} {degree}" in result["recommendation"]["reason"]
+    assert result["recommendation"]["strategy"] is None  # nothing fits whole: still exit 1
+    for smaller in ("cp", "sp"):
+        half = estimate(SPEC, setup)
+        add_split_rows(half, SimpleNamespace(**{"sp": 1, "cp": 1, smaller: degree // 2}, model=None), SPEC, setup,
+                       lambda shape: {})
+        assert not any(r.fits for r in half["rows"]), smaller
+
+
 # ----------------------------------------------------------------------------- fit
 def test_fit_searches_the_degree_and_keeps_the_global_batch():
     setup = Setup(gpus_per_node=8, gpu_memory_bytes=H100, seq_len=65536, activation_checkpointing=True)

@@ -38,6 +38,7 @@ PROMISES = {
     "ddp":                      ("ddp",                1.0, 1.0, 1.0, 0.0),
     "fsdp_full_shard":          FULL_SHARD,
     "fsdp1_full_shard":         FULL_SHARD,
+    "fsdp_qlora":               FULL_SHARD,  # FSDP2 full shard; its 4-bit base: tests/test_quantized.py
     "fsdp_shard_grad_op":       ("fsdp_shard_grad_op", 0.5, 0.5, 0.5, 0.0),  # params resharded after backward
     "fsdp_offload":             ("fsdp_offload",       0.5, 0.5, 0.5, 0.0),
     "fsdp/llama_full_shard":    FULL_SHARD,

@@ -19,6 +19,7 @@ import torch
 
 from launch import ROOT, accelerate_launch, cpu_env
 from recipe_checks import losses, reload_logits
+from shardscope.measure.parity_record import PARITY_ENV
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
 STEPS = 6
@@ -30,6 +31,9 @@ RUNS = {
     "hsdp_tp": ("hsdp_tp", "mistral", 8, {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 2),
 }
 GLOBAL_BATCH = 8
+# every run records parity fingerprints (the environment `shardscope parity` sets; the reference already trains the
+# global batch in one process): test_parity_equals_one_process compares them
+PARITY = {PARITY_ENV: "parity"}
 TP_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise": 0, "rowwise": 1}
 
 
@@ -58,11 +62,11 @@ def runs(assets, tmp_path_factory):
                 launcher = [arg for key in mesh for arg in (f"--parallelism_config_{key}_size", mesh[key])]
                 accelerate_launch(ROOT / "accelerate_configs" / f"{config}.yaml", SFT,
                                   recipe_args(assets, family, batch, "--save_final_logits", "true"), out,
-                                  num_processes=processes, launcher_args=launcher).check()
+                                  num_processes=processes, launcher_args=launcher, env=PARITY).check()
             else:  # plain `python recipe.py`: one process, no launcher, the whole global batch
                 proc = subprocess.run([sys.executable, str(SFT), *map(str, recipe_args(assets, name, GLOBAL_BATCH)),
-                                       "--output_dir", str(out), "--profile", "false"],
-                                      capture_output=True, text=True, env=cpu_env(), timeout=300)
+                                       "--output_dir", str(out)],
+                                      capture_output=True, text=True, env=cpu_env(**PARITY), timeout=300)
                 assert proc.returncode == 0, proc.stderr[-4000:]
             cache[name] = out
         return cache[name]
@@ -102,6 +106,25 @@ def test_losses_equal_a_single_process_run(runs, name):
     assert sorted(parallel) == sorted(single) == list(range(1, STEPS + 1))
     assert [parallel[s] for s in parallel] == pytest.approx([single[s] for s in parallel], rel=1e-5)
     assert parallel[STEPS] < parallel[1] - 0.5  # and it learned
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parity_equals_one_process(runs, name):
+    """`shardscope parity`'s comparison of the fingerprints: equal at the summation-order tolerance, said to be so."""
+    from shardscope.parity.compare import TOLERANCE, compare
+
+    def records(folder, ranks):
+        return [json.loads((folder / "parity" / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+    _, family, processes, _, _ = RUNS[name]
+    launched = records(runs(name), processes)
+    result = compare(launched, records(runs(family), 1)[0])
+    assert result.verdict == "equal" and result.tolerance == TOLERANCE["fp32"], (result.sentence(), result.notes)
+    assert [row["step"] for row in result.steps] == list(range(1, STEPS + 1))
+    assert "no one process repeats its arithmetic exactly" in result.notes[0]
+    step = launched[0]["steps"][1]  # what was compared is there: samples, module outputs, gradients
+    assert step["samples"][0] and step["forward"] and step["grads"], step["samples"]
 
 
 @pytest.mark.launch

@@ -26,7 +26,8 @@ def calibrate(paths, base):
 
 
 SPEC = SimpleNamespace(kind="text", vocab_size=0, hidden_size=8, untied_embedding_params=0, params_total=10 ** 6,
-                       num_layers=2, unit_numels=(1, 1, 1, 1), linear_shapes=())  # 4 FSDP units
+                       num_layers=2, unit_numels=(1, 1, 1, 1), linear_shapes=(),  # 4 FSDP units
+                       active_without_input_embedding=0)  # dense
 MODEL = {"params_total": 10 ** 6, "trainable_params": 10 ** 6}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 FIG = Figures(flops_per_s=1e12, bus_bytes_per_s=dict.fromkeys(KINDS, 1e9), network_bytes_per_s=1e8,
@@ -446,3 +447,14 @@ def test_a_run_is_predicted_at_its_own_setup(tmp_path):
                                   f"folder {tmp_path / 'gone'} is not on this machine")
     lines = markdown_lines([{"run": "a1", "predicted_step": base}])
     assert f"- a1: {base['model_note']}" in lines
+
+
+def test_moe_flops_per_token_count_the_routed_experts_only():
+    from shardscope.model.spec import model_spec
+    from shardscope.plan.time_model import flops_per_token
+
+    spec = model_spec("qwen3-30b-a3b")
+    model = {"params_total": spec.params_total, "trainable_params": spec.params_total}
+    attention = 12 * spec.num_layers * spec.hidden_size * 4096
+    assert flops_per_token(spec, model, 4096, False) == 6 * spec.active_without_input_embedding + attention
+    assert spec.active_without_input_embedding < spec.params_total / 9  # 8 of 128 experts: an order less

@@ -5,6 +5,10 @@ level (`shardscope.plan.planner`, ...) are internal and may move. docs/architect
 
 __version__ = "0.1.0"
 
+from .notices import quiet_bitsandbytes_cpu_kernels  # noqa: E402  (a logging filter: nothing heavy imported)
+
+quiet_bitsandbytes_cpu_kernels()
+
 # name -> module (below shardscope) that defines it; imported on first use, so `import shardscope` (and the CLI)
 # stays light: the profiler pulls in torch, the callback transformers.
 _PUBLIC = {

@@ -58,7 +58,10 @@ FIELDS = {
              "step_seconds {median, p10, p90, steps} (the measured optimizer steps of the throughput window: instrumented "
              "steps excluded), "
              "peak_tensor_bytes, peak_breakdown, peak_phase, peak_step {micro_batch, seq_len, image_size, "
-             "gradient_checkpointing} (the instrumented step), ...",
+             "gradient_checkpointing} (the instrumented step of the largest peak), worst_step {step, tokens, "
+             "padded_tokens, peak_tensor_bytes} (of the measured steps: the memory step and each later step with more "
+             "padded tokens than any measured, measure/step_log.py), padding_waste (padded / real tokens fed - 1), "
+             "measured_steps [{step, tokens, padded_tokens, peak_tensor_bytes}], last_step {tokens, padded_tokens}, ...",
     "straggler": "optional: {busiest_rank, step_s, busy_s, spread} across ranks on the timed step (busiest_rank: "
                  "the most busy seconds on that one step); where every rank measured its compute (CPU ranks), also "
                  "compute_s and wall_s per rank, windows, slow_windows per rank, straggler_rank (the verdict over "

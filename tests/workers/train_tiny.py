@@ -11,6 +11,7 @@ also writes what the engine's config says of its buckets (`zero_reduce_bucket_si
 hold (`ddp_bucket_bytes`: each trainable parameter's gradient once, in the parameter's dtype).
 """
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,36 @@ class WorkerArgs:
     lora_r: int = 0
     dtype: str = ""  # optional: load the model in this torch dtype ("bfloat16"); default: transformers' own
     logits_out: str = ""  # optional: the trained model's logits on the first 4 samples, saved by rank 0 (torch.save)
+    parity: str = ""  # optional: record parity fingerprints into this folder (as `shardscope parity` asks: its env)
+    defect: str = ""  # optional: a seeded defect of a user's script that parity must find (DEFECTS)
+
+
+class DefectiveTrainer(Trainer):
+    """A user's Trainer with one of DEFECTS (tests/test_parity_runs.py)."""
+
+    defect = ""
+
+    def get_train_dataloader(self):
+        if self.defect != "same_batches":
+            return super().get_train_dataloader()
+        # every rank reads the same batches: the loader is built by hand and never sharded across ranks
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.defect == "accumulation_loss":  # divided by the accumulation the Trainer already accounts for
+            return loss / self.args.gradient_accumulation_steps
+        return loss
+
+
+def perturb_on_rank_1(model):
+    """A module whose output depends on the rank (one rank's copy of a layer drifted): layers.1.mlp, rank 1."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 1:
+        model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: output * 1.01)
+
+
+DEFECTS = {"same_batches", "accumulation_loss", "perturb_rank_1"}
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -127,10 +158,20 @@ def main():
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=worker.lora_r, target_modules=["q_proj", "v_proj"]))
+    assert not worker.defect or worker.defect in DEFECTS, worker.defect
+    if worker.defect == "perturb_rank_1":
+        perturb_on_rank_1(model)
+    if worker.parity:  # the environment `shardscope parity` launches a script with
+        from shardscope.measure.parity_record import PARITY_ENV
+
+        os.environ[PARITY_ENV] = worker.parity
     counter = IndependentCount()
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardingProfilerCallback(), counter])
+    DefectiveTrainer.defect = worker.defect
+    trainer = DefectiveTrainer(model=model, args=args, train_dataset=data,
+                               callbacks=[ShardingProfilerCallback(), counter])
     counter.trainer = trainer
     trainer.train()
+    os.environ.pop("SHARDSCOPE_PARITY", None)  # (several runs share one process)
     if trainer.is_world_process_zero():  # the losses the Trainer logged, for loss-equality checks
         Path(args.output_dir, "log_history.json").write_text(json.dumps(trainer.state.log_history))
     if worker.logits_out:  # every rank runs the forward (ZeRO-3 and FSDP gather parameters inside it)

@@ -4,7 +4,8 @@ optionally first the custom loop of examples/accelerate_loop.py (ShardingProfile
 
 Besides each run's summary, every rank writes `facts_rank{R}.json` there: the bytes it holds counted through each
 library's own accessors (train_tiny's independent count, the reference model's included) and what the Trainer
-itself reports (train_samples_per_second, num_input_tokens_seen: the non-padding tokens it was fed).
+itself reports (train_samples_per_second, num_input_tokens_seen: the non-padding tokens it was fed), beside a
+`training_step` wrapper's own count of the tokens fed (`tokens_fed`, as a user counts them).
 """
 import argparse
 import json
@@ -58,13 +59,27 @@ def sft_trainer(model_path, output_dir, steps, use_cpu, callbacks):
                       callbacks=[uninstrumented(), *callbacks])
 
 
+def count_fed(trainer) -> dict:
+    """The user's own count of what is fed: each `training_step`'s non-padding tokens (its attention mask)."""
+    fed, step = {"tokens_fed": 0}, trainer.training_step
+
+    def counting(model, inputs, *args, **kwargs):
+        mask = inputs.get("attention_mask")
+        fed["tokens_fed"] += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = counting
+    return fed
+
+
 def run(name, make, output_dir):
     facts = Facts()
     trainer = make(output_dir / name, [facts])
     facts.trainer = trainer
+    fed = count_fed(trainer)
     output = trainer.train()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    record = {**facts.counts, "train_samples_per_second": output.metrics["train_samples_per_second"]}
+    record = {**facts.counts, **fed, "train_samples_per_second": output.metrics["train_samples_per_second"]}
     (output_dir / name / f"facts_rank{rank}.json").write_text(json.dumps(record))
 
 

@@ -25,6 +25,7 @@ COMMANDS = {
     "reshard": "cli.reshard",
     "preflight": "cli.preflight",
     "hang": "cli.hang",
+    "parity": "cli.parity",
 }
 
 DESCRIPTION = """\
@@ -44,6 +45,7 @@ examples:
   shardscope reshard output/checkpoint-100 ckpt_any     # a checkpoint that resumes at another world size
   shardscope preflight --nnodes 2 --node-rank 0 --master-addr node0  # before the first multi-node run
   shardscope hang output/                               # a hung or dead run: which rank, collective, step
+  shardscope parity --config zero3 --script train.py -- --model ./m   # sharded = one process? where not
 
 `shardscope COMMAND --help` gives each command's options."""
 

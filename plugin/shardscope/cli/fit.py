@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 from ..errors import UsageError
 from ..fit.launch_files import ACCELERATE_FILE, RESULT_FILE, TRAINING_FILE, write_files
 from ..fit.search import alternatives, below_model_states, host_lines, larger_micro_batch, nothing_fits, search
@@ -16,7 +18,9 @@ from ..plan.time_model import Figures, describe as describe_figures
 from ..plan.trace_cache import cached_tracer
 from ..strategy import OPTIMIZERS, PRECISIONS, STRATEGIES
 from ..units import gb, gpu_size, parse_count
+from .fit_dataset import fit_on_dataset, format_decision
 from .plan import add_calibrate_argument, add_hardware_arguments, memory_from_args
+from .plan_dataset import add_dataset_arguments
 
 
 def register(subparsers) -> None:
@@ -28,6 +32,7 @@ def register(subparsers) -> None:
                     "printed). docs/fit.md explains the model.",
         epilog="Exit status: 0 a fit found, 1 nothing fits (one line says what would), 2 bad input.")
     add_search_arguments(p)
+    add_dataset_arguments(p, batching=False)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable")
     out.add_argument("--output-dir", help=f"write {ACCELERATE_FILE}, {TRAINING_FILE} (a recipe --config) and "
@@ -112,10 +117,19 @@ def searched(args, assume_gpu: bool = False) -> tuple:
         spec, traces = model_spec(None, params=params), None
     allowed = tuple(args.strategy or STRATEGIES)
     fig, record = figures_for(hw, args.calibrate, expectation(spec, setup))
-    found = search(spec, setup, args.global_batch, fig, allowed, traces)
-    if not args.strategy and not found["fitting"]:  # no sequence fits whole: split it (cp/sp, every degree)
-        allowed += SEARCHED
-        found = search(spec, setup, args.global_batch, fig, allowed, traces)
+
+    def search_at(trial: Setup) -> dict:
+        found = search(spec, trial, args.global_batch, fig, allowed, traces)
+        if not args.strategy and not found["fitting"]:  # no sequence fits whole: split it (cp/sp, every degree)
+            found = search(spec, trial, args.global_batch, fig, allowed + SEARCHED, traces)
+        return found
+
+    if getattr(args, "dataset", None):  # decided on the data's worst micro-batch (cli/fit_dataset.py)
+        found, data = fit_on_dataset(args, lambda seq_len, inputs: search_at(
+            replace(setup, seq_len=seq_len, batch_inputs=inputs)))
+        setup, found["data"] = replace(setup, seq_len=data["fit"]["seq_len"], batch_inputs=data["fit"]["batch_inputs"]), data
+    else:
+        found = search_at(setup)
     below = below_model_states(found, setup)
     if below:
         raise UsageError(below)
@@ -133,6 +147,8 @@ def fit_command(args) -> int:
         print(json.dumps({"strategy": None, "reason": lines[0], "reasons": lines}) if args.json else "\n".join(lines))
         return 1
     result = fit_result(spec, setup, fig, found, args, traces, hw)
+    if found.get("data"):
+        result["data"] = found["data"]
     if record:
         result["calibration"] = record
     if args.output_dir:
@@ -204,6 +220,8 @@ def format_fit(r: dict) -> str:
     if r["larger_micro_batch"]:
         lines += ["", "global batch: " + r["larger_micro_batch"]["note"]]
     lines += ["", *(f"note: {n}" for n in r["notes"])] if r["notes"] else []
+    if r.get("data"):
+        lines += ["", *format_decision(r["data"], r)]
     lines += ["", "assumptions (docs/fit.md):", *(f"  {t}" for t in r["assumptions"]["text"]),
               "  memory: " + r["assumptions"]["memory"]]
     if r.get("files"):

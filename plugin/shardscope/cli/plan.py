@@ -8,19 +8,23 @@ import sys
 from dataclasses import replace
 
 from ..errors import UsageError
-from ..model.spec import LORA_DEFAULT_TARGETS, model_spec, shipped_models, shipped_source
+from ..model.spec import LORA_DEFAULT_TARGETS, load_model_config, model_spec, shipped_models, shipped_source
 from ..plan.calibration.calibration_json import expectation
 from ..plan.calibration.figures import figures_for, hardware_for
 from ..plan.dry_run import DRY_RUN_STRATEGIES, NOT_DRY_RUN, dry_run_all, check_mesh
 from ..plan.mesh import HEADROOM, LibraryKnobs, Setup
+from ..plan.batching import worst_step_peaks
 from ..plan.planner import convention_table, estimate, fit_rule, plan_dict
+from ..plan.quantized import QUANTIZE, quantized_base, with_quantized_base
 from ..plan.time_model import PARTS, annotate_rows
 from ..plan.trace_cache import cached_traces_for
 from ..report.peak_section import percent, step_size
 from ..report.plan_vs_run import plan_vs_run
 from ..strategy import OPTIMIZERS, PRECISIONS, TP_STRATEGIES
 from ..units import GPUS, gb, gpu_memory, gpu_size, parse_count, parse_size
-from .plan_sequence import SEARCH_STEP, add_sequence_arguments, add_split_rows, format_sequence, max_seq_len_lines
+from .plan_dataset import add_dataset_arguments, dataset_plan_setup, format_data
+from .plan_sequence import (SEARCH_STEP, add_fitting_split, add_sequence_arguments, add_split_rows, format_sequence,
+                            max_seq_len_lines)
 
 CONVENTIONS = ("rule-of-thumb-12",)
 OLD_CONVENTIONS = {"seed-12": "rule-of-thumb-12"}  # accepted, not listed in --help; drop after one release
@@ -45,7 +49,7 @@ class OldSpelling(argparse.Action):
 
 
 def short_count(n: int) -> str:
-    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    return f"{n / 1e9:.3g}B" if n >= 999.5e6 else f"{n / 1e6:.3g}M"  # 999.9M prints as 1B, not 1e+03M
 
 
 def list_models() -> list[dict]:
@@ -54,18 +58,21 @@ def list_models() -> list[dict]:
     for name in shipped_models():
         spec = model_spec(name)
         out.append({"name": name, "params_total": spec.params_total, "hub_id": shipped_source(name),
-                    **({"params_active": spec.params_active, "num_experts": spec.num_experts,
-                        "experts_per_token": spec.experts_per_token} if spec.num_experts else {})})
+                    **({"params_active": spec.params_active,
+                        "params_active_without_input_embedding": spec.active_without_input_embedding,
+                        "num_experts": spec.num_experts, "experts_per_token": spec.experts_per_token}
+                       if spec.num_experts else {})})
     return out
 
 
 def format_models(models: list[dict]) -> str:
     lines = ["shipped models (--model NAME; config.json as published, counted on the meta device):",
-             f"{'name':<16}{'params':>9}  {'exact count':>17}  hub id"]
+             f"{'name':<18}{'params':>9}  {'exact count':>17}  hub id"]
     for m in models:
-        moe = (f"  (MoE: {short_count(m['params_active'])} active per token, {m['experts_per_token']} of "
+        moe = (f"  (MoE: {short_count(m['params_active'])} active per token with the input embedding, "
+               f"{short_count(m['params_active_without_input_embedding'])} without; {m['experts_per_token']} of "
                f"{m['num_experts']} experts; memory holds all)") if "params_active" in m else ""
-        lines.append(f"{m['name']:<16}{short_count(m['params_total']):>9}  {m['params_total']:>17,}  "
+        lines.append(f"{m['name']:<18}{short_count(m['params_total']):>9}  {m['params_total']:>17,}  "
                      f"{m['hub_id']}{moe}")
     return "\n".join(lines)
 
@@ -75,8 +82,9 @@ def format_models(models: list[dict]) -> str:
 def format_table(result: dict) -> str:
     m, s = result["model"], result["setup"]
     gpu = gpu_size(s["gpu_memory_bytes"]) if s["gpu_memory_bytes"] else "no GPU memory given"
-    moe = (f", {m['params_active']:,} active per token ({m['experts_per_token']} of {m['num_experts']} experts; "
-           "memory holds all)") if "params_active" in m else ""
+    moe = (f", {m['params_active']:,} active per token with the input embedding, "
+           f"{m['params_active_without_input_embedding']:,} without ({m['experts_per_token']} of {m['num_experts']} "
+           "experts; memory holds all)") if "params_active" in m else ""
     lines = [
         f"model {m['name']}: {m['params_total']:,} params ({'exact, meta device' if m['exact'] else 'from --params'}"
         + (f"; assumed {', '.join(m['assumed'])}" if m["assumed"] else "") + f"){moe}, trainable {m['trainable_params']:,}",
@@ -289,12 +297,17 @@ def build_parser(subparsers):
                          "strategy shards parameters")
     tr.add_argument("--lora-rank", type=int, default=0)
     tr.add_argument("--lora-targets", default=",".join(LORA_DEFAULT_TARGETS), help="comma list or all-linear")
+    tr.add_argument("--quantize", choices=QUANTIZE, help="QLoRA: the frozen base quantised by bitsandbytes (with "
+                                                        "--lora-rank; plan/quantized.py)")
+    tr.add_argument("--no-double-quant", action="store_true", help="with --quantize 4bit: bnb_4bit_use_double_quant "
+                                                                  "off (default on, as QLoRA)")
     tr.add_argument("--prefer", choices=("fsdp", "deepspeed"), default="fsdp",
                     help="which goes first when both of a pair of equally fast strategies fit (fsdp_shard_grad_op "
                          "or zero2, fsdp_full_shard or zero3); default fsdp")
     tr.add_argument("--tp", type=int, help="tensor-parallel degree of the tp/fsdp_tp/hsdp_tp rows (default: the "
                                            "largest that divides --gpus, num_attention_heads and num_key_value_heads)")
     add_sequence_arguments(p.add_argument_group("long sequences (docs/planner.md, \"Long sequences\")"))
+    add_dataset_arguments(p)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable, bytes per GPU")
     out.add_argument("--convention", type=convention_name, choices=CONVENTIONS,
@@ -330,12 +343,8 @@ def knobs_from_args(args) -> LibraryKnobs:
     return LibraryKnobs(fp32_grads=args.fp32_grads)
 
 
-def plan_command(args) -> int:
-    if args.list_models:
-        models = list_models()
-        print(json.dumps(models, indent=1) if args.json else format_models(models))
-        return 0
-    setup = setup_from_args(args)  # validate cheap inputs before any model is loaded
+def checked_model_args(args) -> float | None:
+    """The model arguments checked before any model is loaded; --params as a count (None: not given)."""
     for key in ("layers", "hidden", "vocab", "heads"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
             raise UsageError(f"--{key} must be positive, got {getattr(args, key)}")
@@ -344,6 +353,19 @@ def plan_command(args) -> int:
         raise UsageError("give --model or --params, not both")
     if args.heads is not None and params is None:
         raise UsageError("--heads goes with --params (a model's config gives its own heads)")
+    if args.quantize and not (args.lora_rank and args.model):
+        raise UsageError(f"--quantize {args.quantize} needs --model and --lora-rank: a quantised base is frozen, "
+                         "only LoRA adapters train (QLoRA)")
+    return params
+
+
+def plan_command(args) -> int:
+    if args.list_models:
+        models = list_models()
+        print(json.dumps(models, indent=1) if args.json else format_models(models))
+        return 0
+    setup = setup_from_args(args)  # validate cheap inputs before any model is loaded
+    params = checked_model_args(args)
     if args.convention:
         table = convention_table(params or 7e9, args.gpus * args.nodes)
         print(json.dumps(table, indent=1) if args.json else format_convention(table))
@@ -354,6 +376,7 @@ def plan_command(args) -> int:
         result = plan_vs_run(args.against, spec, setup, model=args.model, knobs=knobs_from_args(args))
         print(json.dumps(result, indent=1) if args.json else format_compare(result))
         return 0
+    data, modes, base, setup = dataset_plan_setup(args, setup)  # --dataset: its worst micro-batch (cli/plan_dataset.py)
     if args.model:  # both cached per config (model/cache.py): a later run imports neither torch nor transformers
         spec = model_spec(args.model)
         traces, note = cached_traces_for(args.model, setup, simulate=args.simulate)
@@ -370,17 +393,36 @@ def plan_command(args) -> int:
     result = estimate(spec, setup, traces, knobs_from_args(args))
     if note:
         result["notes"].append(note)
+    if args.quantize:
+        base = quantized_base(load_model_config(args.model), int(args.quantize[0]), not args.no_double_quant,
+                              dtype_bytes=4 if args.precision == "fp32" else 2, storage_bytes=2)
+        result = with_quantized_base(result, spec, base)
     hw = hardware_for(args.gpu, args.precision, unknown="none")  # no known GPU: no datasheet step time
     fig, record = figures_for(hw, args.calibrate, expectation(spec, setup))
     annotate_rows(result, spec, setup, fig)
     if record:
         result["calibration"] = record
     add_split_rows(result, args, spec, setup, traces_of)  # --sp / --cp: rows of that sequence split
+    add_fitting_split(result, args, spec, setup, traces_of)  # nothing fits whole: the smallest split that fits
     out = plan_dict(result)
-    print(json.dumps(out, indent=1) if args.json else "\n".join([format_table(out), *format_sequence(
+    lines = []
+    if data is not None:
+        lines = dataset_rows(out, data, worst_step_peaks(spec, base, modes, traces_of, knobs_from_args(args)),
+                             args.batching)
+    print(json.dumps(out, indent=1) if args.json else "\n".join([*lines, format_table(out), *format_sequence(
         out.get("sequence")), *format_step_times(out)]))
     nothing_fits = setup.gpu_memory_bytes is not None and not result["recommendation"]["strategy"]
     return 1 if nothing_fits else 0  # 1: nothing fits the GPUs given (the table says by how much)
+
+
+def dataset_rows(out: dict, data: dict, peaks: dict, chosen: str) -> list[str]:
+    """`plan --dataset`: each row's `worst_step_peak_bytes` (the --batching mode's), the `data` object; the printed
+    lines above the table."""
+    for row in out["rows"]:
+        row["worst_step_peak_bytes"] = row["peak_bytes"]
+    out["data"] = {**data, "worst_step_peak_bytes": {mode: {s: p["peak_bytes"] for s, p in by.items()}
+                                                      for mode, by in peaks.items()}}
+    return format_data(out["data"], peaks, chosen)
 
 
 def _token_line(model: str):

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ..errors import UsageError
 from ..plan.planner import fits, usable_bytes
-from ..plan.sequence import KINDS, NAMES, max_seq_len, spec_problems, split_facts, split_rows
+from ..plan.sequence import KINDS, NAMES, degrees, max_seq_len, spec_problems, split_facts, split_rows
 from ..units import gb
 
 SEARCH_STEP = 1024  # --max-seq-len answers in multiples of this many tokens per rank
@@ -65,6 +65,37 @@ def add_split_rows(result: dict, args, spec, setup, traces_of) -> None:
     if result["recommendation"]["strategy"] is None and fitting:  # the whole sequences do not fit, a split does
         result["recommendation"] = {**result["recommendation"], "reason": result["recommendation"]["reason"] + (
             "; with each sequence split: " + ", ".join(f"{r.strategy} fits ({gb(r.peak_bytes)} GB)" for r in fitting))}
+
+
+def add_fitting_split(result: dict, args, spec, setup, traces_of) -> None:
+    """Where nothing fits whole because of the activations (a row fits without them) and no split was asked for
+    (text models, GPU memory given): the rows of the smallest cp/sp degree that makes a row fit (the degrees `fit`
+    searches, cp before sp at each), or a note that none does and why."""
+    if (requested_split(args) is not None or setup.gpu_memory_bytes is None or result["recommendation"]["strategy"]
+            or spec.kind != "text"):
+        return
+    if not any(r.peak_bytes - r.activations_bytes <= usable_bytes(setup) for r in result["rows"]):
+        return  # the model states alone do not fit: a split of the sequence divides activations only
+    positions = max_positions(args.model)
+    tried, problems = sorted({(n, kind) for kind in KINDS for n in degrees(spec, setup, kind)[1:]}), []
+    for degree, kind in tried:
+        problems = spec_problems(spec, setup, kind, degree, positions)
+        if problems:
+            continue
+        rows = split_rows(spec, setup, kind, degree, traces_of(replace(setup, seq_len=setup.seq_len // degree)))
+        for row in rows:
+            row.fits = fits(row, setup)
+        if any(row.fits for row in rows):
+            result["rows"] += rows
+            result["sequence"] = split_facts(spec, setup, kind, degree)
+            result["recommendation"] = {**result["recommendation"], "reason": result["recommendation"]["reason"] + (
+                f"; each sequence split {degree} ways ({'--' + kind} {degree}, its rows in the table): " + ", ".join(
+                    f"{r.strategy} fits ({gb(r.peak_bytes)} GB)" for r in rows if r.fits))}
+            return
+    if tried:
+        why = f" ({problems[0]})" if problems else ""  # the last degree's: a sequence past the positions, say
+        result["recommendation"] = {**result["recommendation"], "reason": result["recommendation"]["reason"] + (
+            f"; no cp/sp split up to degree {tried[-1][0]} fits either{why}")}
 
 
 def format_sequence(facts: dict | None) -> list[str]:

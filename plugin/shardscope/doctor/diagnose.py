@@ -27,6 +27,8 @@ from .deepspeed import (asked_for_offload, check_accelerate_deepspeed, check_dee
                                check_deepspeed_precision, planner_settings)
 from .fsdp import check_fsdp_keys, check_fsdp_offload, check_wrap_class, wrap_classes
 from .launch import check_default_config, check_multinode, check_precision, check_processes
+from .qlora import check_quantized, quantized_bits
+from ..plan.planner import tp_experts_note
 from .precision import precision_findings
 from .sequence import check_sequence_split, split_of, with_split_rows
 from .rules import Finding, failing, read_checked, read_raw
@@ -36,7 +38,7 @@ from ..model.spec import attention_heads
 from ..plan.mesh import tp_heads_problem, valid_tp_degrees
 from ..plan.sequence import row_name
 from ..recipes.source import recipe_dataclasses
-from ..strategy import configured_precision, fsdp_settings, strategy_of_config, tp_mesh_of_config
+from ..strategy import configured_precision, fsdp_settings, strategy_of_config, strategy_record, tp_mesh_of_config
 
 __all__ = ["Finding", "Inputs", "check_files", "diagnose", "parse_trainer_args", "startup_checks"]
 
@@ -105,6 +107,15 @@ def _validated(path: Path, kind: str, findings: list[Finding], world_size: int) 
 
 
 # --- strategy and planner
+
+
+def check_tp_experts(file: str, spec) -> list[Finding]:
+    """A mixture of experts whose TP plan splits none of its experts (gpt-oss): TP divides only the rest."""
+    if not spec.tp_whole_expert_params:
+        return []
+    return [Finding("tp-experts", file, "parallelism_config.parallelism_config_tp_size", tp_experts_note(spec),
+                    "shard the experts with fsdp_full_shard or zero3 (or expert parallelism: transformers' "
+                    "DistributedConfig(ep_size=N), docs/planner.md)")]
 
 
 def check_tp_degree(file: str, tp: int, config, trainer: dict | None) -> list[Finding]:
@@ -296,6 +307,19 @@ def _config_findings(inputs: Inputs, files: _Files, validate: bool, environment:
             _validated(fsdp, "fsdp", findings, world or 8)
         findings += check_fsdp_keys(fsdp, "fsdp")
         findings += check_fsdp_offload(str(fsdp), fsdp_settings("fsdp", read_raw(fsdp)), "")
+    if quantized_bits(trainer):
+        record = strategy_record(_strategy(inputs, files)[1] or "ddp")
+        sharding = "fsdp" if record.family == "fsdp" else "zero3" if record.zero_stage == 3 else ""
+        tp = (files.acc_mesh or {}).get("tp") or int(trainer.get("tp_size") or 1)
+        findings += check_quantized(trainer, source, sharding, tp)
+
+
+def _strategy(inputs: Inputs, files) -> tuple[str, str | None]:
+    """(the config file that decides the strategy, the planner's name for it): a DeepSpeed file, a Trainer
+    fsdp_config, then the accelerate yaml; none: plain DDP."""
+    chosen = [(str(p), strategy_of_config(k, read_raw(p), read=read_raw)) for p, k in
+              ((files.deepspeed, "deepspeed"), (files.fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
+    return chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
 
 
 
@@ -307,6 +331,7 @@ def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, 
         ran.append(f"model ({inputs.model}: layer classes to wrap, tensor-parallel degree)")
         if acc_mesh:
             findings += check_tp_degree(str(inputs.accelerate_config), acc_mesh["tp"], model[1].config, trainer)
+            findings += check_tp_experts(str(inputs.accelerate_config), model[0])
         if inputs.accelerate_config:  # heads, KV heads and positions against the cp/sp split
             findings += check_sequence_split(str(inputs.accelerate_config), read_raw(inputs.accelerate_config),
                                              trainer, inputs.trainer_source, model[1].config, files.world)
@@ -320,9 +345,7 @@ def _model_findings(inputs: Inputs, files: _Files, findings: list, notes: list, 
                                          settings.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"), model[1])
         if fit_inputs:
             ran.append(f"fit ({inputs.gpus} GPUs x {inputs.nodes} node(s))")
-            chosen = [(str(p), strategy_of_config(k, read_raw(p), read=read_raw)) for p, k in
-                      ((deepspeed, "deepspeed"), (fsdp, "fsdp"), (inputs.accelerate_config, "accelerate")) if p]
-            file, strategy = chosen[0] if chosen else ("(no config: plain DDP)", "ddp")
+            file, strategy = _strategy(inputs, files)
             mesh = acc_mesh if file == str(inputs.accelerate_config) else None
             zero = read_raw(deepspeed).get("zero_optimization") if deepspeed else None
             split = split_of(read_raw(inputs.accelerate_config)) if file == str(inputs.accelerate_config) else None

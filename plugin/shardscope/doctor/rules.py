@@ -32,6 +32,7 @@ RULES = {  # code -> level
     "offload": "error",
     "silent-offload": "notice",
     "tp-degree": "error",
+    "tp-experts": "notice",      # an MoE whose TP plan splits no expert (gpt-oss): every TP rank holds them whole
     "processes": "error",
     "multinode": "error",
     "placeholder": "warning",
@@ -44,6 +45,9 @@ RULES = {  # code -> level
     "sequence-split": "error",   # a cp/sp split its strategy, model, sequence, attention or world cannot run
     "sp-backend": "warning",     # sp_size without sp_backend: deepspeed
     "sequence-data": "warning",  # the batches are not what the sequence split is told they are
+    "qlora-frozen": "error",     # a quantised base with no LoRA adapters: nothing trains (doctor/qlora.py)
+    "qlora-strategy": "error",   # a quantised base under a strategy that cannot shard it (TP; 8-bit under FSDP/ZeRO-3)
+    "qlora-quant-storage": "error",  # FSDP/ZeRO-3 with 4-bit weights stored in another dtype than the rest
 }
 LEVELS = ("error", "warning", "notice")
 

@@ -75,6 +75,8 @@ def training_config(result: dict, args, spec) -> dict:
         out["model_name_or_path"] = source
     if spec.kind == "text":
         out["max_seq_length"] = setup["seq_len"]
+        if getattr(args, "dataset", None):  # fit --dataset: the data it decided on
+            out["dataset"] = args.dataset
     out.update(per_device_train_batch_size=result["per_device_train_batch_size"],
                gradient_accumulation_steps=result["gradient_accumulation_steps"],
                gradient_checkpointing=result["gradient_checkpointing"])

@@ -91,14 +91,15 @@ def cpu_launch_problem(configs: list[Path], launcher: str, num_processes: int | 
             f"plain DDP, see docs/compare.md")
 
 
-def launch(cmd: list[str], run_dir: Path) -> tuple[int, float]:
-    """Run `cmd`, stdout and stderr together into run_dir/launch.log (command first, exit code last)."""
+def launch(cmd: list[str], run_dir: Path, env: dict | None = None) -> tuple[int, float]:
+    """Run `cmd` (in `env`, else this process's environment), stdout and stderr together into run_dir/launch.log
+    (command first, exit code last)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(run_dir / LOG_FILE, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n\n")
         log.flush()
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
         seconds = time.perf_counter() - start
         log.write(f"\n[shardscope] exit code {code} after {seconds:.1f} s\n")
     return code, seconds

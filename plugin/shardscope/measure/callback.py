@@ -10,11 +10,13 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
+from . import parity_record
 from .guard import Guard, MethodWrap, WarnOnce, never_raises, unwrap_stale, validate_arguments
 from .profiler import ShardingProfiler
 from .step_counts import describe_flops
@@ -28,7 +30,8 @@ FROZEN_NAMES = {"ref_model": "reference", "reward_model": "reward", "value_model
 
 def _events_never_raise(cls):
     """Each Trainer event is `never_raises`: whatever its own guards miss is warned about once."""
-    for name in ("on_init_end", "on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end"):
+    for name in ("on_init_end", "on_train_begin", "on_step_begin", "on_pre_optimizer_step", "on_step_end", "on_log",
+                 "on_train_end"):
         setattr(cls, name, never_raises()(getattr(cls, name)))
     return cls
 
@@ -79,6 +82,7 @@ class ShardingProfilerCallback(TrainerCallback):
         self.summary_file, self.memory_step = summary_file, memory_step
         self.profiler: ShardingProfiler | None = None
         self._flops_model, self._trainer, self._pending = None, None, {}
+        self.parity: parity_record.ParityRecorder | None = None  # while `shardscope parity` runs the script
         self.warn_once = WarnOnce()
 
     # --- Trainer events (each also wrapped by `never_raises`) ---------------------------------------------
@@ -87,6 +91,9 @@ class ShardingProfilerCallback(TrainerCallback):
             self._run_before_reporters(self._find_trainer())
         with self._guard("parameter counts"):  # before any wrapping flattens or shards the parameters
             self._flops_model = describe_flops(kwargs["model"])
+        if parity_record.requested():
+            with self._guard("parity"):  # the reference run: the launched world's global batch
+                parity_record.imitate_world(args)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         frozen, trained = {}, model
@@ -117,17 +124,30 @@ class ShardingProfilerCallback(TrainerCallback):
                                                         json.dumps(split))
         with self._guard("batch counting"):
             self._feed_batches(args.per_device_train_batch_size)
+        if parity_record.requested():
+            self._start_parity(args, model)
         self.profiler.begin_step()  # the first step's time includes its data loading, as every later step's does
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.profiler.begin_step()
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.parity is not None:
+            self.parity.before_optimizer()
+
     def on_step_end(self, args, state, control, **kwargs):
+        if self.parity is not None:  # every step logged (the loss and gradient norm compared), the steps asked for
+            self.parity.step_end(state.global_step)
+            control.should_log = True
+            last = parity_record.last_step()
+            control.should_training_stop |= last is not None and state.global_step >= last
         # defer: the measuring step's gather is collected at the Trainer's log, after the Trainer's own gather has
         # brought every rank there, so the first rank to finish its step does not wait in ours
         self._pending.update(self.profiler.step(pause=control.should_evaluate or control.should_save, defer=True))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.parity is not None and logs:
+            self.parity.logged(state.global_step, logs)
         if self.profiler is not None:  # (an evaluation before training logs too)
             self._pending.update(self.profiler.logged())  # every rank logs (Trainer.log runs on each)
         if self._pending and logs is not None:
@@ -138,6 +158,9 @@ class ShardingProfilerCallback(TrainerCallback):
             self._pending = {}
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.parity is not None:
+            self.parity.close()
+            self.parity = None
         self.profiler.close()  # removes every instrument, the batch feed's wrapped training_step included
         self._trainer = None
 
@@ -153,6 +176,15 @@ class ShardingProfilerCallback(TrainerCallback):
             profiler.add_batch(inputs, samples=rows_per_batch)
 
         MethodWrap(profiler.instrument("batch_feed"), self._trainer, "training_step", before=feed)
+
+    def _start_parity(self, args, model):
+        """The parity recorder (measure/parity_record.py), its hooks through the profiler's "parity" instrument."""
+        instrument = self.profiler.instrument("parity")
+        with instrument:
+            facts = parity_record.run_facts(args, self._trainer, model, self.profiler.detected)
+            folder = Path(args.output_dir) / parity_record.requested()
+            self.parity = parity_record.ParityRecorder(folder, args.process_index, args.world_size, instrument, facts)
+            self.parity.start(self._trainer, model)
 
     def _find_trainer(self):
         """The Trainer whose callback handler is calling this event, or None.

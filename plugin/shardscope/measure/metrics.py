@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..summary import reduce_ranks
-from . import comm_count, peak, throughput, time_breakdown
+from . import comm_count, peak, step_log, throughput, time_breakdown
 from .rank_gather import int_or_none
 
 PREFIX = "shardscope/"
@@ -39,6 +39,7 @@ class Readings:
     durations: list | None = None  # the window's step times (the summary's measurement only)
     comm: dict | None = None  # the counted step's collectives (`sampled_steps.SampledSteps.comm`)
     timed: list | None = None  # the timed steps' breakdowns (`SampledSteps.timed`)
+    steps: Any = None  # the tokens fed and the measured steps (`step_log.StepLog`)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,13 @@ METRICS = (
            write=_comm_key("comm")),
     Metric("comm_sent_bytes_per_step", "comm", None, fields=(), write=_comm_key("comm_sent_bytes_per_step")),
     Metric("comm_padded_tokens", "comm", None, fields=(), write=_comm_key("comm_padded_tokens")),
+    Metric("worst_step", "steps", lambda r: r.steps.fields(), fields=step_log.FIELDS,
+           write=lambda rank, facts: step_log.worst_of(rank)),
+    Metric("padding_waste", "steps", None, fields=(), write=lambda rank, facts: step_log.waste_of(rank)),
+    Metric("last_step", "steps", lambda r: step_log.last_fields(r.steps), fields=step_log.LAST_FIELDS,
+           write=lambda rank, facts: step_log.last_of(rank), logs=True,
+           reduced={"tokens": "step_tokens", "padded_tokens": "step_padded_tokens"}),
+    Metric("measured_steps", "steps", None, fields=(), write=lambda rank, facts: step_log.measured_of(rank)),
     Metric("time_breakdown", "timed", lambda r: time_breakdown.to_fields(r.timed), fields=time_breakdown.RANK_FIELDS,
            write=lambda rank, facts: time_breakdown.from_fields(rank)),
 )

@@ -36,6 +36,7 @@ from .stragglers import Windows, line as straggler_line
 from .throughput import FlopsModel, device_peak_flops
 from .watchdog import Watchdog
 from .state_bytes import count_state, forget
+from .expert_load import expert_load_instruments
 from ..summary import SUMMARY_FILE, write_summary
 
 logger = logging.getLogger("shardscope")
@@ -59,7 +60,8 @@ class ShardingProfiler:
     Logged keys (bytes per rank; README's "The profiling callback" says what each means; each a row of
     `metrics.METRICS`): across ranks
     `shardscope/{params,grads,optimizer,frozen_models,peak_memory,peak_tensor}_bytes_{min,max,mean}`,
-    `shardscope/{tokens_per_s_per_device,tflops_per_device,mfu,compute_share}_{min,max,mean}`; over all data-parallel
+    `shardscope/{tokens_per_s_per_device,tflops_per_device,mfu,compute_share}_{min,max,mean}`, the last step's
+    `shardscope/{step_tokens,step_padded_tokens}_{min,max,mean}` (`step_log.py`); over all data-parallel
     replicas `shardscope/samples_per_s` and `shardscope/tokens_per_s` (absent without tokens). TFLOP/s follow
     `throughput.FLOPS_CONVENTION`; MFU is absent where the device's peak is unknown (CPU).
 
@@ -118,11 +120,14 @@ class ShardingProfiler:
         self.source_guards = {"state": self.guards("model-state bytes"), "frozen": self.guards("frozen model bytes"),
                               "memory": self.guards("peak memory"), "memory_step": self.instruments.memory,
                               "window": self.guards("throughput"), "comm": self.sampled.collectives,
-                              "timed": self.sampled.timing}
+                              "timed": self.sampled.timing, "steps": self.guards("token log")}
         forget(self.models.module)  # state_bytes caches the module walk per model: a new run walks it afresh
         self.counting = self._describe(flops_model)
         self.schedule = Schedule(every_n_steps, memory_step, last_step)  # last_step: when known (max_steps)
-        self.caller = CallerInstruments(instruments, self.guards)
+        moe = ()
+        with self.guards("expert load"):  # a mixture of experts: tokens per expert per layer and step
+            moe = expert_load_instruments(self.models.module, self.instruments)
+        self.caller = CallerInstruments((*instruments, *moe), self.guards)
         self.hooks = StepHooks(self.models, self.counting, self.schedule, self.clock, self.sampled, self.instruments,
                                self.guards, self.caller, self.facts, self.plan_for_live_run, start_step)
         self.hooks.install()
@@ -288,7 +293,7 @@ class ShardingProfiler:
         """This rank's readings of each metric source (metrics.py), each under its guard (None where it failed)."""
         state, models, guard, facts = self.hooks.state, self.models, self.source_guards, self.facts
         readings = metrics.Readings(cuda=facts.device.type == "cuda", memory={}, comm=self.sampled.comm,
-                                    timed=self.sampled.timed)
+                                    timed=self.sampled.timed, steps=state.steps)
         with guard["state"]:
             walk = None if summary else state.walks.pop(state.global_step, None)  # this step's snapshot's walk
             readings.state = count_state(models.module, models.optimizer, grad_bytes=state.grad_bytes, walk=walk)

@@ -48,6 +48,11 @@ class SampledSteps:
             with self.timing:
                 self._timer = time_breakdown.StepTimer(model, optimizer, self.device, self.timing).start()
 
+    def carries(self, step: int, max_steps: int | None) -> bool:
+        """Whether `step` runs the collective counter or the timer."""
+        comm = self.comm_step is not None and step == min(self.comm_step, max_steps or self.comm_step)
+        return (comm and self.collectives.ok) or (self._is_timed(step, max_steps) and self.timing.ok)
+
     def add_batch(self, samples: int, seq_len: int) -> None:
         """A training forward's batch: the counted step's padded tokens (what TP's traffic scales with)."""
         if self._counter is not None:

@@ -11,6 +11,8 @@ memory the rank actually holds, padding included. Categories, in the order stora
   before any callback could see them, so the callback snapshots them from a step hook): the
   parameters' `.grad` (ZeRO-1 still holds full-size ones there), the optimizer's own parameters'
   `.grad`, and DeepSpeed ZeRO's gradient-partition buffers.
+  A bitsandbytes-quantised weight (QLoRA: `Params4bit`, `Int8Params`) counts its packed data and its quantisation
+  state (absmax, codes, offset, the nested state of double quantisation; LLM.int8's row scales `SCB`).
 - optimizer: the base optimizer's state tensors (Adam moments, step counters) and the weight copies
   it updates that are not model parameters, i.e. fp32 master copies (DeepSpeed ZeRO partitions).
 
@@ -392,6 +394,11 @@ def _pointers(params, shards, masters, state, copies) -> array:
 def gradient_bytes(entries) -> dict:
     """{device type: bytes} of `held_gradients` entries, each storage once. Gradients are de-duplicated among
     themselves only: a snapshot's storage may have been freed since, and its address reused by live state."""
+    return distinct_bytes(entries)
+
+
+def distinct_bytes(entries) -> dict:
+    """{device type: bytes} of `storage_entries`, each storage once."""
     entries = list(filter(None, entries))
     held = {}
     for _, nbytes, device_type in dict(zip(map(_storage_key, entries), entries)).values():
@@ -407,12 +414,29 @@ def count_state(model, optimizer=None, grad_entries=None, walk=None, grad_bytes=
     `state_walk` it read, when no parameter or weight copy can have changed since (None: read now).
     """
     result = live_state(model, optimizer, walk)
+    for device_type, nbytes in distinct_bytes(storage_entries(quantization_state(model))).items():
+        result.by_device["params"][device_type] += nbytes
     if grad_bytes is None:
         grad_bytes = gradient_bytes(held_gradients(model, optimizer, walk) if grad_entries is None else grad_entries)
     held = result.by_device["grads"]
     for device_type, nbytes in grad_bytes.items():
         held[device_type] += nbytes
     return result
+
+
+def quantization_state(model) -> list:
+    """The tensors of the quantisation state bitsandbytes keeps beside each quantised weight (absent elsewhere):
+    4-bit `quant_state` (absmax, code, offset; double quantisation's `state2` absmax and code), 8-bit `SCB`. A
+    4-bit layer keeps its state on the module too (`Linear4bit.quant_state`), where it stays when FSDP replaces
+    the parameter: whole on every rank."""
+    tensors = []
+    for owner in (*model.parameters(), *model.modules()):
+        state = getattr(owner, "quant_state", None)
+        nested = getattr(state, "state2", None)
+        parts = (getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None),
+                 getattr(nested, "absmax", None), getattr(nested, "code", None), getattr(owner, "SCB", None))
+        tensors += [t for t in parts if isinstance(t, torch.Tensor)]
+    return tensors
 
 
 _storage_key = itemgetter(0)

@@ -30,6 +30,7 @@ from .run_facts import RunFacts
 from .sampled_steps import SampledSteps
 from .step_clock import StepClock
 from .step_counts import Counting, StepCounts, count_batch, first_adapter_layer
+from .step_log import StepLog
 from .throughput import batch_counts
 
 logger = logging.getLogger("shardscope")
@@ -73,7 +74,8 @@ class StepState:
     grad_bytes: int | None = None  # the gradients' bytes at the last snapshot (None: none taken yet)
     walks: dict = field(default_factory=dict)  # {step: its snapshot's state walk}, reused by its measurement
     memory_tracker: StepPeak | None = None  # the memory step's tensor tracker while that step runs
-    memory_step_peak: dict = field(default_factory=dict)  # what the tracker measured, once the memory step closed
+    memory_step_peak: dict = field(default_factory=dict)  # the largest peak the tracker measured (step_log.py)
+    steps: StepLog = field(default_factory=StepLog)  # each step's real and padded tokens, the measured steps' peaks
     sampled_due: bool = True  # the sampled steps' instruments are still to begin for the upcoming step
     plan_due: bool = False  # the live-run plan is still to be made, at the first training forward
     closed: bool = False  # the profiler closed: nothing more is measured
@@ -132,16 +134,34 @@ class StepHooks:
                 self.guards.warn("uncountable batch", f"{error}: samples, tokens and FLOPs are counted from the "
                                  "training forwards instead", note=True)
                 return
+            self.measure_if_record(counted, seq_len)
+            self.state.steps.add(tokens, counted, seq_len)
             if tokens is None:
                 self.guards.warn("no tokens", "the batch has no input_ids (images, audio?): samples are counted "
                                  "from its first dimension, tokens and FLOP/s are left out", note=True)
             self.state.counts.add_batch(*self.counting.training(counted if samples is None else samples, tokens,
                                                                 seq_len))
 
+    def measure_if_record(self, rows: int, seq_len: int) -> None:
+        """Past the memory step, start the tensor tracker on a step whose first micro-batch (given before any forward
+        of the step: the callback's batch feed) has more padded tokens than every step measured (step_log.py), unless
+        a sampled instrument runs or no plain step has been counted yet (the run's throughput keeps one)."""
+        state, memory, upcoming = self.state, self.instruments.memory, self.state.global_step + 1
+        if (self.schedule.memory_step is None or upcoming <= self.schedule.memory_step or not memory.ok
+                or not self.clock.run.durations  # throughput keeps a plain step: none counted yet, none measured
+                or state.memory_tracker is not None or state.steps.step_first_padded is not None or state.steps.forwarded
+                or self.sampled.active or (state.sampled_due and self.sampled.carries(upcoming, self.schedule.last_step))
+                or not state.steps.record(rows * seq_len)):
+            return
+        with memory:
+            models = self.models
+            state.memory_tracker = StepPeak(models.module, models.optimizer, memory, models.wrapper).__enter__()
+
     def on_forward(self, module, args, kwargs) -> None:
         if not module.training:  # evaluation
             return
         state = self.state
+        state.steps.forwarded = True  # a tracker started after this would miss the step (measure_if_record)
         if self.instrumented:  # an instrumented step is not throughput
             if self.sampled.active and torch.is_grad_enabled():  # the counted step's padded tokens
                 with self.guards("batch counting"):
@@ -218,21 +238,27 @@ class StepHooks:
     def end(self) -> bool:
         """The step's end: its instruments stopped; True when it was instrumented (left out of throughput)."""
         instrumented = self.sampled.active and self.sampled.end() or self.state.memory_tracker is not None
-        if instrumented:
-            self.end_memory_step(keep=True)
+        peak = self.end_memory_step(keep=True) if instrumented else None
+        with self.guards("batch counting"):
+            self.state.steps.close(self.state.global_step + 1, peak)
         self.caller.call("stop", self.state.global_step + 1)
         self.instruments.remove(failed_only=True)  # a failed instrument's hooks come out here, outside them
         return instrumented
 
-    def end_memory_step(self, keep: bool) -> None:
-        """Stop the memory step's tracker (also after its instrument failed: its dispatch mode must leave)."""
+    def end_memory_step(self, keep: bool) -> dict | None:
+        """Stop the memory step's tracker (also after its instrument failed: its dispatch mode must leave); its
+        result (None: none kept). The largest peak measured is the run's `memory_step_peak`."""
         tracker, self.state.memory_tracker = self.state.memory_tracker, None
         memory = self.instruments.memory
         if tracker is not None:
             with memory:
                 tracker.__exit__(None, None, None)
                 if keep and memory.ok:
-                    self.state.memory_step_peak = tracker.result()
+                    result = tracker.result()
+                    if result["peak_tensor_bytes"] >= self.state.memory_step_peak.get("peak_tensor_bytes", 0):
+                        self.state.memory_step_peak = result
+                    return result
+        return None
 
     def close(self) -> None:
         """Nothing more measured: a step begun and never closed is dropped."""

@@ -7,6 +7,7 @@ No weight is ever loaded. A name or folder is counted once per config.json and l
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -56,6 +57,10 @@ class ModelSpec:
     experts_per_token: int = 0
     params_active: int = 0
     zero3_leaf_module: str = ""            # the MoE block class, when each expert is its own module
+    tp_whole_expert_params: int = 0        # routed experts' parameters the TP plan keeps whole on every rank (gpt-oss)
+    # The format the weights are published in when it is not the training one (gpt-oss: "mxfp4"); the counts are
+    # the model's parameters as transformers builds them to train (dequantised), whatever the published format.
+    published_quantization: str = ""
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -67,6 +72,12 @@ class ModelSpec:
     def untied_embedding_params(self) -> int:
         """The input embedding's parameters when it is its own tensor (not tied to the output head), else 0."""
         return self.vocab_size * self.hidden_size if self.vocab_size and not self.tied_embeddings else 0
+
+    @property
+    def active_without_input_embedding(self) -> int:
+        """Active parameters less the input embedding's lookup table where it is its own tensor (OpenAI's convention
+        for gpt-oss, "3.61B active"); `params_active` keeps it (Mistral's and Qwen's: "12.9B", "3.3B"). 0 if dense."""
+        return self.params_active - self.untied_embedding_params if self.params_active else 0
 
     @property
     def num_tensors(self) -> int:
@@ -234,6 +245,7 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts, per_token = config_value(text, "num_local_experts", "num_experts"), config_value(text, "num_experts_per_tok")
     moe = routed_experts(model) if experts and per_token else (0, "")
+    quantization = getattr(config, "quantization_config", None) or {}
     vocab = config_value(text, "vocab_size")
     vision = not vocab and bool(config_value(config, "image_size"))
     return ModelSpec(
@@ -259,7 +271,17 @@ def spec_from_config(config, name: str | None = None) -> ModelSpec:
         num_experts=experts if moe[0] else 0, experts_per_token=per_token if moe[0] else 0,
         params_active=sum(p.numel() for p in params) - moe[0] // experts * (experts - per_token) if moe[0] else 0,
         zero3_leaf_module=moe[1],
+        tp_whole_expert_params=_tp_whole_experts(model, params, tp_layout) if moe[0] and tp_layout else 0,
+        published_quantization=str(quantization.get("quant_method", "") if isinstance(quantization, dict) else
+                                   getattr(quantization, "quant_method", "")),
     )
+
+
+def _tp_whole_experts(model, params, tp_layout) -> int:
+    """The routed experts' parameters (modules named `experts`) that the TP layout keeps whole (dim -1)."""
+    experts = {id(p) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"
+               for p in module.parameters()}
+    return sum(p.numel() for p, (_, dim, _) in zip(params, tp_layout) if id(p) in experts and dim == -1)
 
 
 def routed_experts(model) -> tuple[int, str]:
@@ -319,10 +341,16 @@ def _tp_layout(model, params) -> tuple[tuple | None, str]:
         return None, "this transformers has no transformers.distributed"
     if not getattr(model, "tp_plan", None):
         return None, f"transformers has no tensor-parallel plan for {type(model).__name__}"
+    # transformers warns (on stderr) that the dense-MLP rules of an MoE model's plan "match nothing in" it: the
+    # layout below says what the plan splits, so the count stays quiet
+    log, quiet = logging.getLogger("transformers.distributed.mixin"), lambda r: "match nothing in" not in r.getMessage()
+    log.addFilter(quiet)
     try:
         plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
     except (ValueError, AttributeError) as error:
         return None, f"transformers cannot resolve a tensor-parallel plan: {str(error).splitlines()[0]}"
+    finally:
+        log.removeFilter(quiet)
     names: dict = {}
     for name, param in model.named_parameters(remove_duplicate=False):  # tied weights: every name, the first first
         names.setdefault(id(param), []).append(name)

@@ -198,6 +198,10 @@ def _meta_backward(model) -> None:
 
     import torch
 
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+        # grouped_mm's meta kernel takes bf16 only (torch 2.13); the experts' implementation changes the forward's
+        # kernels, not the parameters or their gradients' layout, which are all this backward is for
+        model.set_experts_implementation("batched_mm")
     ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
     labels = {"labels": ids} if "labels" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=ids, **labels)

@@ -43,6 +43,7 @@ class Setup:
     prefer: str = "fsdp"                   # within a tier of the decision tree: "fsdp" or "deepspeed"
     tp_size: int | None = None             # tensor-parallel degree of tp/fsdp_tp/hsdp_tp; None: `tp_degree` default
     reference_model: bool = False          # a frozen copy of the model (DPO's reference), held like its parameters
+    batch_inputs: str = "unpadded"         # how a micro-batch reaches the model: plan/batching.py's INPUTS
 
     @property
     def world_size(self) -> int:
@@ -65,6 +66,9 @@ class Setup:
             raise UsageError(f"unknown optimizer '{self.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
         if not 0 <= self.headroom < 1:
             raise UsageError(f"headroom must be in [0, 1), got {self.headroom}")
+        if self.batch_inputs not in ("unpadded", "padded", "packed") or (
+                self.batch_inputs == "packed" and self.micro_batch != 1):
+            raise UsageError(f"batch inputs '{self.batch_inputs}': unpadded, padded, or packed (one row)")
         if self.tp_size is not None:
             if self.tp_size < 1:
                 raise UsageError(f"--tp must be at least 1, got {self.tp_size}")

@@ -186,7 +186,22 @@ def _notes(spec: ModelSpec, setup: Setup, meshes: dict, c) -> list[Note]:
                           "zero* rows are planned as bf16-mixed"))
     if spec.num_experts:
         notes.append(Note(moe_note(spec)))
+    if spec.tp_whole_expert_params and any(s in TP_STRATEGIES for s in meshes):
+        notes.append(Note(tp_experts_note(spec)))
+    if spec.published_quantization:
+        notes.append(Note(f"weights published in {spec.published_quantization} (the config's quantization_config) "
+                          "are trained dequantised (transformers dequantises them to load a model for training): "
+                          f"counted as the {spec.params_total:,} parameters transformers builds, at the training "
+                          "precision"))
     return notes
+
+
+def tp_experts_note(spec: ModelSpec) -> str:
+    """Where transformers' TP plan splits no routed expert (gpt-oss: the embeddings and the head only)."""
+    share = spec.tp_whole_expert_params / spec.params_total
+    return (f"tp rows: transformers' tensor-parallel plan for this model splits none of its routed experts "
+            f"({spec.tp_whole_expert_params:,} params, {share:.0%} of the model): every TP rank holds all "
+            f"{spec.num_experts} experts of every layer whole, so TP divides only the rest")
 
 
 def _model_facts(spec: ModelSpec, c) -> dict:
@@ -194,8 +209,10 @@ def _model_facts(spec: ModelSpec, c) -> dict:
             "exact": spec.exact, "assumed": list(spec.assumed), "largest_layer_params": spec.largest_layer_params,
             "largest_unit_params": max(c.units), "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
             "vocab_size": spec.vocab_size, "tied_embeddings": spec.tied_embeddings,
-            **({"params_active": spec.params_active, "num_experts": spec.num_experts,
-                "experts_per_token": spec.experts_per_token} if spec.num_experts else {})}
+            **({"params_active": spec.params_active,
+                "params_active_without_input_embedding": spec.active_without_input_embedding,
+                "num_experts": spec.num_experts, "experts_per_token": spec.experts_per_token}
+               if spec.num_experts else {})}
 
 
 def _standing_notes(traced: bool) -> list[Note]:
@@ -211,11 +228,20 @@ def _standing_notes(traced: bool) -> list[Note]:
         "profiler counts on 2-rank runs; see docs/planner.md)")]
 
 
+def active_words(spec: ModelSpec) -> str:
+    """The active parameters in both conventions publishers use: with the input embedding (Mistral, Qwen) and
+    without it (OpenAI's gpt-oss card), the second only where the embedding is its own tensor."""
+    words = f"{spec.params_active:,} active with the input embedding"
+    if spec.untied_embedding_params:
+        words += f", {spec.active_without_input_embedding:,} without"
+    return words
+
+
 def moe_note(spec: ModelSpec) -> str:
     """What a mixture of experts changes: memory holds every expert; ZeRO-3 and the experts' modules."""
     note = (f"mixture of experts: every GPU's model states hold all {spec.num_experts} experts per layer "
             f"({spec.params_total:,} params) though a token uses {spec.experts_per_token} "
-            f"({spec.params_active:,} active); ZeRO-3: ")
+            f"({active_words(spec)}); ZeRO-3: ")
     if spec.zero3_leaf_module:
         return note + (f"mark {spec.zero3_leaf_module} a leaf module (accelerate yaml deepspeed_config: "
                        f"deepspeed_moe_layer_cls_names: {spec.zero3_leaf_module}, or deepspeed.utils."

@@ -187,9 +187,10 @@ def datasheet_figures(hw: Hardware) -> Figures:
 # ---------------------------------------------------------------------------- the model
 def flops_per_token(spec, model: dict, tokens: int, checkpointing: bool) -> float:
     """Model FLOPs per token (formula in the module docstring; + one forward again with checkpointing, the
-    convention MFU/HFU figures count); `model` is `estimate`'s "model" entry; an untied input embedding is a lookup."""
+    convention MFU/HFU figures count); `model` is `estimate`'s "model" entry; an untied input embedding is a lookup;
+    a mixture of experts counts the experts a token is routed to (`active_without_input_embedding`), not all."""
     embedding = spec.untied_embedding_params
-    base = max(spec.params_total - embedding, 0)
+    base = spec.active_without_input_embedding or max(spec.params_total - embedding, 0)
     trained = model["trainable_params"] if model["trainable_params"] != model["params_total"] else base
     frozen = base if trained != base else 0
     attention = 12 * spec.num_layers * spec.hidden_size * tokens

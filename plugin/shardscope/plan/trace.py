@@ -97,10 +97,13 @@ def regime_for(strategy: str, precision: str) -> str:
 
 def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32", regime: str = "fp32",
                checkpointing: bool = False, attention: str = "sdpa", image_size: int | None = None,
-               full_depth: bool = False, lora: tuple | None = None) -> StepTrace:
+               full_depth: bool = False, lora: tuple | None = None, inputs: str = "unpadded") -> StepTrace:
     """Trace one micro-batch's forward and backward (see the module docstring). `config` is the model's
     transformers config; it is copied, never changed. `lora`: (rank, target module names) to train LoRA
-    adapters on the frozen model, as peft builds them. Raises TraceError when the model cannot be traced."""
+    adapters on the frozen model, as peft builds them. `inputs`: how the batch reaches the model (plan/batching.py's
+    INPUTS): "padded" adds an attention mask, "packed" position ids; on fake tensors transformers cannot read them,
+    so it builds the 4-D mask a real padded (or packed) batch gets. Raises TraceError when the model cannot be
+    traced."""
     import torch
 
     if regime not in REGIMES:
@@ -112,9 +115,9 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
     points = []
     for depth in depths:
         try:
-            with _quiet_fake_tensor_log():
+            with _quiet_fake_tensor_log(), _grouped_mm_at_any_dtype():
                 points.append(_trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing,
-                                     attention, image_size, lora))
+                                     attention, image_size, lora, inputs))
         except TraceError:
             raise
         except Exception as error:  # the model's code on fake tensors: any failure means "cannot trace"
@@ -127,6 +130,39 @@ def trace_step(config, micro_batch: int, seq_len: int, *, precision: str = "fp32
     (m1, p1), (m2, p2) = points
     scaled = {name: Moment(*((2 * v1 - v2, v2 - v1) for v1, v2 in zip(m1[name], m2[name]))) for name in m1}
     return StepTrace(scaled, (2 * p1 - p2, p2 - p1), regime)
+
+
+@contextlib.contextmanager
+def _grouped_mm_at_any_dtype():
+    """transformers' fused experts (Qwen3-MoE, gpt-oss, Mixtral) call torch's grouped_mm, whose fake kernel takes
+    bf16 only (torch 2.13: "Expected inputs of BF16 type"); at another dtype (fp32 weights under autocast)
+    transformers' own fallback op (`transformers::grouped_mm_fallback`: a fake kernel at every dtype, the same
+    input and weight saved for backward) stands in, chosen where transformers chooses (`_can_use_grouped_mm`)."""
+    import torch
+
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # a transformers without fused experts
+        yield
+        return
+    chooses = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and chooses(input, weight,
+                                                                                                      offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = chooses
+
+
+def trace_attention(config, attention: str) -> tuple[str, str | None]:
+    """The attention implementation the trace runs, and why when it is not `attention`: a model whose transformers
+    class has no sdpa (gpt-oss) runs eager, as transformers itself chooses for it by default."""
+    auto = auto_class(config)
+    model_class = auto._model_mapping[type(config)] if auto is not None else None
+    if attention != "sdpa" or model_class is None or getattr(model_class, "_supports_sdpa", True):
+        return attention, None
+    return "eager", (f"traced with eager attention: transformers has no sdpa for {model_class.__name__} (eager is "
+                     "what it runs by default)")
 
 
 @contextlib.contextmanager
@@ -152,7 +188,7 @@ def _layers_key(config) -> str:
 
 
 def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkpointing, attention, image_size,
-           lora=None):
+           lora=None, inputs="unpadded"):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification
@@ -192,6 +228,12 @@ def _trace(config, layers_key, depth, micro_batch, seq_len, regime, half, checkp
         else:
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids}
+            if inputs == "padded":
+                batch["attention_mask"] = torch.ones(micro_batch, seq_len, dtype=torch.long)
+            elif inputs == "packed":  # no key/value cache, as the Trainer runs (TrainingArguments.use_cache False):
+                # transformers then reads packed sequences from the position ids and builds their block mask (on fake
+                # tensors always; unpadded inputs keep the config's cache: a real run's arange positions build none)
+                batch.update(position_ids=torch.zeros(micro_batch, seq_len, dtype=torch.long), use_cache=False)
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         autocast = torch.autocast("cpu", dtype=half) if regime == "autocast" else contextlib.nullcontext()
         moments = _moments(model, batch, autocast, _layer_list(model, depth))
@@ -300,7 +342,7 @@ def tracer(config, largest: int, trace_of=None):
 
     def traces(setup) -> dict:
         key = (setup.activation_checkpointing, setup.precision, setup.seq_len, setup.image_size, setup.attention,
-               setup.lora_rank, setup.lora_targets)
+               setup.lora_rank, setup.lora_targets, setup.batch_inputs)
         if key not in cache:
             cache[key] = [trace_of(replace(setup, micro_batch=b))[0] for b in sorted({1, largest})]
         one, big = cache[key][0], cache[key][-1]
@@ -312,14 +354,16 @@ def traces_for(config, setup, simulate: bool = False) -> tuple[dict, str | None]
     """{regime: StepTrace} for every regime `setup.precision` needs (fp32: one; 16-bit: autocast and pure),
     and a note when the model cannot be traced (the planner then uses its formula, marked approximate)."""
     regimes = ("fp32",) if setup.precision == "fp32" else ("autocast", "pure")
+    attention, why = trace_attention(config, setup.attention)
     traces = {}
     for regime in regimes:
         try:
             traces[regime] = trace_step(config, setup.micro_batch, setup.seq_len, precision=setup.precision,
                                         regime=regime, checkpointing=setup.activation_checkpointing,
-                                        attention=setup.attention, image_size=setup.image_size,
+                                        attention=attention, image_size=setup.image_size,
                                         full_depth=simulate,
-                                        lora=(setup.lora_rank, setup.lora_targets) if setup.lora_rank else None)
+                                        lora=(setup.lora_rank, setup.lora_targets) if setup.lora_rank else None,
+                                        inputs=setup.batch_inputs)
         except TraceError as error:
             return {}, f"activations from the formula (approximate): the model could not be traced ({error})"
-    return traces, None
+    return traces, why

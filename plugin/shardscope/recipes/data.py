@@ -1,6 +1,7 @@
 """A recipe's training data: loaded, checked for the columns it needs and turned into model inputs.
 
-- Causal LM SFT: Alpaca prompt format, tokenisation with prompt tokens masked (-100), packing.
+- Causal LM SFT: Alpaca prompt format (or one text column), tokenisation with prompt tokens masked (-100), packing,
+  padding-free batching.
 - Image classification: a hub dataset or a local imagefolder, checked for classes; transform, collate
   and the accuracy metric.
 """
@@ -10,25 +11,12 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
+from ..plan.dataset import format_prompt, special_ids
 
 IGNORE_INDEX = -100
 
 
-# --- Causal LM SFT data ------------------------------------------------------------------------------
-
-PROMPT_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                     "context. Write a response that appropriately completes the request.\n\n"
-                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
-ALPACA_REQUIRED = ("instruction", "output")  # `input` is optional (empty when absent)
-
-
-def format_prompt(record: dict) -> str:
-    """The Stanford Alpaca prompt (with or without the `input` block); the response follows it."""
-    if record.get("input"):
-        return PROMPT_WITH_INPUT.format(instruction=record["instruction"], input=record["input"])
-    return PROMPT_NO_INPUT.format(instruction=record["instruction"])
+# --- Causal LM SFT data (the Alpaca prompt: plan/dataset.py, which `plan --dataset` reads lengths with) ----------
 
 
 def load_dataset_checked(name: str, split: str, required: tuple[str, ...], config_name: str | None = None):
@@ -60,12 +48,21 @@ def tokenize_sft(record: dict, tokenizer, max_length: int) -> dict:
     """
     prompt_ids = tokenizer(format_prompt(record), add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(str(record["output"]), add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    bos, eos = special_ids(tokenizer)
     input_ids = (bos + prompt_ids + response_ids + eos)[:max_length]
     n_masked = min(len(bos) + len(prompt_ids), len(input_ids))
     labels = [IGNORE_INDEX] * n_masked + input_ids[n_masked:]
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+def tokenize_text(record: dict, tokenizer, max_length: int, text_field: str) -> dict:
+    """Token ids of one text column (the tokenizer's special tokens, then EOS unless it ends so); every token trains."""
+    ids = tokenizer(str(record[text_field]))["input_ids"]
+    _, eos = special_ids(tokenizer)
+    if eos and (not ids or ids[-1] != eos[0]):
+        ids = ids + eos
+    ids = ids[:max_length]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
 
 
 def pack(batch: dict, block_size: int) -> dict:
@@ -82,10 +79,16 @@ def pack(batch: dict, block_size: int) -> dict:
     return out
 
 
-def prepare_sft_dataset(raw, tokenizer, max_length: int, packing: bool):
-    """Tokenise (masking prompts), drop examples with no response token left, optionally pack."""
-    dataset = raw.map(tokenize_sft, fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length),
-                      remove_columns=raw.column_names, desc="tokenising")
+def prepare_sft_dataset(raw, tokenizer, max_length: int, packing: bool, text_field: str | None = None):
+    """Tokenise (masking prompts; `text_field`: one text column, all of it trained), drop examples with no response
+    token left, optionally pack. `plan --dataset` reads lengths the same way (plan/dataset.py)."""
+    if text_field is not None:
+        dataset = raw.map(tokenize_text, fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length,
+                                                        text_field=text_field),
+                          remove_columns=raw.column_names, desc="tokenising")
+    else:
+        dataset = raw.map(tokenize_sft, fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length),
+                          remove_columns=raw.column_names, desc="tokenising")
     dataset = dataset.filter(lambda ex: any(label != IGNORE_INDEX for label in ex["labels"]), desc="dropping "
                              "prompts longer than max_seq_length")
     if packing:

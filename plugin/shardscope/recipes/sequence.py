@@ -69,8 +69,14 @@ class SequenceSplitCollator(DataCollatorForSeq2Seq):
         return batch
 
 
-def collator(tokenizer, split: dict | None):
-    """The recipe's collator: padding to the longest row, prompts masked, padded to the split's unit."""
+def collator(tokenizer, split: dict | None, padding_free: bool = False):
+    """The recipe's collator: padding to the longest row, prompts masked, padded to the split's unit; `padding_free`:
+    the micro-batch's examples in one row with position ids restarting at each (transformers' DataCollatorWithFlattening,
+    which also masks each example's first label), no padding."""
+    if padding_free:
+        from transformers import DataCollatorWithFlattening
+
+        return DataCollatorWithFlattening(return_position_ids=True)
     if split is None:
         return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
     return SequenceSplitCollator(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt",

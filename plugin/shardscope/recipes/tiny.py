@@ -30,13 +30,16 @@ def make_tokenizer(out_dir: str | Path, texts: list[str], vocab_size: int = 512)
 
 
 def make_causal_lm(out_dir: str | Path, family: str = "llama", vocab_size: int = 512, seed: int = 0, **sizes):
-    """Save a tiny random Llama or Mistral (hidden 64, 2 layers unless `sizes` says otherwise)."""
+    """Save a tiny random Llama, Mistral or Qwen3-MoE (hidden 64, 2 layers unless `sizes` says otherwise; the MoE:
+    8 experts of width 32, 2 per token)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3MoeConfig
 
-    config_cls = {"llama": LlamaConfig, "mistral": MistralConfig}[family]
-    if family == "mistral":  # MistralConfig defaults to 8 KV heads, more than our 4 query heads (cannot run)
+    config_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig}[family]
+    if family in ("mistral", "qwen3_moe"):  # their configs default to 8 KV heads, more than our 4 query heads
         sizes.setdefault("num_key_value_heads", 2)
+    if family == "qwen3_moe":
+        sizes = {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **sizes}
     config = config_cls(vocab_size=vocab_size, **{"max_position_embeddings": 512, **TINY_SIZES, **sizes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -61,13 +64,31 @@ def make_alpaca_json(path: str | Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
+def make_long_tail_json(path: str | Path, n: int = 64, seed: int = 0, longest: int = 360,
+                        at_longest: float = 0.0) -> Path:
+    """Write `n` Alpaca-format records whose responses have a long tail of lengths (a Pareto draw: most of a few dozen
+    words, a few several times the median, capped at `longest` words; a share `at_longest` of them drawn at the cap),
+    as jsonl."""
+    rng = random.Random(seed)
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "bird", "rock", "star"]
+    lines = []
+    for _ in range(n):
+        count = longest if rng.random() < at_longest else min(longest, int(12 * rng.paretovariate(1.3)))
+        picked = [rng.choice(words) for _ in range(count)]
+        lines.append(json.dumps({"instruction": "Repeat the words.", "input": " ".join(picked[:3]),
+                                 "output": " ".join(picked)}))
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def make_sft_assets(root: str | Path, family: str = "llama", n: int = 256, seed: int = 0, **sizes) -> dict:
     """Alpaca JSON + a byte-level tokenizer trained on its prompts + a tiny random causal LM, under `root`.
 
     Returns the paths: {"data": root/alpaca.json, "model": root/tiny-<family>}; the model folder holds the
     tokenizer too, as a hub checkpoint does.
     """
-    from .data import format_prompt
+    from ..plan.dataset import format_prompt
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

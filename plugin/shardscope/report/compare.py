@@ -9,13 +9,13 @@ its combined output in OUTPUT_DIR/<config>/launch.log; a run that fails (non-zer
 summary) is a result, not an error: it is reported as failed with the last error line of its log and
 the other runs still go. Then it writes the report, exactly as `report` does from existing run folders.
 
-Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png, peak.png): per run the profiler's
-per-rank model-state bytes (params, grads, optimizer incl. fp32 masters; min-max across ranks), peak memory,
-throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
+Report (OUTPUT/report.md, report.json, memory.png, throughput.png, time.png, peak.png, steps.png: each measured
+step's peak against its tokens): per run the profiler's per-rank model-state bytes (params, grads, optimizer incl.
+fp32 masters; min-max across ranks), peak memory, throughput (tokens/s and samples/s summed over ranks; TFLOP/s and MFU per rank, mean), the Trainer's
 train_runtime and last logged loss (from trainer_state.json), and the planner's estimate beside each
 measured row (`report.plan_vs_run`). Runs on CPU are labelled CPU figures (peak = the instrumented step's
 tensor peak, MemTracker). Where the step time goes, beside the bytes on the wire: `time_section.py`; the peak
-of one step planned beside measured, by part: `peak_section.py`.
+of one step planned beside measured, by part: `peak_section.py`; a mixture of experts' load: `expert_section.py`.
 
 Layout: launching (`shardscope.fit.launching`) -> collecting (`load_run`, `collect`) -> writing (`markdown`, `plot_memory`, `plot_throughput`, `write_report`) -> CLI.
 """
@@ -30,7 +30,7 @@ from ..errors import UsageError
 from ..fit.launching import LOG_FILE, MAX_LOG_BYTES, exit_footer, failure_reason, no_summary_reason
 from ..safe_io import atomic_write_bytes, atomic_write_text, load_json, read_bytes
 from ..summary import COMPONENTS, SUMMARY_FILE, read_summary, reduce_ranks, spread
-from . import peak_section, time_prediction
+from . import expert_section, peak_section, time_prediction
 from .time_section import markdown_lines, plot_time, row_facts
 
 # Memory shown per rank: the trained model's states, then models held but not trained (a DPO reference).
@@ -108,7 +108,8 @@ def _load_run(run_dir: Path, row: dict) -> dict:
         **{k: spread([r.get(k) for r in ranks]) for k in (*HELD, "peak_memory_bytes")},
         tokens_per_s=rates["global_tokens_per_s"], samples_per_s=rates["global_samples_per_s"],
         tflops_per_device=(rates.get("tflops_per_device") or {}).get("mean"), mfu=(rates.get("mfu") or {}).get("mean"),
-        **_trainer_facts(run_dir), **row_facts(summary),
+        **_trainer_facts(run_dir), **row_facts(summary), **expert_section.row_facts(ranks),
+        measured_steps=peak_section.steps_of(summary),
     )
     try:
         planned = plan_vs_run(summary_path)
@@ -213,6 +214,7 @@ def markdown(runs: list[dict], images: tuple[str, ...] = ()) -> str:
     lines += markdown_lines(runs, human_bytes)
     lines += time_prediction.markdown_lines(runs)
     lines += peak_section.markdown_lines(runs)
+    lines += expert_section.markdown_lines(runs)
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 
@@ -280,7 +282,8 @@ def plot_throughput(runs: list[dict], path):
 
 
 def write_report(run_dirs: list[Path], output: Path, measured: list[tuple[str, dict]] | None = None) -> list[dict]:
-    """Collect the runs, then write output/memory.png, throughput.png, time.png, peak.png, report.json and, last,
+    """Collect the runs, then write output/memory.png, throughput.png, time.png, peak.png, steps.png, report.json and,
+    last,
     report.md; each file atomically (a reader sees the old file or the new one). Returns the rows. `measured`:
     the step-time model's figures [(source, figures)] from --calibrate (default: the first run's)."""
     import matplotlib
@@ -294,7 +297,8 @@ def write_report(run_dirs: list[Path], output: Path, measured: list[tuple[str, d
     output.mkdir(parents=True, exist_ok=True)
     plots = {"memory.png": plot_memory, "throughput.png": plot_throughput,
              "time.png": lambda rows, image: plot_time(rows, image, caption(rows)),
-             "peak.png": lambda rows, image: peak_section.plot_peak(rows, image, caption(rows))}
+             "peak.png": lambda rows, image: peak_section.plot_peak(rows, image, caption(rows)),
+             "steps.png": lambda rows, image: peak_section.plot_steps(rows, image, caption(rows))}
     for name, plot in plots.items():
         image = io.BytesIO()
         plot(runs, image)

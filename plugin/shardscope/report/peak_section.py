@@ -110,3 +110,40 @@ def plot_peak(runs: list[dict], path, title: str = ""):
     fig.tight_layout(rect=(0, 0.55 / height, 1, 1))  # the legend's two rows below the panels
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def steps_of(summary: dict) -> list[dict]:
+    """Each rank's measured steps (the summary's `measured_steps`: tokens, padded tokens, peak), rank added."""
+    return [{**step, "rank": i} for i, rank in enumerate(summary.get("ranks") or [])
+            for step in (rank.get("measured_steps") or []) if isinstance(step, dict)]
+
+
+def plot_steps(runs: list[dict], path, title: str = ""):
+    """Each measured step's peak against its padded tokens (what sets it), one colour per run, the worst ringed."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    shown = 0
+    for r in runs:
+        steps = [s for s in r.get("measured_steps") or [] if s.get("padded_tokens") and s.get("peak_tensor_bytes")]
+        if not steps:
+            continue
+        shown += 1
+        points = ax.scatter([s["padded_tokens"] for s in steps], [s["peak_tensor_bytes"] / 1e6 for s in steps],
+                            s=18, label=r["run"])
+        worst = max(steps, key=lambda s: s["peak_tensor_bytes"])
+        ax.scatter([worst["padded_tokens"]], [worst["peak_tensor_bytes"] / 1e6], s=90, facecolors="none",
+                   edgecolors=points.get_facecolor()[0])
+    if not shown:
+        ax.text(0.5, 0.5, "no measured steps (summaries before measured_steps)", ha="center", transform=ax.transAxes,
+                fontsize=9)
+    else:
+        ax.legend(fontsize=7, frameon=False)
+    ax.set_xlabel("padded tokens in the step (rows x length, per rank)", fontsize=8)
+    ax.set_ylabel("peak, MB (1e6 B) per rank", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_title("Each measured step's peak against its tokens (ringed: the worst)" + (f" ({title})" if title else ""),
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
