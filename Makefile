@@ -12,10 +12,14 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install test demo clean gpu-check
 
+# bitsandbytes (the QLoRA tests) goes in a folder of its own: PEFT imports it in every process where it is installed
+# (~1.3 s of CPU each, in every launched rank); the tests put it on the path of the runs that quantise
+# (tests/launch.py QLORA_SITE). Users install it with shardscope[qlora].
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[deepspeed,peft,recipes,test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/qlora bitsandbytes==0.50.2
 	$(PY) scripts/build_deepspeed_ops.py
 	touch $(STAMP)
 

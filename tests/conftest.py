@@ -5,10 +5,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from launch import QLORA_SITE
 from loop_runs import loop_runs  # noqa: F401  (shared launching fixtures, each defined beside its launches' spec)
 from recipe_runs import accelerate_yaml, image_assets, long_tail_data, recipe_runs  # noqa: F401
 from strategy_runs import parameter_shapes, strategy_model, strategy_plans, strategy_runs  # noqa: F401
 
+sys.path.append(str(QLORA_SITE))  # bitsandbytes, for the tests that quantise here (tests/launch.py QLORA_SITE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Model specs are cached per config (shardscope.model.cache): a fresh folder per session, never the user's.

@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIM = Path(__file__).resolve().parent / "cpu_shim"
 BIN = Path(sys.executable).parent
 SEVERAL_RUNS = ROOT / "tests" / "workers" / "several_runs.py"
+# bitsandbytes, installed apart from the venv's packages (Makefile: PEFT imports it in every process that can find
+# it, ~1.3 s of CPU each): on the path of this test process (conftest.py) and of the launches that quantise
+QLORA_SITE = Path(sys.prefix) / "qlora"
+PATHS = [str(SHIM), str(ROOT / "plugin")]  # a launch's PYTHONPATH
+QLORA_ENV = {"PYTHONPATH": os.pathsep.join([*PATHS, str(QLORA_SITE)])}  # what a launch that quantises sets
 
 
 @dataclass
@@ -45,7 +50,7 @@ def free_port() -> int:
 
 def cpu_env(**extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "plugin")]))
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(PATHS))
     env.update(extra)
     return env
 
@@ -77,19 +82,19 @@ def accelerate_launch(config_file, script, script_args, output_dir, num_processe
                 timeout, env)
 
 
-def launch_together(runs, output_dir, launcher="accelerate", num_processes=2) -> dict[str, Run]:
+def launch_together(runs, output_dir, launcher="accelerate", num_processes=2, env=None) -> dict[str, Run]:
     """Runs `(name, accelerate yaml or None, script, args)` one after another in one launch (tests/workers/
     several_runs.py: one start-up for all) through `launcher`: "accelerate" (under the first run's yaml), "deepspeed"
     or "torchrun" (their runs' configs are script arguments: no yaml). A launch of several yamls gives every run its
     own yaml's launch environment (several_runs.py --launch_config), and the one several_runs computes for the
     launcher's own yaml is held equal to what the launcher exported. Returns each run's `Run`: the launch's output,
-    then that run's rank logs, and its folder."""
+    then that run's rank logs, and its folder. `env`: variables set on top of the CPU environment (accelerate)."""
     several = len({config for _, config, _, _ in runs}) > 1
     args = []
     for name, config, script, script_args in runs:
         args += [*(["--launch_config", config] if several else []), "--run", name, script, *script_args]
     if launcher == "accelerate":
-        launched = accelerate_launch(runs[0][1], SEVERAL_RUNS, args, output_dir, num_processes=num_processes)
+        launched = accelerate_launch(runs[0][1], SEVERAL_RUNS, args, output_dir, num_processes=num_processes, env=env)
     elif launcher == "deepspeed":  # as on a GPU node; cpu_shim gives accelerate DeepSpeed's gloo
         launched = deepspeed_launch(SEVERAL_RUNS, args, output_dir, num_processes=num_processes)
     else:  # `--`: torchrun's own parser would read `--run` as short for its --run-path

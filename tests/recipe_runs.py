@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import ROOT, Run, SharedLaunches, accelerate_launch, deepspeed_launch, launch_together
+from launch import QLORA_ENV, ROOT, Run, SharedLaunches, accelerate_launch, deepspeed_launch, launch_together
 
 SFT = ROOT / "recipes" / "causal_lm_sft.py"
 IMAGE = ROOT / "recipes" / "image_classification.py"
@@ -182,7 +182,8 @@ def recipe_runs(tmp_path_factory, sft_assets, image_assets, accelerate_yaml, lon
                 config, script, args, launcher_args = command(k, n)
                 assert not launcher_args, f"{k} {n}: launcher flags of its own, not in a shared launch"
                 runs.append((f"{k}_{n}", config, script, args))
-            launched = launch_together(runs, out)
+            quantises = any("--load_in_4bit" in args for *_, args in runs)
+            launched = launch_together(runs, out, env=QLORA_ENV if quantises else None)
             return {(k, n): launched[f"{k}_{n}"] for k, n in keys}
         (kind, name), = keys
         if kind == "sft" and SFT_RUNS[name][0] == "deepspeed":

@@ -7,7 +7,7 @@ import pytest
 
 from shardscope.cli import main
 
-import bitsandbytes as bnb  # the test extras install it ('shardscope[qlora]' for users)
+import bitsandbytes as bnb  # `make install` puts it in the venv's qlora/ (tests/launch.py); users: shardscope[qlora]
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
