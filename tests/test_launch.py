@@ -46,7 +46,7 @@ def launcher(monkeypatch, tmp_path):
     calls, computed = [], {}
 
     def recorder(kind):
-        def start(*args, num_processes=2):
+        def start(*args, num_processes=2, env=None):  # (env: the recipe runs' QLoRA path, not recorded)
             *before, script_args, out = [*args[:-2], [str(a) for a in args[-2]], Path(args[-1])]
             calls.append((kind, [str(a) for a in before], script_args, num_processes))
             for name in (script_args[i + 1] for i, token in enumerate(script_args) if token == "--run"):

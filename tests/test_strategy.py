@@ -53,11 +53,13 @@ def test_strategy_from_a_summary(summary, name):
 def test_world_size_above_one_with_each_process_alone_is_named(monkeypatch):
     """torchrun on CPU without use_cpu: WORLD_SIZE=N, yet accelerate's state holds one process (issue 20)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from shardscope.measure.detect import detect_strategy
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new process's: not what a test before it left here
     Accelerator(cpu=True)  # this process alone, as transformers leaves it
     assert detect_strategy()["strategy"] == "single"
     monkeypatch.setenv("WORLD_SIZE", "4")
