@@ -68,8 +68,10 @@ def strategy_model_for(config: str) -> str:
 # single-node FSDP JSON under one `torchrun` (their configs are script arguments).
 AGREEING = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
 # test_moe_runs' runs of the tiny Qwen3-MoE: 4 samples of 64 tokens, so that each rank's first step (2 samples) and
-# the other rank's together are the whole data set, and no log inside the 3 steps
-MOE_CONFIGS = ("zero3", "fsdp_full_shard")
+# the other rank's together are the whole data set, and no log inside the 3 steps. In a launch of their own (FSDP's
+# run, then DeepSpeed's), as users run: in the shared launch CI once measured one rank's FSDP2 peak 11% above its plan
+# (never seen here, in that launch or alone), and a first run in a new process leaves nothing of other runs to doubt.
+MOE_CONFIGS = ("fsdp_full_shard", "zero3")
 MOE_FLAGS = ("--seq_len", 64, "--samples", 4, "--logging_steps", 500)
 # Parity (test_parity_runs.py): every shard_llama run of a config's own (no LoRA, no accumulation, no flags) records
 # parity fingerprints (parity_flags); the seeded defects train under DDP and the shadows under ZeRO-3 in the same
@@ -112,8 +114,7 @@ def shared_launches() -> list[tuple]:
                 *([(c, "shard_llama", 4, 1, ())] if c == "ddp" else [])] if c in AGREEING
                else [(c, strategy_model_for(c), 0, 1, ())])
         return [*own, *((c, "shard_llama", 0, 1, precision_flags(*flags)) for flags in PRECISION_RUNS.get(c, ())),
-                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c),
-                *([(c, "moe_qwen3", 0, 1, MOE_FLAGS)] if c in MOE_CONFIGS else [])]
+                *((c, "peak_llama", 0, 1, peak_flags(*run)) for config, *run in PEAK_RUNS if config == c)]
 
     def in_order(family):
         return [run for c in sorted(family, key=lambda c: c not in AGREEING) for run in runs_of(c)]
@@ -123,6 +124,7 @@ def shared_launches() -> list[tuple]:
     launches = [tuple(run for name in ("MULTI_GPU", "FSDP", "DEEPSPEED")
                       for run in [*in_order(families.pop(name)), *parity.get(name, ())])]
     assert not families, f"a family of accelerate configs no launch trains: {families}"
+    launches.append(tuple((c, "moe_qwen3", 0, 1, MOE_FLAGS) for c in MOE_CONFIGS))
     small_buckets = tuple((c, "peak_llama", 0, 1, small_bucket_flags(c)) for c in SMALL_BUCKET_RUNS)
     for kind in ("deepspeed", "fsdp"):
         launches.append(tuple((c.name, strategy_model_for(c.name), 0, 1, ()) for c in shipped_configs()

@@ -1,5 +1,5 @@
 """A tiny Qwen3-MoE (fused experts, 8 of 2 per token) on 2 CPU ranks under ZeRO-3 and FSDP2: tests/strategy_runs.py's
-MOE runs, trained in the shared accelerate launch (no launch of its own). Each rank's model states as the worker
+MOE runs, trained together in an accelerate launch of their own. Each rank's model states as the worker
 counts them independently; the planned peak within 5% of the measured one; the expert load the profiler logged at
 the first step, summed over the ranks, equal to a count from the router logits of the whole data set (the two
 ranks' first batches) in one process at the same initial weights."""
