@@ -9,7 +9,6 @@ precision.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -20,7 +19,7 @@ from ..configs.catalog import find_config
 from ..errors import UsageError
 from ..fit.launching import LOG_FILE, failure_reason, launch, launch_command
 from ..measure.parity_record import PARITY_ENV, STEPS_ENV, WORLD_ENV
-from ..safe_io import read_bytes
+from ..safe_io import load_json, read_bytes
 
 RECORDS = "parity"  # each run's fingerprints: RUN_DIR/parity/rank{R}.json
 MAX_RECORD_BYTES = 256 << 20  # a check-sized model's fingerprints are well under this
@@ -113,8 +112,8 @@ def launch_both(script: Path, config: RunConfig, script_args: list[str], out: Pa
 def data_parallel(folder: Path, ranks: int) -> int:
     """The launched run's data-parallel ranks (its record's; tensor parallel's ranks share batches), else `ranks`."""
     try:
-        return int(json.loads(read_bytes(folder / RECORDS / "rank0.json", "parity record",
-                                         max_bytes=MAX_RECORD_BYTES)).get("data_parallel") or ranks)
+        return int(load_json(folder / RECORDS / "rank0.json", "parity record", MAX_RECORD_BYTES).get("data_parallel")
+                   or ranks)
     except (UsageError, ValueError, TypeError):
         return ranks  # no record: the comparison says so
 
@@ -134,7 +133,7 @@ def read_records(folder: Path, ranks: int) -> tuple[list[dict], str | None]:
         if not path.exists():
             return found, (f"{folder.name} run wrote no parity record for rank {rank} ({path}): is "
                            f"ShardingProfilerCallback among the Trainer's callbacks?")
-        record = json.loads(read_bytes(path, "parity record", max_bytes=MAX_RECORD_BYTES))
+        record = load_json(path, "parity record", MAX_RECORD_BYTES)  # malformed: one line naming it
         if record.get("instrument", "ok") != "ok":
             return found, f"{folder.name} run, rank {rank}: the parity recorder failed: {record['instrument']}"
         found.append(record)
